@@ -1,0 +1,98 @@
+"""The dispatch engine: call contexts, specs, decision tables, resolution and explain.
+
+Resolution order (SPEC §3) is ``PRECEDENCE``: explicit argument, ``op_backend``
+scope, ``ASTR_OPS`` (or a legacy alias), profile forcing, the table's chain, the
+fallback row.
+"""
+
+from __future__ import annotations
+
+from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.context import CallContext
+from astrai.dispatch.env import OPS_ENV
+from astrai.dispatch.overrides import (
+    current_overrides,
+    current_profiles,
+    get_override,
+    op_backend,
+    reset_override,
+    set_override,
+    use_profile,
+)
+from astrai.dispatch.records import FamilyTable, ImplRecord
+from astrai.dispatch.registry import (
+    TABLES_ENV,
+    current,
+    list_families,
+    list_profiles,
+    load_tables,
+    refresh,
+    register_env_alias,
+    register_family,
+    reload_tables,
+    shipped_tables_dir,
+)
+from astrai.dispatch.resolution import (
+    PRECEDENCE,
+    NoImplementationError,
+    Resolution,
+    Source,
+    explain,
+    explain_plan,
+    resolve,
+    resolve_plan,
+)
+from astrai.dispatch.spec import Spec, parse_spec
+from astrai.dispatch.stats import UsageStats, reset_stats, stats
+from astrai.errors import (
+    AstraiError,
+    ExplicitSelectionError,
+    SpecSyntaxError,
+    TableError,
+    TableProblem,
+    UnknownFamilyError,
+)
+
+__all__ = [
+    "OPS_ENV",
+    "PRECEDENCE",
+    "TABLES_ENV",
+    "AstraiError",
+    "CallContext",
+    "ExplicitSelectionError",
+    "FamilyTable",
+    "ImplRecord",
+    "NoImplementationError",
+    "Resolution",
+    "Source",
+    "Spec",
+    "SpecSyntaxError",
+    "TableError",
+    "TableProblem",
+    "Unavailable",
+    "UnknownFamilyError",
+    "UsageStats",
+    "current",
+    "current_overrides",
+    "current_profiles",
+    "explain",
+    "explain_plan",
+    "get_override",
+    "list_families",
+    "list_profiles",
+    "load_tables",
+    "op_backend",
+    "parse_spec",
+    "refresh",
+    "register_env_alias",
+    "register_family",
+    "reload_tables",
+    "reset_override",
+    "reset_stats",
+    "resolve",
+    "resolve_plan",
+    "set_override",
+    "shipped_tables_dir",
+    "stats",
+    "use_profile",
+]

@@ -1,0 +1,316 @@
+"""Reading table and profile files: YAML -> pydantic models -> engine objects.
+
+Every problem in a file is collected (not only the first) and reported as
+``file:line:col: message``. Nothing here touches the live registry; the
+registry swaps in what this module builds only when everything is valid.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ParsedFile", "build_overlay_rows", "parse_file", "parse_text"]
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch._yaml import Located, YamlProblem, load_located
+from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
+from astrai.dispatch.binding import BindError, bind
+from astrai.dispatch.models import SUPPORTED_VERSION, ProfileFile, RowModel, TableFile
+from astrai.dispatch.records import FamilyTable, ImplRecord
+from astrai.dispatch.spec import Spec
+from astrai.errors import SpecSyntaxError, TableProblem
+
+PathT = tuple[Any, ...]
+
+
+@dataclass
+class ParsedFile:
+    """One file after validation: a family table, a profile model, or problems."""
+
+    file: str
+    kind: str  # "table" | "profile" | "unknown"
+    located: Located | None = None
+    table: FamilyTable | None = None
+    profile: ProfileFile | None = None
+    revision: str = ""
+    problems: list[TableProblem] = field(default_factory=list)
+
+    def problem(self, path: PathT, message: str, *, key: bool = False) -> None:
+        """Record a problem at ``path`` of this file."""
+        line, col = self.located.where(path, key=key) if self.located else (1, 1)
+        self.problems.append(TableProblem(self.file, line, col, message))
+
+
+def parse_file(path: str | Path) -> ParsedFile:
+    """Read and validate one file; never raises for a bad file (see ``problems``)."""
+    name = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return ParsedFile(name, "unknown", problems=[
+            TableProblem(name, 1, 1, f"cannot read file: {exc.strerror or exc}")
+        ])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return ParsedFile(name, "unknown", problems=[
+            TableProblem(name, 1, 1, f"file is not UTF-8 text: {exc.reason}")
+        ])
+    return parse_text(text, name)
+
+
+def parse_text(text: str, file: str = "<string>") -> ParsedFile:
+    """Validate the text of a table or profile file (told apart by ``family:``/``profile:``)."""
+    out = ParsedFile(file, "unknown", revision=hashlib.sha256(text.encode()).hexdigest()[:16])
+    try:
+        out.located = load_located(text)
+    except YamlProblem as exc:
+        out.problems.append(TableProblem(file, exc.line, exc.column, exc.message))
+        return out
+    data = out.located.data
+    if not isinstance(data, dict):
+        out.problem((), "expected a mapping with 'version' and 'family:' (a table) or "
+                        "'profile:' (a profile)")
+        return out
+    if "family" in data and "profile" in data:
+        out.problem(("profile",), "a file is either a table ('family:') or a profile "
+                                  "('profile:'), not both", key=True)
+        return out
+    if "family" in data:
+        out.kind = "table"
+    elif "profile" in data:
+        out.kind = "profile"
+    else:
+        out.problem((), "expected a top-level 'family:' (a table) or 'profile:' (a profile)")
+        return out
+    if not _check_version(out, data):
+        return out
+    model_cls: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
+    try:
+        model = model_cls.model_validate(data)
+    except ValidationError as exc:
+        _report_validation(out, exc)
+        if out.kind == "table":
+            _check_rows_anyway(out, data)
+        return out
+    if isinstance(model, TableFile):
+        out.table = _build_table(out, model)
+    else:
+        assert isinstance(model, ProfileFile)
+        out.profile = model
+    return out
+
+
+def _check_version(out: ParsedFile, data: dict[str, Any]) -> bool:
+    version = data.get("version")
+    if version is None:
+        out.problem((), f"missing 'version' (this astrai reads version {SUPPORTED_VERSION})")
+        return False
+    if not isinstance(version, int) or isinstance(version, bool):
+        out.problem(("version",), f"'version' must be an integer; this astrai reads version "
+                                  f"{SUPPORTED_VERSION}")
+        return False
+    if version > SUPPORTED_VERSION:
+        out.problem(("version",), f"{out.kind} version {version} is newer than this astrai "
+                                  f"supports (version {SUPPORTED_VERSION}); upgrade astrai")
+        return False
+    if version != SUPPORTED_VERSION:
+        out.problem(("version",), f"unknown {out.kind} version {version}; this astrai reads "
+                                  f"version {SUPPORTED_VERSION}")
+        return False
+    return True
+
+
+def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
+    assert out.located is not None
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        # pydantic appends union-member / validator tags to ``loc``; keep the real path.
+        real = loc
+        while real and real not in out.located.values and real[:-1] != real:
+            if real[:-1] in out.located.values:
+                break
+            real = real[:-1]
+        dotted = ".".join(str(p) for p in loc if p in real) or "(top level)"
+        etype = err["type"]
+        if etype == "extra_forbidden":
+            model = _model_at(out, real[:-1])
+            valid = sorted(model.model_fields) if model else []
+            out.problem(real, f"unknown key {loc[-1]!r}{did_you_mean(str(loc[-1]), valid)}; "
+                              f"expected one of: {', '.join(valid)}", key=True)
+        elif etype == "missing":
+            out.problem(real[:-1] if real == loc else real, f"missing required key {dotted!r}")
+        else:
+            out.problem(real, f"{dotted}: {err['msg']}")
+
+
+def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
+    """After a structural error, still check every well-formed row: all problems at once."""
+    rows = data.get("rows")
+    if not isinstance(rows, list):
+        return
+    good: list[tuple[int, RowModel]] = []
+    for i, raw in enumerate(rows):
+        try:
+            good.append((i, RowModel.model_validate(raw)))
+        except ValidationError:
+            continue  # already reported
+    build_overlay_rows(out, ("rows",), str(data.get("family")), good, CORE_VOCABULARY)
+    fallback = data.get("fallback")
+    names = [r.name for _, r in good]
+    if isinstance(fallback, str) and good and fallback not in names:
+        _no_fallback(out, fallback, names)
+
+
+def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
+    out.problem(("fallback",), f"fallback {fallback!r} names no row"
+                               f"{did_you_mean(fallback, names)}; rows: {', '.join(names)}")
+
+
+def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
+    """The model class that validates the mapping at ``path`` (for listing valid keys)."""
+    from astrai.dispatch.models import AxisModel, FamilyOverlayModel
+
+    top: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
+    if not path:
+        return top
+    head = path[0]
+    if out.kind == "table":
+        return {"rows": RowModel, "axes": AxisModel}.get(str(head))
+    if head == "families":
+        if len(path) == 2:
+            return FamilyOverlayModel
+        if len(path) >= 4 and path[2] == "add":
+            return RowModel
+    return None
+
+
+def _column_of_expression(out: ParsedFile, path: PathT) -> tuple[int, int]:
+    assert out.located is not None
+    line, col = out.located.where(path)
+    if out.located.styles.get(path) in ("'", '"'):
+        col += 1
+    return line, col
+
+
+def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
+    """Parse a row's expression; a syntax error is recorded with the file position."""
+    try:
+        return Spec.parse(text, vocabulary)
+    except SpecSyntaxError as exc:
+        line, col = _column_of_expression(out, path)
+        out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
+        return None
+
+
+def bind_row(out: ParsedFile, path: PathT, family: str, row: RowModel, spec: Spec,
+             priority: int) -> ImplRecord | None:
+    """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
+    try:
+        impl = bind(row.impl)
+    except BindError as exc:
+        out.problem((*path, "impl"), str(exc))
+        return None
+    probe: Callable[[], Any] | None = None
+    if impl.missing is not None:
+        reason = impl.missing
+        probe = lambda: Unavailable(reason)  # noqa: E731
+    elif row.available is not None:
+        try:
+            bound = bind(row.available)
+        except BindError as exc:
+            out.problem((*path, "available"), str(exc))
+            return None
+        if bound.missing is not None:
+            missing = bound.missing
+            probe = lambda: Unavailable(missing)  # noqa: E731
+        elif not callable(bound.obj):
+            out.problem((*path, "available"), f"{row.available!r} is not callable")
+            return None
+        else:
+            probe = bound.obj
+    line, _ = out.located.where(path) if out.located else (0, 0)
+    kwargs: dict[str, Any] = {} if probe is None else {"available": probe}
+    return ImplRecord(
+        family=family,
+        name=row.name,
+        obj=impl.obj,
+        spec=spec,
+        priority=priority,
+        faithful=row.faithful,
+        description=row.description,
+        source=f"{out.file}:{line}",
+        **kwargs,
+    )
+
+
+def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
+    """The expression vocabulary of a family with these extra axes."""
+    return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
+
+
+def _build_table(out: ParsedFile, model: TableFile) -> FamilyTable | None:
+    axes: dict[str, Axis] = {}
+    for i, decl in enumerate(model.axes):
+        if decl.name in CORE_VOCABULARY.axes or decl.name in CORE_VOCABULARY.predicates:
+            out.problem(("axes", i, "name"), f"axis {decl.name!r} is already a core axis")
+            continue
+        if decl.name in axes:
+            out.problem(("axes", i, "name"), f"duplicate axis {decl.name!r}")
+            continue
+        if (decl.type == "enum") != bool(decl.values):
+            out.problem(("axes", i), "'values' is required for an enum axis and only for one")
+            continue
+        axes[decl.name] = Axis(decl.name, decl.type, tuple(decl.values), nullable=decl.nullable,
+                               description=decl.description, core=False)
+    vocabulary = family_vocabulary(axes)
+    rows = build_overlay_rows(out, ("rows",), model.family, list(enumerate(model.rows)),
+                              vocabulary)
+    names = [r.name for r in model.rows]
+    if model.fallback not in names:
+        _no_fallback(out, model.fallback, names)
+    if out.problems or rows is None:
+        return None
+    return FamilyTable(
+        name=model.family,
+        rows=tuple(rows),
+        fallback=model.fallback,
+        description=model.description,
+        env_alias=model.env_alias,
+        axes=MappingProxyType(axes),
+        source=out.file,
+        revision=out.revision,
+    )
+
+
+def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
+                       rows: list[tuple[int, RowModel]],
+                       vocabulary: Vocabulary) -> list[ImplRecord] | None:
+    """Compile and bind rows given as ``(index, row)`` (a table's, or a profile's ``add``).
+
+    Every row is checked even after a failing one, so all problems are reported.
+    """
+    seen: set[str] = set()
+    records: list[ImplRecord] = []
+    ok = True
+    for i, row in rows:
+        rpath = (*path, i)
+        if row.name in seen:
+            out.problem((*rpath, "name"), f"duplicate row name {row.name!r}")
+            ok = False
+        seen.add(row.name)
+        spec = compile_when(out, (*rpath, "when"), row.when, vocabulary)
+        rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=len(rows) - i)
+        if spec is None or rec is None:
+            ok = False
+            continue
+        records.append(rec)
+    return records if ok else None

@@ -1,0 +1,120 @@
+"""Pydantic models of the table and profile files (schema version 1).
+
+These models are the single definition of the file formats: the loader validates
+against them and ``schemas/*.schema.json`` is generated from them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SUPPORTED_VERSION",
+    "AxisModel",
+    "FamilyOverlayModel",
+    "ProfileFile",
+    "RowModel",
+    "TableFile",
+    "json_schemas",
+]
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+SUPPORTED_VERSION = 1
+
+Name = Annotated[
+    StrictStr,
+    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", description="a row, family or profile name"),
+]
+ImportPath = Annotated[
+    StrictStr,
+    Field(
+        pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$",
+        description="'module.path:attribute' (exactly one ':')",
+    ),
+]
+Expression = Annotated[StrictStr, Field(min_length=1, description="a spec expression (SPEC §4)")]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AxisModel(_Model):
+    """An extra axis a family declares; its value travels in ``CallContext.extra``."""
+
+    name: Name
+    type: Literal["bool", "int", "enum"]
+    values: list[Name] = Field(default_factory=list, description="allowed names (enum only)")
+    nullable: StrictBool = False
+    description: StrictStr = ""
+
+
+class RowModel(_Model):
+    """One implementation row."""
+
+    name: Name
+    impl: ImportPath = Field(description="the implementation object, bound at load time")
+    when: Expression = Field(default="always", description="which calls this row can serve")
+    available: ImportPath | None = Field(
+        default=None, description="zero-argument probe: can this row run on this machine?"
+    )
+    faithful: StrictBool = Field(
+        default=True, description="false: changes numerics; never picked implicitly"
+    )
+    description: StrictStr = ""
+
+
+class TableFile(_Model):
+    """A family's decision table: rows in priority order."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, title="astrai decision table (version 1)"
+    )
+
+    version: StrictInt
+    family: Name
+    description: StrictStr = ""
+    env_alias: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    axes: list[AxisModel] = Field(default_factory=list)
+    fallback: Name
+    rows: list[RowModel] = Field(min_length=1)
+
+
+class FamilyOverlayModel(_Model):
+    """What a profile changes in one family (or in every family, under ``"*"``)."""
+
+    force: Name | None = Field(
+        default=None, description="a row name, or 'fallback': route every implicit call there"
+    )
+    order: list[Name] = Field(
+        default_factory=list, description="these rows first, in this order; the rest after"
+    )
+    disable: list[Name] = Field(default_factory=list, description="rows left out of the chain")
+    enable: list[Name] = Field(
+        default_factory=list, description="non-faithful rows allowed in the implicit chain"
+    )
+    when: dict[Name, Expression] = Field(
+        default_factory=dict, description="replace rows' expressions"
+    )
+    fallback: Name | None = None
+    add: list[RowModel] = Field(default_factory=list, description="new rows, placed first")
+
+
+class ProfileFile(_Model):
+    """A profile: an overlay applied on top of the tables when active."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="astrai profile (version 1)")
+
+    version: StrictInt
+    profile: Name
+    description: StrictStr = ""
+    families: dict[StrictStr, FamilyOverlayModel]
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """``{file name: JSON Schema}`` for every file format, as checked in under ``schemas/``."""
+    return {
+        "table.schema.json": TableFile.model_json_schema(),
+        "profile.schema.json": ProfileFile.model_json_schema(),
+    }

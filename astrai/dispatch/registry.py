@@ -1,0 +1,335 @@
+"""The loaded families and profiles: one immutable snapshot, swapped whole.
+
+Readers take ``current()`` once and work on that snapshot, so a concurrent
+reload can never show them half a table. Writers build a complete new snapshot
+and swap it in under a lock; a failed load raises and leaves the old one in force.
+Every swap (and ``refresh()``) bumps ``epoch``, which keys the decision cache.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "Registry",
+    "current",
+    "list_families",
+    "list_profiles",
+    "load_tables",
+    "refresh",
+    "register_env_alias",
+    "register_family",
+    "reload_tables",
+    "shipped_tables_dir",
+    "validate",
+]
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from astrai.dispatch.availability import check
+from astrai.dispatch.loader import ParsedFile, parse_file
+from astrai.dispatch.profiles import Profile, View, build_profile, make_view
+from astrai.dispatch.records import FamilyTable, ImplRecord
+from astrai.errors import TableError, TableProblem, UnknownFamilyError
+
+TABLES_ENV = "ASTR_TABLES"
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True, eq=False)
+class Registry:
+    """One consistent snapshot of everything resolution reads."""
+
+    families: Mapping[str, FamilyTable]
+    profiles: Mapping[str, Profile]
+    aliases: Mapping[str, str]  # family -> legacy env var
+    epoch: int
+    programmatic: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    # Caches that belong to this snapshot; a new snapshot starts with empty ones.
+    _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
+    _availability: dict[int, tuple[ImplRecord, bool, str]] = field(
+        init=False, default_factory=dict
+    )
+    decisions: dict[Any, Any] = field(init=False, default_factory=dict)
+
+    def family(self, name: str) -> FamilyTable:
+        """The family ``name``; ``UnknownFamilyError`` (a ``KeyError``) lists the known ones."""
+        try:
+            return self.families[name]
+        except KeyError:
+            raise UnknownFamilyError(name, list(self.families)) from None
+
+    def view(self, family: str, profiles: tuple[str, ...]) -> View:
+        """``family`` under the named active profiles (cached per snapshot)."""
+        key = (family, profiles)
+        got = self._views.get(key)
+        if got is None:
+            table = self.family(family)
+            got = make_view(table, tuple(self.profiles[p] for p in profiles))
+            self._views[key] = got
+        return got
+
+    def availability(self, record: ImplRecord) -> tuple[bool, str]:
+        """``(available, reason)`` for a row, probed once per snapshot/refresh."""
+        got = self._availability.get(id(record))
+        if got is None or got[0] is not record:
+            # The record is stored with its result, so its id cannot be reused meanwhile.
+            got = (record, *check(record.available))
+            self._availability[id(record)] = got
+        return got[1], got[2]
+
+
+_lock = threading.RLock()
+_epochs = itertools.count(1)
+_state: Registry | None = None
+_listeners: list[Callable[[], None]] = []
+
+
+def shipped_tables_dir() -> Path:
+    """Where the shipped tables are: inside the package (wheel) or the repo's ``tables/``."""
+    here = Path(__file__).resolve().parent.parent
+    packaged = here / "tables"
+    if packaged.is_dir():
+        return packaged
+    return here.parent / "tables"
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[TableProblem]]:
+    files: list[str] = []
+    problems: list[TableProblem] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            try:
+                found = sorted(q for q in path.rglob("*") if q.suffix in _YAML_SUFFIXES)
+            except OSError as exc:
+                problems.append(TableProblem(str(path), 1, 1, f"cannot list directory: {exc}"))
+                continue
+            files.extend(str(q) for q in found)
+        elif path.exists():
+            files.append(str(path))
+        else:
+            problems.append(TableProblem(str(path), 1, 1, "no such file or directory"))
+    return files, problems
+
+
+def _env_table_paths() -> list[str]:
+    raw = os.environ.get(TABLES_ENV, "")
+    return [p for p in raw.split(os.pathsep) if p.strip()]
+
+
+def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Registry:
+    files, problems = _expand(paths)
+    parsed: list[ParsedFile] = [parse_file(f) for f in files]
+    for pf in parsed:
+        problems.extend(pf.problems)
+    families: dict[str, FamilyTable] = {}
+    profiles: dict[str, Profile] = {}
+    aliases: dict[str, str] = {}
+    programmatic: dict[str, tuple[Any, Any]] = {}
+    if base is not None:
+        programmatic = dict(base.programmatic)
+        aliases = {f: a for f, a in base.aliases.items() if f in programmatic or not replace_all}
+        if not replace_all:
+            families = dict(base.families)
+            profiles = dict(base.profiles)
+        else:
+            for name, (provider, fallback) in programmatic.items():
+                families[name] = _programmatic_table(name, provider, fallback)
+    seen: dict[str, str] = {}
+    for pf in parsed:
+        if pf.table is None:
+            continue
+        name = pf.table.name
+        if name in seen:
+            problems.append(TableProblem(pf.file, *pf.located.where(("family",)) if pf.located
+                                         else (1, 1),
+                                         f"family {name!r} is also defined in {seen[name]}"))
+        seen[name] = pf.file
+        families[name] = pf.table
+        programmatic.pop(name, None)
+        if pf.table.env_alias:
+            aliases[name] = pf.table.env_alias
+    seen_profiles: dict[str, str] = {}
+    for pf in parsed:
+        if pf.profile is None:
+            continue
+        already = len(pf.problems)
+        prof = build_profile(pf, families)
+        problems.extend(pf.problems[already:])
+        if prof is None:
+            continue
+        if prof.name in seen_profiles:
+            problems.append(TableProblem(pf.file, *pf.located.where(("profile",)) if pf.located
+                                         else (1, 1),
+                                         f"profile {prof.name!r} is also defined in "
+                                         f"{seen_profiles[prof.name]}"))
+        seen_profiles[prof.name] = pf.file
+        profiles[prof.name] = prof
+    # Profiles loaded earlier must still make sense against replaced tables.
+    if not replace_all and base is not None:
+        for name, prof in list(profiles.items()):
+            if name in seen_profiles:
+                continue
+            stale = _stale_profile(prof, families)
+            if stale:
+                problems.append(TableProblem(prof.source or "<profile>", 1, 1,
+                                             f"loaded profile {name!r} {stale}"))
+    if problems:
+        raise TableError(sorted(problems, key=lambda p: (p.file, p.line, p.column)))
+    return Registry(MappingProxyType(families), MappingProxyType(profiles),
+                    MappingProxyType(aliases), next(_epochs), MappingProxyType(programmatic))
+
+
+def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
+    for fam, ov in prof.overlays.items():
+        if fam == "*":
+            continue
+        table = families.get(fam)
+        if table is None:
+            return f"names family {fam!r}, which no longer exists"
+        names = set(table.row_names()) | {a.name for a in ov.add}
+        for n in (*ov.order, *ov.disable, *ov.enable, *ov.when,
+                  *(x for x in (ov.force, ov.fallback) if x and x != "fallback")):
+            if n not in names:
+                return f"names row {n!r} of family {fam!r}, which no longer exists"
+    return ""
+
+
+def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
+    records = list(provider() if callable(provider) else provider)
+    for r in records:
+        if not isinstance(r, ImplRecord):
+            raise TypeError(f"register_family({name!r}): provider gave {r!r}, not an ImplRecord")
+    if isinstance(fallback, ImplRecord):
+        fb_name = fallback.name
+        if all(r.name != fb_name for r in records):
+            records.append(replace(fallback, priority=min((r.priority for r in records),
+                                                          default=0) - 1))
+    else:
+        fb_name = str(fallback)
+    ordered = sorted(records, key=lambda r: -r.priority)  # stable: ties keep given order
+    names = [r.name for r in ordered]
+    if len(set(names)) != len(names):
+        raise ValueError(f"register_family({name!r}): duplicate row names in {names}")
+    if fb_name not in names:
+        raise ValueError(f"register_family({name!r}): fallback {fb_name!r} is not one of "
+                         f"the rows {names}")
+    rows = tuple(r if r.family == name else replace(r, family=name) for r in ordered)
+    return FamilyTable(name, rows, fb_name, source="register_family",
+                       revision="python:" + ",".join(names))
+
+
+def _swap(new: Registry) -> None:
+    global _state
+    _state = new
+    for fn in list(_listeners):
+        fn()
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn`` after every swap (used by caches that must be invalidated)."""
+    _listeners.append(fn)
+
+
+def current() -> Registry:
+    """The snapshot in force, loading the shipped tables (plus ``ASTR_TABLES``) on first use."""
+    state = _state
+    if state is None:
+        with _lock:
+            if _state is None:
+                _swap(_build(None, [str(shipped_tables_dir()), *_env_table_paths()],
+                             replace_all=True))
+            state = _state
+    assert state is not None
+    return state
+
+
+def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
+    """Validate every given file or directory, then add or replace those families and profiles.
+
+    Returns the family names the files defined. Raises ``TableError`` listing every
+    problem; on failure the tables in force are unchanged.
+    """
+    with _lock:
+        base = current()
+        new = _build(base, [str(p) for p in paths], replace_all=False)
+        files, _ = _expand(str(p) for p in paths)
+        _swap(new)
+    defined = [n for n, t in new.families.items() if t.source in files]
+    return defined
+
+
+def reload_tables() -> list[str]:
+    """Re-read the shipped tables plus ``ASTR_TABLES``; programmatic families are kept."""
+    with _lock:
+        base = _state
+        new = _build(base, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)
+        _swap(new)
+    return sorted(new.families)
+
+
+def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
+    """Every problem in these files (default: shipped + ``ASTR_TABLES``); loads nothing."""
+    try:
+        if paths:
+            _build(current(), [str(p) for p in paths], replace_all=False)
+        else:
+            _build(None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)
+    except TableError as exc:
+        return exc.problems
+    return []
+
+
+def refresh() -> None:
+    """Forget cached availability probes (and every cached decision)."""
+    with _lock:
+        base = current()
+        _swap(replace(base, epoch=next(_epochs)))
+
+
+def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
+                    | Iterable[ImplRecord], fallback: ImplRecord | str) -> None:
+    """Register (or replace) a family in Python, beside the YAML families.
+
+    ``provider`` returns (or is) the family's ``ImplRecord``s; higher ``priority``
+    comes first. ``fallback`` is a record or the name of one of them. A callable
+    provider is called again on ``reload_tables()``.
+    """
+    with _lock:
+        base = current()
+        table = _programmatic_table(name, provider, fallback)
+        families = dict(base.families)
+        families[name] = table
+        programmatic = dict(base.programmatic)
+        programmatic[name] = (provider, fallback)
+        _swap(Registry(MappingProxyType(families), base.profiles, base.aliases,
+                       next(_epochs), MappingProxyType(programmatic)))
+
+
+def register_env_alias(family: str, varname: str) -> None:
+    """Let a legacy single-value variable (e.g. ``ASTR_BACKEND``) pick ``family``'s row.
+
+    An ``ASTR_OPS`` entry for the family wins when both are set.
+    """
+    with _lock:
+        base = current()
+        base.family(family)
+        aliases = dict(base.aliases)
+        aliases[family] = varname
+        _swap(replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs)))
+
+
+def list_families() -> list[str]:
+    """Names of the loaded families."""
+    return sorted(current().families)
+
+
+def list_profiles() -> list[str]:
+    """Names of the loaded profiles."""
+    return sorted(current().profiles)

@@ -1,0 +1,382 @@
+"""Resolution (SPEC §3) and explain (SPEC §8): one evaluator behind both.
+
+The order in which sources are consulted is stated once, as data, in
+``PRECEDENCE``. ``resolve`` runs the evaluator and caches the decision for the
+call's signature; ``explain`` runs the same evaluator on the same snapshot and
+prints, row by row, the verdict the chain uses.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PRECEDENCE",
+    "Resolution",
+    "Source",
+    "active_view",
+    "explain",
+    "explain_plan",
+    "explanation",
+    "resolve",
+    "resolve_plan",
+]
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from astrai.dispatch._log import warn_once
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.axes import format_value
+from astrai.dispatch.context import CallContext
+from astrai.dispatch.env import EnvSettings, env_settings
+from astrai.dispatch.overrides import current_profiles, get_override
+from astrai.dispatch.profiles import View
+from astrai.dispatch.records import ImplRecord
+from astrai.dispatch.registry import Registry, current
+from astrai.dispatch.spec import Spec
+from astrai.dispatch.stats import count_cache
+from astrai.errors import AstraiError, ExplicitSelectionError
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a decision can come from. ``strict`` sources raise instead of falling through."""
+
+    origin: str
+    strict: bool
+    label: str
+
+
+#: Resolution order, highest precedence first (SPEC §3).
+PRECEDENCE: tuple[Source, ...] = (
+    Source("explicit", strict=True, label="the explicit argument"),
+    Source("context", strict=True, label="an op_backend scope"),
+    Source("env", strict=False, label="the environment"),
+    Source("profile", strict=False, label="an active profile"),
+    Source("chain", strict=False, label="the table order"),
+    Source("fallback", strict=False, label="the fallback row"),
+)
+_HANDLES = ("explicit", "context", "env")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What serves a call: the row, and which source decided (``origin``)."""
+
+    record: ImplRecord
+    origin: str
+
+    @property
+    def name(self) -> str:
+        """The row's name."""
+        return self.record.name
+
+    @property
+    def obj(self) -> Any:
+        """The implementation object."""
+        return self.record.obj
+
+
+class NoImplementationError(AstraiError, RuntimeError):
+    """No row, not even the fallback, can serve the call."""
+
+
+# -- the evaluator ---------------------------------------------------------
+
+MATCH, REJECT, UNAVAILABLE, UNFAITHFUL, DISABLED = "MATCH", "reject", "unavailable", "unfaithful", "disabled"
+
+
+def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
+                implicit: bool = True) -> tuple[str, str]:
+    """``(verdict, detail)`` for one row and one call; the chain and explain both use this.
+
+    ``implicit`` is true for the chain: there, disabled and non-faithful rows are skipped.
+    """
+    if implicit and rec.name in view.disabled:
+        return DISABLED, view.disabled[rec.name]
+    ok, reason = state.availability(rec)
+    if not ok:
+        return UNAVAILABLE, reason
+    if implicit and not rec.faithful and rec.name not in view.enabled:
+        return UNFAITHFUL, ""
+    why = rec.spec.failure(ctx)
+    if why is not None:
+        return REJECT, why
+    return MATCH, rec.spec.description
+
+
+def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
+    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes."""
+    scoped = current_profiles()
+    names = (*env.profiles, *scoped) if scoped else env.profiles
+    return tuple(n for n in names if n in state.profiles)
+
+
+def _env(state: Registry) -> EnvSettings:
+    return env_settings(state.families, state.profiles, state.aliases, state.epoch)
+
+
+def active_view(state: Registry, family: str) -> View:
+    """``family`` under the profiles active in this context."""
+    return state.view(family, active_profiles(state, _env(state)))
+
+
+def _adhoc(family: str, obj: Any) -> ImplRecord:
+    name = getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
+    probe = getattr(obj, "supports_call", None)
+    if callable(probe):
+        spec = Spec.of(lambda ctx: bool(probe(*ctx.raw, **ctx.raw_kwargs)),
+                       f"{name}.supports_call(...)")
+    else:
+        spec = Spec.always()
+    return ImplRecord(family, str(name), obj, spec, source="ad hoc object")
+
+
+def _lookup(view: View, handle: Any) -> ImplRecord | None:
+    if isinstance(handle, str):
+        return view.row(handle)
+    for rec in view.rows:
+        if rec.obj is handle:
+            return rec
+    return _adhoc(view.table.name, handle)
+
+
+def _handle_for(origin: str, family: str, explicit: Any, env: EnvSettings) -> Any:
+    if origin == "explicit":
+        return explicit
+    if origin == "context":
+        return get_override(family)
+    return env.backends.get(family)
+
+
+def _describe_source(source: Source, family: str, env: EnvSettings) -> str:
+    if source.origin == "env":
+        return f"{env.source_of(family)} ({family}={env.backends.get(family)})"
+    return source.label
+
+
+def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
+             state: Registry | None = None, notes: list[str] | None = None) -> Resolution:
+    """Decide which row serves ``ctx``, walking ``PRECEDENCE``. The single evaluator.
+
+    ``notes`` (when given) collects what explain prints besides the row verdicts.
+    """
+    state = state or current()
+    state.family(family)  # UnknownFamilyError (a KeyError) names the known families
+    env = _env(state)
+    view = state.view(family, active_profiles(state, env))
+    handled = False
+    for source in PRECEDENCE:
+        origin = source.origin
+        if origin in _HANDLES:
+            handle = _handle_for(origin, family, explicit, env)
+            if handle is None:
+                continue
+            handled = True
+            rec = _lookup(view, handle)
+            where = _describe_source(source, family, env)
+            if rec is None:
+                names = view.row_names()
+                msg = f"Unknown {family} implementation: {handle!r}"
+                if source.strict:
+                    raise ValueError(f"{msg}{did_you_mean(handle, names)}; rows: "
+                                     f"{', '.join(names)}")
+                warn_once(f"{msg} from {where}{did_you_mean(handle, names)}; ignored; rows: "
+                          f"{', '.join(names)}")
+                if notes is not None:
+                    notes.append(f"{origin}: {handle!r} names no row; ignored")
+                continue
+            verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
+            if verdict == MATCH:
+                return Resolution(rec, origin)
+            why = (f"unavailable ({detail})" if verdict == UNAVAILABLE
+                   else f"requires {detail}")
+            if source.strict:
+                raise ExplicitSelectionError(
+                    f"{family} implementation {rec.name!r} selected by {where} cannot serve "
+                    f"this call: {why}", family=family, row=rec.name)
+            if notes is not None:
+                notes.append(f"{origin}: {rec.name} from {where} cannot serve this call: "
+                             f"{why}; falling through")
+        elif origin == "profile":
+            if handled or view.forced is None:
+                continue
+            row, prof = view.forced
+            rec = view.row(row)
+            assert rec is not None
+            verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
+            if verdict == MATCH:
+                if notes is not None:
+                    notes.append(f"profile {prof} forces {row}")
+                return Resolution(rec, origin)
+            if notes is not None:
+                notes.append(f"profile {prof} forces {row}, which cannot serve this call "
+                             f"({detail}); falling through")
+        elif origin == "chain":
+            for rec in view.rows:
+                if row_verdict(state, view, rec, ctx)[0] == MATCH:
+                    return Resolution(rec, "fallback" if rec is view.fallback else "chain")
+        else:
+            rec = view.fallback
+            ok, reason = state.availability(rec)
+            if not ok:
+                raise NoImplementationError(
+                    f"no {family} row can serve this call and the fallback {rec.name!r} is "
+                    f"unavailable ({reason})")
+            if notes is not None:
+                notes.append(f"no row matched; using the fallback {rec.name} as a last resort")
+            return Resolution(rec, origin)
+    raise AssertionError("unreachable: PRECEDENCE ends with the fallback")  # pragma: no cover
+
+
+# -- resolve, with its decision cache -----------------------------------------
+
+MAX_DECISIONS = 4096
+_NO_CACHE = object()
+
+
+def _handle_key(handle: Any) -> Any:
+    if handle is None or isinstance(handle, str):
+        return handle
+    if callable(getattr(handle, "supports_call", None)):
+        return _NO_CACHE  # its verdict depends on the raw call
+    return ("obj", id(handle))
+
+
+def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
+    """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
+    state = current()
+    explicit_key = _handle_key(explicit)
+    context_key = _handle_key(get_override(family))
+    if explicit_key is _NO_CACHE or context_key is _NO_CACHE:
+        return evaluate(family, ctx, explicit, state=state)
+    from astrai.dispatch.env import cache_key as env_key
+
+    key = (family, ctx.signature(), explicit_key, context_key, current_profiles(),
+           env_key(state.aliases))
+    decisions = state.decisions
+    got = decisions.get(key)
+    if got is not None:
+        count_cache(True)
+        return got  # type: ignore[no-any-return]
+    count_cache(False)
+    got = evaluate(family, ctx, explicit, state=state)
+    if len(decisions) >= MAX_DECISIONS:
+        try:
+            decisions.pop(next(iter(decisions)), None)
+        except (StopIteration, RuntimeError):  # emptied or resized by another thread
+            pass
+    decisions[key] = got
+    return got
+
+
+def resolve_plan(ctxs: Mapping[str, CallContext],
+                 explicit: Mapping[str, Any] | None = None) -> dict[str, Resolution]:
+    """Resolve several families against one snapshot of tables, profiles and environment."""
+    state = current()
+    explicit = explicit or {}
+    return {fam: evaluate(fam, ctx, explicit.get(fam), state=state) for fam, ctx in ctxs.items()}
+
+
+# -- explain -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowVerdict:
+    """One row's line in an explanation."""
+
+    name: str
+    verdict: str  # MATCH | reject | unavailable | unfaithful | disabled
+    detail: str
+    fallback: bool
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Structured ``explain`` output (the CLI's ``--json`` prints this)."""
+
+    family: str
+    context: dict[str, str]
+    profiles: tuple[str, ...]
+    rows: tuple[RowVerdict, ...]
+    notes: tuple[str, ...]
+    row: str | None
+    origin: str | None
+    error: str | None
+
+    def render(self) -> str:
+        """The SPEC §8 text."""
+        lines = [f"[{self.family}] " + " ".join(f"{k}={v}" for k, v in self.context.items())]
+        if self.profiles:
+            lines.append(f"  profiles: {' + '.join(self.profiles)}")
+        lines += [_row_text(r) for r in self.rows]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"=> ERROR: {self.error}" if self.error is not None
+                     else f"=> {self.row} (origin={self.origin})")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "family": self.family,
+            "context": self.context,
+            "profiles": list(self.profiles),
+            "rows": [{"name": r.name, "verdict": r.verdict, "detail": r.detail,
+                      "fallback": r.fallback} for r in self.rows],
+            "notes": list(self.notes),
+            "decision": None if self.row is None else {"row": self.row, "origin": self.origin},
+            "error": self.error,
+        }
+
+
+def _context_fields(ctx: CallContext) -> dict[str, str]:
+    fields = {name: format_value(getattr(ctx, name)) for name in (
+        "fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
+        "grad_enabled")}
+    fields.update({k: format_value(v) for k, v in sorted(ctx.extra.items())})
+    return fields
+
+
+def _row_text(r: RowVerdict) -> str:
+    tag = "  (fallback)" if r.fallback else ""
+    if r.verdict == MATCH:
+        return f"  {r.name}: MATCH ({r.detail}){tag}"
+    if r.verdict == REJECT:
+        return f"  {r.name}: reject ({r.detail}){tag}"
+    if r.verdict == UNAVAILABLE:
+        return f"  {r.name}: SKIP unavailable ({r.detail}){tag}"
+    if r.verdict == UNFAITHFUL:
+        return f"  {r.name}: SKIP not faithful (explicit-only){tag}"
+    return f"  {r.name}: SKIP disabled by profile {r.detail}{tag}"
+
+
+def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanation:
+    """Structured explain: each row's verdict (as the chain sees it) and the decision."""
+    state = current()
+    view = active_view(state, family)
+    rows = []
+    for rec in view.rows:
+        verdict, detail = row_verdict(state, view, rec, ctx)
+        if verdict == MATCH and not rec.faithful:
+            detail += f"; enabled by profile {view.enabled[rec.name]}"
+        rows.append(RowVerdict(rec.name, verdict, detail, rec is view.fallback))
+    notes: list[str] = list(view.notes)
+    row = origin = error = None
+    try:
+        res = evaluate(family, ctx, explicit, state=state, notes=notes)
+        row, origin = res.name, res.origin
+    except (ValueError, RuntimeError) as exc:
+        error = str(exc)
+    return Explanation(family, _context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
+                       row, origin, error)
+
+
+def explain(family: str, ctx: CallContext, explicit: Any = None) -> str:
+    """Why each row won or lost for ``ctx``, then the decision (SPEC §8)."""
+    return explanation(family, ctx, explicit).render()
+
+
+def explain_plan(ctxs: Mapping[str, CallContext],
+                 explicit: Mapping[str, Any] | None = None) -> str:
+    """``explain`` for several families, one block each."""
+    explicit = explicit or {}
+    return "\n\n".join(explain(fam, ctx, explicit.get(fam)) for fam, ctx in ctxs.items())

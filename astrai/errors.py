@@ -1,0 +1,137 @@
+"""The library's error types: one base class, each also the closest builtin."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AstraiError",
+    "ExplicitSelectionError",
+    "SpecSyntaxError",
+    "TableError",
+    "TableProblem",
+    "UnknownFamilyError",
+]
+
+from dataclasses import dataclass
+
+
+class AstraiError(Exception):
+    """Base class of every error astrai raises on purpose."""
+
+
+class SpecSyntaxError(AstraiError, ValueError):
+    """A spec expression that does not parse or does not type-check.
+
+    ``message`` says what was wrong and what was expected, ``source`` is the
+    expression, ``span`` the ``(start, end)`` character range of the offending
+    token. ``file``/``line``/``column`` are set when the expression came from a
+    table file (``column`` is 1-based and points into the file).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        source: str,
+        span: tuple[int, int],
+        *,
+        file: str | None = None,
+        line: int | None = None,
+        column: int | None = None,
+    ) -> None:
+        self.message = message
+        self.source = source
+        self.span = span
+        self.file = file
+        self.line = line
+        self.column = column
+        super().__init__(self.render())
+
+    def located(self, file: str | None, line: int, column: int) -> SpecSyntaxError:
+        """Return a copy placed at ``file:line:column`` (column of the expression's start)."""
+        return SpecSyntaxError(
+            self.message, self.source, self.span, file=file, line=line, column=column + self.span[0]
+        )
+
+    def render(self) -> str:
+        start, end = self.span
+        marker = " " * start + "^" + "~" * max(0, end - start - 1)
+        where = ""
+        if self.line is not None:
+            where = f"{self.file or '<string>'}:{self.line}:{self.column}: "
+        return f"{where}{self.message}\n    {self.source}\n    {marker}"
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (
+            _rebuild_syntax_error,
+            (self.message, self.source, self.span, self.file, self.line, self.column),
+        )
+
+
+def _rebuild_syntax_error(
+    message: str,
+    source: str,
+    span: tuple[int, int],
+    file: str | None,
+    line: int | None,
+    column: int | None,
+) -> SpecSyntaxError:
+    return SpecSyntaxError(message, source, span, file=file, line=line, column=column)
+
+
+@dataclass(frozen=True)
+class TableProblem:
+    """One problem found in a table or profile file."""
+
+    file: str
+    line: int
+    column: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}: {self.message}"
+
+
+class TableError(AstraiError, ValueError):
+    """A table or profile file that cannot be loaded; lists every problem found."""
+
+    def __init__(self, problems: list[TableProblem]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (TableError, (self.problems,))
+
+
+class ExplicitSelectionError(AstraiError, RuntimeError):
+    """An explicitly selected row (argument or ``op_backend`` scope) cannot serve the call."""
+
+    def __init__(self, message: str, *, family: str = "", row: str = "") -> None:
+        self.family = family
+        self.row = row
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_selection_error, (str(self), self.family, self.row))
+
+
+def _rebuild_selection_error(message: str, family: str, row: str) -> ExplicitSelectionError:
+    return ExplicitSelectionError(message, family=family, row=row)
+
+
+class UnknownFamilyError(AstraiError, KeyError):
+    """A family name that no loaded table or registration defines."""
+
+    def __init__(self, family: str, known: list[str]) -> None:
+        self.family = family
+        self.known = sorted(known)
+        super().__init__(family)
+
+    def __str__(self) -> str:
+        from astrai.dispatch._suggest import did_you_mean
+
+        return (
+            f"Unknown family: {self.family!r}{did_you_mean(self.family, self.known)}; "
+            f"known families: {', '.join(self.known) or '(none)'}"
+        )
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (UnknownFamilyError, (self.family, self.known))
