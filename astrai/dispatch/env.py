@@ -15,6 +15,7 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
@@ -107,9 +108,27 @@ def clear_cache() -> None:
     _parsed.clear()
 
 
+def encoded(name: str) -> Any:
+    """``name`` in the form ``os.environ``'s own dict stores it (for ``raw_get``)."""
+    encode = getattr(os.environ, "encodekey", None)
+    return encode(name) if callable(encode) else name
+
+
+_DATA: Any = getattr(os.environ, "_data", None)
+if not isinstance(_DATA, dict) or not callable(getattr(os.environ, "encodekey", None)):
+    _DATA = None
+OPS_KEY = encoded(OPS_ENV)
+
+
+def raw_get(key: Any) -> Any:
+    """The raw value of an environment variable by its pre-encoded ``key`` (or ``None``)."""
+    if _DATA is not None:
+        return _DATA.get(key)
+    return os.environ.get(key)  # pragma: no cover - platforms without os.environ._data
+
+
 def cache_key(aliases: Mapping[str, str]) -> tuple[object, ...]:
     """The raw environment values that decisions depend on (for the decision cache)."""
-    environ = os.environ
     if aliases:
-        return (environ.get(OPS_ENV), tuple(environ.get(v) for v in aliases.values()))
-    return (environ.get(OPS_ENV),)
+        return (raw_get(OPS_KEY), tuple(raw_get(encoded(v)) for v in aliases.values()))
+    return (raw_get(OPS_KEY),)

@@ -17,6 +17,10 @@ def _always_available() -> bool:
     return True
 
 
+#: The probe of rows that declare none (never cached: there is nothing to probe).
+ALWAYS_AVAILABLE = _always_available
+
+
 @dataclass(frozen=True, eq=False)
 class ImplRecord:
     """One row of a decision table.

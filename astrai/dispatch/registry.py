@@ -31,10 +31,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from astrai.dispatch import compiled
 from astrai.dispatch.availability import check
 from astrai.dispatch.loader import ParsedFile, parse_file
 from astrai.dispatch.profiles import Profile, View, build_profile, make_view
-from astrai.dispatch.records import FamilyTable, ImplRecord
+from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable, ImplRecord
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
 
 TABLES_ENV = "ASTR_TABLES"
@@ -57,6 +58,17 @@ class Registry:
     )
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
 
+    @property
+    def alias_keys(self) -> Mapping[str, Any]:
+        """Per family, its legacy variable's name as ``os.environ`` stores it."""
+        got = self.__dict__.get("_alias_keys")
+        if got is None:
+            from astrai.dispatch.env import encoded
+
+            got = {f: encoded(v) for f, v in self.aliases.items()}
+            object.__setattr__(self, "_alias_keys", got)
+        return got
+
     def family(self, name: str) -> FamilyTable:
         """The family ``name``; ``UnknownFamilyError`` (a ``KeyError``) lists the known ones."""
         try:
@@ -76,6 +88,8 @@ class Registry:
 
     def availability(self, record: ImplRecord) -> tuple[bool, str]:
         """``(available, reason)`` for a row, probed once per snapshot/refresh."""
+        if record.available is ALWAYS_AVAILABLE:
+            return True, ""
         got = self._availability.get(id(record))
         if got is None or got[0] is not record:
             # The record is stored with its result, so its id cannot be reused meanwhile.
@@ -228,6 +242,10 @@ def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
 def _swap(new: Registry) -> None:
     global _state
     _state = new
+    rows = [(r.family, r.name, r.obj) for t in new.families.values() for r in t.rows]
+    rows += [(a.family, a.name, a.obj) for p in new.profiles.values()
+             for ov in p.overlays.values() for a in ov.add]
+    compiled.note_epoch(new.epoch, rows)
     for fn in list(_listeners):
         fn()
 

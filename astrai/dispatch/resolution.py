@@ -12,7 +12,9 @@ __all__ = [
     "PRECEDENCE",
     "Resolution",
     "Source",
+    "Decision",
     "active_view",
+    "decide",
     "explain",
     "explain_plan",
     "explanation",
@@ -20,7 +22,7 @@ __all__ = [
     "resolve_plan",
 ]
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +30,20 @@ from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import format_value
 from astrai.dispatch.context import CallContext
-from astrai.dispatch.env import EnvSettings, env_settings
-from astrai.dispatch.overrides import current_profiles, get_override
+from astrai.dispatch import registry as _registry
+from astrai.dispatch.env import OPS_KEY, EnvSettings, env_settings, raw_get
+from astrai.dispatch.overrides import (
+    UNCACHEABLE,
+    current_profiles,
+    get_override,
+    handle_key,
+)
+from astrai.dispatch.overrides import _scope as _scope_var
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.spec import Spec
-from astrai.dispatch.stats import count_cache
+from astrai.dispatch.stats import HITS, MISSES, counter
 from astrai.errors import AstraiError, ExplicitSelectionError
 
 
@@ -172,7 +181,6 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             handle = _handle_for(origin, family, explicit, env)
             if handle is None:
                 continue
-            handled = True
             rec = _lookup(view, handle)
             where = _describe_source(source, family, env)
             if rec is None:
@@ -186,6 +194,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                 if notes is not None:
                     notes.append(f"{origin}: {handle!r} names no row; ignored")
                 continue
+            handled = True
             verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
             if verdict == MATCH:
                 return Resolution(rec, origin)
@@ -232,42 +241,63 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
 # -- resolve, with its decision cache -----------------------------------------
 
 MAX_DECISIONS = 4096
-_NO_CACHE = object()
 
 
-def _handle_key(handle: Any) -> Any:
-    if handle is None or isinstance(handle, str):
-        return handle
-    if callable(getattr(handle, "supports_call", None)):
-        return _NO_CACHE  # its verdict depends on the raw call
-    return ("obj", id(handle))
+class Decision:
+    """A cached decision: the resolution, the object to call, and its usage counter."""
+
+    __slots__ = ("counter", "obj", "resolution")
+
+    def __init__(self, resolution: Resolution) -> None:
+        self.resolution = resolution
+        self.obj = resolution.record.obj
+        self.counter = counter(resolution.record.family, resolution.record.name,
+                               resolution.origin)
+
+
+def decide(family: str, sig: tuple[Any, ...], explicit: Any,
+           build: Callable[..., CallContext], args: tuple[Any, ...]) -> Decision:
+    """The decision for a call whose signature is ``sig`` (== ``CallContext.signature()``).
+
+    On a cache hit this is a few dict lookups; on a miss ``build(*args)`` makes the
+    full ``CallContext`` and the evaluator runs. The key holds everything a decision
+    depends on besides the snapshot (which owns the cache): the call's axes, the
+    explicit and scoped handles, scoped profiles, and the raw environment values.
+    """
+    state = _registry._state or current()
+    scope = _scope_var.get()
+    ekey = explicit if explicit is None or type(explicit) is str else handle_key(explicit)
+    okey = scope.keys.get(family)
+    if ekey is UNCACHEABLE or okey is UNCACHEABLE:
+        return Decision(evaluate(family, build(*args), explicit, state=state))
+    alias = state.alias_keys.get(family)
+    key = (sig, ekey, okey, scope.profiles, raw_get(OPS_KEY),
+           None if alias is None else raw_get(alias))
+    decisions = state.decisions
+    got = decisions.get(key)
+    if got is not None:
+        next(HITS)
+        return got  # type: ignore[no-any-return]
+    next(MISSES)
+    got = Decision(evaluate(family, build(*args), explicit, state=state))
+    if len(decisions) >= MAX_DECISIONS:
+        try:  # drop the oldest entry; another thread may be doing the same
+            decisions.pop(next(iter(decisions)), None)
+        except (StopIteration, RuntimeError):
+            pass
+    decisions[key] = got
+    return got
+
+
+def _same(ctx: CallContext) -> CallContext:
+    return ctx
 
 
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
-    state = current()
-    explicit_key = _handle_key(explicit)
-    context_key = _handle_key(get_override(family))
-    if explicit_key is _NO_CACHE or context_key is _NO_CACHE:
-        return evaluate(family, ctx, explicit, state=state)
-    from astrai.dispatch.env import cache_key as env_key
-
-    key = (family, ctx.signature(), explicit_key, context_key, current_profiles(),
-           env_key(state.aliases))
-    decisions = state.decisions
-    got = decisions.get(key)
-    if got is not None:
-        count_cache(True)
-        return got  # type: ignore[no-any-return]
-    count_cache(False)
-    got = evaluate(family, ctx, explicit, state=state)
-    if len(decisions) >= MAX_DECISIONS:
-        try:
-            decisions.pop(next(iter(decisions)), None)
-        except (StopIteration, RuntimeError):  # emptied or resized by another thread
-            pass
-    decisions[key] = got
-    return got
+    if ctx.family != family:
+        raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
+    return decide(family, ctx.signature(), explicit, _same, (ctx,)).resolution
 
 
 def resolve_plan(ctxs: Mapping[str, CallContext],

@@ -1,13 +1,15 @@
 """Usage counters: how many calls each row served, per family and origin.
 
-Counting is one dict lookup and one ``next()`` on an ``itertools.count`` (atomic
-in CPython), so the hot path takes no lock. This is how a user notices a silent
-fallback: ``stats().served("attention", "math")``.
+Counting is one ``next()`` on an ``itertools.count`` (atomic in CPython), so the
+hot path takes no lock; the decision cache keeps a reference to the counter of
+each decision so a cached call does not even look it up. Counters are never
+replaced: ``reset`` records a baseline that later reads subtract. This is how a
+user notices a silent fallback: ``stats().served("attention", "math")``.
 """
 
 from __future__ import annotations
 
-__all__ = ["UsageStats", "count", "reset_stats", "stats"]
+__all__ = ["UsageStats", "count", "counter", "reset_stats", "stats"]
 
 import itertools
 from collections.abc import Mapping
@@ -16,21 +18,23 @@ from dataclasses import dataclass, field
 Key = tuple[str, str, str]  # family, row, origin
 
 _counters: dict[Key, itertools.count[int]] = {}
-_cache_counts: dict[str, itertools.count[int]] = {"hits": itertools.count(), "misses": itertools.count()}
+HITS: itertools.count[int] = itertools.count()
+MISSES: itertools.count[int] = itertools.count()
+_baseline: dict[object, int] = {}
 
 
-def count(family: str, row: str, origin: str) -> None:
-    """Count one call of ``family`` served by ``row`` (decided by ``origin``)."""
+def counter(family: str, row: str, origin: str) -> itertools.count[int]:
+    """The counter of calls of ``family`` served by ``row`` via ``origin``."""
     key = (family, row, origin)
     c = _counters.get(key)
     if c is None:
         c = _counters.setdefault(key, itertools.count())
-    next(c)
+    return c
 
 
-def count_cache(hit: bool) -> None:
-    """Count one decision-cache lookup."""
-    next(_cache_counts["hits" if hit else "misses"])
+def count(family: str, row: str, origin: str) -> None:
+    """Count one call of ``family`` served by ``row`` (decided by ``origin``)."""
+    next(counter(family, row, origin))
 
 
 def _value(c: itertools.count[int]) -> int:
@@ -45,10 +49,10 @@ class UsageStats:
     cache_hits: int = 0
     cache_misses: int = 0
 
-    def served(self, family: str, row: str | None = None) -> int:
-        """Calls of ``family`` served (by ``row``, if given), whatever the origin."""
-        return sum(n for (f, r, _), n in self.calls.items()
-                   if f == family and (row is None or r == row))
+    def served(self, family: str, row: str | None = None, origin: str | None = None) -> int:
+        """Calls of ``family`` served (by ``row`` / via ``origin``, if given)."""
+        return sum(n for (f, r, o), n in self.calls.items()
+                   if f == family and row in (None, r) and origin in (None, o))
 
     def by_row(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{family: {row: {origin: calls}}}``."""
@@ -58,22 +62,25 @@ class UsageStats:
         return out
 
     def table(self) -> str:
-        """A printable family x row x origin table."""
+        """A printable family x row x origin table, with the decision-cache counts."""
         lines = [f"{'family':<12} {'row':<16} {'calls':>8}  origin"]
         for (f, r, o), n in sorted(self.calls.items()):
             lines.append(f"{f:<12} {r:<16} {n:>8}  {o}")
         if len(lines) == 1:
             lines.append("(no calls)")
+        lines.append(f"decision cache: {self.cache_hits} hits, {self.cache_misses} misses")
         return "\n".join(lines)
 
 
 def stats(reset: bool = False) -> UsageStats:
     """The counters now; with ``reset=True`` they start again from zero."""
-    snap = UsageStats(
-        {k: _value(c) for k, c in list(_counters.items()) if _value(c)},
-        _value(_cache_counts["hits"]),
-        _value(_cache_counts["misses"]),
-    )
+    calls = {}
+    for key, c in list(_counters.items()):
+        n = _value(c) - _baseline.get(key, 0)
+        if n:
+            calls[key] = n
+    snap = UsageStats(calls, _value(HITS) - _baseline.get("hits", 0),
+                      _value(MISSES) - _baseline.get("misses", 0))
     if reset:
         reset_stats()
     return snap
@@ -81,6 +88,8 @@ def stats(reset: bool = False) -> UsageStats:
 
 def reset_stats() -> None:
     """Zero every counter."""
-    _counters.clear()
-    _cache_counts["hits"] = itertools.count()
-    _cache_counts["misses"] = itertools.count()
+    base: dict[object, int] = {key: _value(c) for key, c in list(_counters.items())}
+    base["hits"] = _value(HITS)
+    base["misses"] = _value(MISSES)
+    _baseline.clear()
+    _baseline.update(base)

@@ -1,0 +1,1 @@
+"""Implementations behind the op facades, one module (or package) per family."""

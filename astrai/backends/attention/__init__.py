@@ -1,0 +1,1 @@
+"""Attention implementations: ``math`` (reference), ``sdpa`` (torch_native), ``flash``."""

@@ -1,0 +1,135 @@
+"""``flash``: attention through the flash-attn package (CUDA, fp16/bf16, head_dim <= 256).
+
+Dense calls use ``flash_attn_func`` on the ``[batch, seq, heads, head_dim]``
+tensors as they are (flash-attn reads that layout and does GQA natively). The
+paged path writes the new K/V into the pool, gathers every request's context
+back to back and runs ``flash_attn_varlen_func`` with ``qo_indptr`` /
+``kv_indptr`` as the cumulative lengths; flash-attn's causal mask is aligned to
+the bottom-right corner, which is exactly the per-request rule of ``_paged``.
+
+flash-attn is imported lazily, on first use; ``flash_available`` says why the
+row cannot run where the package or a suitable GPU is missing.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FlashAttention", "flash_attention", "flash_available"]
+
+import importlib
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from astrai.backends.attention._dense import PAGED_MODES, check_dense, merge_heads
+from astrai.backends.attention._paged import check_paged, packed_kv, store_kv
+from astrai.dispatch.availability import Unavailable
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 256
+_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer.
+
+_module: ModuleType | None = None
+
+
+def flash_available() -> bool | Unavailable:
+    """``True`` when flash-attn is installed and a GPU it supports is present."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return Unavailable("flash_attn is not installed (pip install flash-attn)")
+    if not torch.cuda.is_available():
+        return Unavailable("no CUDA device")
+    capability = torch.cuda.get_device_capability()
+    if capability < _MIN_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        return Unavailable(
+            f"flash-attn needs compute capability >= 8.0 (Ampere); {name} has "
+            f"{capability[0]}.{capability[1]}"
+        )
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as exc:  # a broken build must not take the process down
+        return Unavailable(f"flash_attn failed to import: {type(exc).__name__}: {exc}")
+    return True
+
+
+def _flash() -> ModuleType:
+    """The imported ``flash_attn`` module; ``RuntimeError`` with the reason if unusable."""
+    global _module
+    if _module is None:
+        ok = flash_available()
+        if not ok:
+            raise RuntimeError(f"the flash attention row cannot run: {ok}")
+        _module = importlib.import_module("flash_attn")
+    return _module
+
+
+class FlashAttention:
+    """flash-attn kernels, dense or over a paged cache."""
+
+    def supports_call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> bool:
+        """CUDA, fp16/bf16, head_dim <= 256, no mask; dense 4-d or 3-d paged prefill/decode."""
+        if not q.is_cuda or q.dtype not in _DTYPES or q.shape[-1] > _MAX_HEAD_DIM:
+            return False
+        if attn_mask is not None:
+            return False
+        if kv_cache is None:
+            return q.dim() == 4
+        return q.dim() == 3 and fwd in PAGED_MODES
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
+        fa = _flash()
+        if not q.is_cuda:
+            raise ValueError(f"flash attention needs CUDA tensors; q is on {q.device}")
+        if q.dtype not in _DTYPES:
+            raise ValueError(f"flash attention needs float16 or bfloat16; q is {q.dtype}")
+        if q.shape[-1] > _MAX_HEAD_DIM:
+            raise ValueError(f"flash attention supports head_dim <= 256; q has {q.shape[-1]}")
+        if kv_cache is None:
+            if attn_mask is not None:
+                raise ValueError("flash attention takes no attn_mask (use is_causal)")
+            check_dense(q, k, v, None)
+            return merge_heads(fa.flash_attn_func(q, k, v, causal=is_causal))
+
+        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
+        store_kv(batch, layer_id, k, v)
+        k_ctx, v_ctx = packed_kv(batch, layer_id)
+        out = fa.flash_attn_varlen_func(
+            q,
+            k_ctx.to(q.dtype),
+            v_ctx.to(q.dtype),
+            cu_seqlens_q=batch.qo_indptr.to(torch.int32),
+            cu_seqlens_k=batch.kv_indptr.to(torch.int32),
+            max_seqlen_q=batch.max_extend_len,
+            max_seqlen_k=batch.max_seq_len,
+            causal=True,
+        )
+        return merge_heads(out)
+
+    def __repr__(self) -> str:
+        return "FlashAttention()"
+
+
+#: The ``flash`` row of ``tables/attention.yaml``.
+flash_attention = FlashAttention()

@@ -1,0 +1,120 @@
+"""``math``: the reference attention, written out in float32.
+
+``softmax(q @ k^T * scale + mask) @ v`` with the softmax spelled out
+(subtract the row maximum, exponentiate, normalise), GQA by repeating key/value
+heads, and the paged path handled one request at a time. It runs anywhere and
+is the fallback every other row is checked against. Conventions (causal
+alignment, masks, GQA, empty rows) are those of ``_dense``; the paged path is
+described in ``_paged``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MathAttention", "math_attention"]
+
+import math
+from typing import Any
+
+import torch
+
+from astrai.backends.attention._dense import (
+    FLOAT_DTYPES,
+    PAGED_MODES,
+    causal_keep,
+    check_dense,
+    merge_heads,
+)
+from astrai.backends.attention._paged import check_paged, context_kv, store_kv
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    """fp32 attention of ``q`` ``[B, Sq, H, D]`` over ``k``/``v`` ``[B, Sk, Hkv, D]``.
+
+    Returns ``[B, Sq, H, Dv]`` in float32 (float64 for float64 input).
+    """
+    heads, kv_heads = q.shape[2], k.shape[2]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q32 = q.to(compute).transpose(1, 2)  # [B, H, Sq, D]
+    k32 = k.to(compute).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    v32 = v.to(compute).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+    q_len, k_len = q32.shape[2], k32.shape[2]
+
+    scores = torch.matmul(q32, k32.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(compute)
+    if is_causal:
+        scores = scores.masked_fill(~causal_keep(q_len, k_len, q.device), float("-inf"))
+
+    # A row that may see no key at all gets zero weights, hence a zero output.
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    scores = scores.masked_fill(empty, 0.0)
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.masked_fill(empty, 0.0)
+    return torch.matmul(weights, v32).transpose(1, 2)
+
+
+class MathAttention:
+    """Reference attention: dense ``[batch, seq, heads, head_dim]`` or paged packed tokens."""
+
+    def supports_call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> bool:
+        """Floating dtypes; dense 4-d without a cache, or 3-d paged prefill/decode unmasked."""
+        if q.dtype not in FLOAT_DTYPES:
+            return False
+        if kv_cache is None:
+            return q.dim() == 4
+        return q.dim() == 3 and fwd in PAGED_MODES and attn_mask is None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
+        if kv_cache is None:
+            check_dense(q, k, v, attn_mask)
+            return merge_heads(_attend(q, k, v, attn_mask, is_causal)).to(q.dtype)
+
+        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
+        store_kv(batch, layer_id, k, v)
+        outputs = []
+        start = 0
+        for i, n in enumerate(batch.extend_lens_host):
+            k_ctx, v_ctx = context_kv(batch, layer_id, i)
+            q_i = q[start : start + n].unsqueeze(0)
+            out = _attend(q_i, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), None, is_causal=True)
+            outputs.append(out[0])
+            start += n
+        return merge_heads(torch.cat(outputs, dim=0)).to(q.dtype)
+
+    def __repr__(self) -> str:
+        return "MathAttention()"
+
+
+#: The ``math`` row of ``tables/attention.yaml``.
+math_attention = MathAttention()

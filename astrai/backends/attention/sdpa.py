@@ -1,0 +1,144 @@
+"""``torch_native``: attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Dense calls go straight to SDPA (GQA via ``enable_gqa`` where this torch has
+it, else by repeating key/value heads). The paged path gathers every request's
+context into one padded ``[batch, max_seq_len, ...]`` tensor and runs a single
+SDPA call with a mask that encodes both the ragged lengths and the per-request
+causal rule; decode steps skip the query padding entirely.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SdpaAttention", "sdpa_attention"]
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from astrai.backends.attention._dense import (
+    FLOAT_DTYPES,
+    PAGED_MODES,
+    check_dense,
+    merge_heads,
+    merge_masks,
+)
+from astrai.backends.attention._paged import (
+    check_paged,
+    padded_keep,
+    padded_kv,
+    store_kv,
+    token_coords,
+)
+
+#: ``enable_gqa`` arrived in torch 2.5.
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """SDPA on ``[B, H, S, D]`` tensors, with GQA when k/v have fewer heads."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    if _HAS_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+        )
+    group = heads // kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+class SdpaAttention:
+    """Attention via PyTorch's fused SDPA kernels, dense or over a paged cache."""
+
+    def supports_call(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> bool:
+        """Floating dtypes; dense 4-d without a cache, or 3-d paged prefill/decode unmasked."""
+        if q.dtype not in FLOAT_DTYPES:
+            return False
+        if kv_cache is None:
+            return q.dim() == 4
+        return q.dim() == 3 and fwd in PAGED_MODES and attn_mask is None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
+        if kv_cache is None:
+            return self._dense(q, k, v, attn_mask, is_causal)
+        return self._paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
+
+    def _dense(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        check_dense(q, k, v, attn_mask)
+        q_len, k_len = q.shape[1], k.shape[1]
+        if is_causal and attn_mask is None and q_len == k_len:
+            # SDPA's own causal flag is top-left aligned, which equals ours when square.
+            mask, causal = None, True
+        else:
+            mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device)
+            causal = False
+        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+        return merge_heads(out.transpose(1, 2))
+
+    def _paged(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any,
+        layer_id: int,
+        fwd: str | None,
+        attn_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
+        store_kv(batch, layer_id, k, v)
+        k_pad, v_pad = padded_kv(batch, layer_id)  # [B, L, Hkv, D]
+        k_pad = k_pad.to(q.dtype).transpose(1, 2)
+        v_pad = v_pad.to(q.dtype).transpose(1, 2)
+        q_len = batch.max_extend_len
+        if q_len == 1:
+            # Decode (or a prefill of one token each): token i is request i's only query.
+            q_pad = q.unsqueeze(1)
+        else:
+            owner, offset = token_coords(batch)
+            q_pad = q.new_zeros(batch.batch_size, q_len, *q.shape[1:])
+            q_pad = q_pad.index_put((owner, offset), q)
+        out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, padded_keep(batch, q_len), False)
+        out = out.transpose(1, 2)  # [B, q_len, H, D]
+        if q_len == 1:
+            return merge_heads(out[:, 0])
+        return merge_heads(out[owner, offset])
+
+    def __repr__(self) -> str:
+        return "SdpaAttention()"
+
+
+#: The ``torch_native`` row of ``tables/attention.yaml``.
+sdpa_attention = SdpaAttention()

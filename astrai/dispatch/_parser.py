@@ -1,0 +1,261 @@
+"""Recursive-descent parser for spec expressions; it type-checks names and values as it goes.
+
+Each ``_parse_*`` method's docstring is its grammar rule. The vocabulary decides
+what a name is (an axis or a predicate) and what values an axis takes, so an
+expression that parses is well-typed. Nesting deeper than ``MAX_DEPTH`` levels of
+``(`` and ``not`` is refused, so no input can exhaust the interpreter's stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import cast
+
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch._tokenizer import Token, Tokenizer
+from astrai.dispatch.axes import DTYPES, Axis, Vocabulary
+from astrai.dispatch.grammar import (
+    AndNode,
+    AxisNode,
+    CompareNode,
+    CompareOp,
+    ConstNode,
+    Expr,
+    MemberNode,
+    NotNode,
+    OrNode,
+    PredicateNode,
+    Value,
+)
+
+#: How deeply ``(`` and ``not`` may nest.
+MAX_DEPTH = 64
+
+#: Longest integer literal accepted (an axis value, not a bignum).
+MAX_INT_DIGITS = 18
+
+_ORDERING = frozenset({"<", "<=", ">", ">="})
+
+
+class Parser:
+    """Parses one expression against one vocabulary."""
+
+    def __init__(self, source: str, vocabulary: Vocabulary) -> None:
+        self._tokens = Tokenizer(source)
+        self._vocabulary = vocabulary
+        self._depth = 0
+
+    def parse(self) -> Expr:
+        """spec := expr END"""
+        node = self._parse_expr()
+        self._tokens.expect("END", expected="'and', 'or' or end of input")
+        return node
+
+    def _parse_expr(self) -> Expr:
+        """expr := or_expr"""
+        return self._parse_or_expr()
+
+    def _parse_or_expr(self) -> Expr:
+        """or_expr := and_expr ("or" and_expr)*"""
+        items = [self._parse_and_expr()]
+        while self._tokens.consume("OR"):
+            items.append(self._parse_and_expr())
+        if len(items) == 1:
+            return items[0]
+        return OrNode(items=tuple(items), span=_covering(items))
+
+    def _parse_and_expr(self) -> Expr:
+        """and_expr := not_expr ("and" not_expr)*"""
+        items = [self._parse_not_expr()]
+        while self._tokens.consume("AND"):
+            items.append(self._parse_not_expr())
+        if len(items) == 1:
+            return items[0]
+        return AndNode(items=tuple(items), span=_covering(items))
+
+    def _parse_not_expr(self) -> Expr:
+        """not_expr := "not" not_expr | atom"""
+        word = self._tokens.consume("NOT")
+        if word is None:
+            return self._parse_atom()
+        with self._nested(word):
+            item = self._parse_not_expr()
+        return NotNode(item=item, span=(word.position, item.span[1]))
+
+    def _parse_atom(self) -> Expr:
+        """atom := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE"""
+        tokens = self._tokens
+        if tokens.check("LEFT_PAREN"):
+            opened = tokens.read()
+            with self._nested(opened):
+                node = self._parse_expr()
+            closed = tokens.expect(
+                "RIGHT_PAREN", expected="'and', 'or' or ')' to close '('", opened=opened
+            )
+            return node.model_copy(update={"span": (opened.position, closed.end)})
+        if tokens.check("ALWAYS") or tokens.check("NEVER"):
+            word = tokens.read()
+            return ConstNode(value=word.name == "ALWAYS", span=word.span)
+        if tokens.check("NAME"):
+            return self._parse_name(tokens.read())
+        tokens.raise_unexpected("an axis, a predicate, 'not', 'always', 'never' or '('")
+
+    def _parse_name(self, name: Token) -> Expr:
+        """named_atom := AXIS | comparison | PREDICATE  (told apart by the vocabulary)"""
+        tokens = self._tokens
+        axis = self._vocabulary.axes.get(name.text)
+        comparing = self._at_comparison()
+        if axis is not None:
+            if comparing:
+                return self._parse_comparison(name, axis)
+            if axis.kind != "bool":
+                ops = "==, !=, in or not in"
+                if axis.ordered:
+                    ops = "==, !=, <, <=, >, >=, in or not in"
+                tokens.raise_syntax_error(
+                    f"{name.text!r} needs a comparison ({ops}); only bool axes stand alone",
+                    name.span,
+                )
+            return AxisNode(axis=name.text, span=name.span)
+        if name.text in self._vocabulary.predicates:
+            if comparing:
+                got, span = tokens.describe_next()
+                tokens.raise_syntax_error(
+                    f"{name.text!r} is a predicate and takes no comparison, got {got}", span
+                )
+            return PredicateNode(name=name.text, span=name.span)
+        if comparing:
+            kind, names = "axis", sorted(self._vocabulary.axes)
+        else:
+            kind, names = "axis or predicate", self._vocabulary.names()
+        tokens.raise_syntax_error(
+            f"unknown {kind} {name.text!r}{did_you_mean(name.text, names)}; "
+            f"expected one of: {', '.join(names)}",
+            name.span,
+        )
+
+    def _parse_comparison(self, name: Token, axis: Axis) -> Expr:
+        """
+        comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") value
+                    | AXIS ["not"] "in" set
+        """
+        tokens = self._tokens
+        if tokens.check("OP"):
+            op = tokens.read()
+            ordering = op.text in _ORDERING
+            if ordering and not axis.ordered:
+                tokens.raise_syntax_error(
+                    f"{axis.name!r} is not ordered (a {axis.kind} axis); "
+                    f"expected ==, !=, in or not in, got {op.text!r}",
+                    op.span,
+                )
+            value, last = self._parse_value(axis, ordering=ordering)
+            return CompareNode(
+                axis=axis.name,
+                op=cast(CompareOp, op.text),
+                value=value,
+                span=(name.position, last.end),
+            )
+        negated = tokens.consume("NOT") is not None
+        tokens.expect("IN", expected="'in' after 'not'")
+        values, closed = self._parse_set(axis)
+        return MemberNode(
+            axis=axis.name, values=values, negated=negated, span=(name.position, closed.end)
+        )
+
+    def _parse_set(self, axis: Axis) -> tuple[tuple[Value, ...], Token]:
+        """set := "{" value ("," value)* "}" """
+        tokens = self._tokens
+        opened = tokens.expect("LEFT_BRACE", expected="'{' after 'in'")
+        if tokens.check("RIGHT_BRACE"):
+            closed = tokens.read()
+            tokens.raise_syntax_error(
+                f"empty set: 'in' needs at least one value for {axis.name!r}",
+                (opened.position, closed.end),
+            )
+        values = [self._parse_value(axis)[0]]
+        while tokens.consume("COMMA"):
+            values.append(self._parse_value(axis)[0])
+        closed = tokens.expect("RIGHT_BRACE", expected="',' or '}' to close '{'", opened=opened)
+        return tuple(values), closed
+
+    def _parse_value(self, axis: Axis, *, ordering: bool = False) -> tuple[Value, Token]:
+        """value := NAME | INT | "none" | "true" | "false" """
+        tokens = self._tokens
+        for rule in ("NONE", "TRUE", "FALSE", "INT", "NAME"):
+            if tokens.check(rule):
+                token = tokens.read()
+                return self._typed_value(token, axis, ordering), token
+        got, span = tokens.describe_next()
+        tokens.raise_syntax_error(_expected_value(axis, ordering, got), span)
+
+    def _typed_value(self, token: Token, axis: Axis, ordering: bool) -> Value:
+        """The value ``token`` stands for on ``axis``, or a type error under it."""
+        rule, text, kind = token.name, token.text, axis.kind
+        if rule == "NONE" and axis.nullable and not ordering:
+            return None
+        if kind == "bool" and rule in ("TRUE", "FALSE"):
+            return rule == "TRUE"
+        if kind == "int" and rule == "INT":
+            if len(text) > MAX_INT_DIGITS:
+                self._tokens.raise_syntax_error(
+                    f"integer too large for {axis.name!r} (at most {MAX_INT_DIGITS} digits)",
+                    token.span,
+                )
+            return int(text)
+        names = axis.value_names()
+        hint = did_you_mean(text, names) if rule == "NAME" else ""
+        if rule == "NAME" and kind == "dtype":
+            if text in DTYPES:
+                return DTYPES[text]
+            message = f"unknown dtype {text!r}{hint}; expected one of: {', '.join(names)}"
+        elif rule == "NAME" and kind == "enum":
+            if text in axis.values:
+                return text
+            message = (
+                f"unknown value {text!r} for {axis.name!r}{hint}; "
+                f"expected one of: {', '.join(names)}"
+            )
+        else:
+            message = _expected_value(axis, ordering, f"{text!r}{hint}")
+        self._tokens.raise_syntax_error(message, token.span)
+
+    def _at_comparison(self) -> bool:
+        tokens = self._tokens
+        return tokens.check("OP") or tokens.check("IN") or tokens.check("NOT")
+
+    @contextmanager
+    def _nested(self, opener: Token) -> Iterator[None]:
+        """One more level of ``(`` or ``not``, refused past ``MAX_DEPTH``."""
+        if self._depth >= MAX_DEPTH:
+            self._tokens.raise_syntax_error(
+                f"expression nested too deeply (more than {MAX_DEPTH} levels of '(' and 'not')",
+                opener.span,
+            )
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+
+def _expected_value(axis: Axis, ordering: bool, got: str) -> str:
+    """``expected <what axis takes> for '<axis>', got <got>``."""
+    if axis.kind == "int":
+        what = "an integer or none" if axis.nullable and not ordering else "an integer"
+        return f"expected {what} for {axis.name!r}, got {got}"
+    names = axis.value_names()
+    if axis.kind == "bool":
+        return f"expected {_or_list(names)} for {axis.name!r}, got {got}"
+    return f"expected a value for {axis.name!r}, got {got}; one of: {', '.join(names)}"
+
+
+def _or_list(words: Sequence[str]) -> str:
+    """``a, b or c``."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _covering(items: Sequence[Expr]) -> tuple[int, int]:
+    """The span from the first item's start to the last item's end."""
+    return (items[0].span[0], items[-1].span[1])

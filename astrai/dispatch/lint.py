@@ -1,0 +1,364 @@
+"""Lint: static analysis of decision tables over their finite axes (SPEC §10).
+
+A family's rows are checked against every distinguishable call: the axes some row
+tests, each narrowed to the values the expressions mention (plus one
+representative of everything else). Lint assumes every row is available —
+availability depends on the machine — but respects what profiles do: disabled
+rows and non-faithful rows nobody enables never win implicitly, and a forced row
+takes every call it accepts. It reports:
+
+- *unsatisfiable* rows, whose condition accepts no call at all;
+- *shadowed* rows, which accept calls but lose every one of them to earlier rows;
+- a coverage matrix: which row wins each (compacted) region of the domain.
+
+A condition that calls opaque Python (``Spec.of``, ``register_family``) cannot be
+analysed; it is treated as "may match anything" (three-valued logic), so it never
+counts as a shadowing row and is never wrongly reported.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LintFinding", "LintReport", "lint_all", "lint_family", "lint_view"]
+
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from astrai.dispatch.axes import AXES, DTYPES, Axis, format_value
+from astrai.dispatch.context import CallContext
+from astrai.dispatch.profiles import View
+from astrai.dispatch.records import ImplRecord
+from astrai.dispatch.registry import current
+from astrai.dispatch.spec import And, Compare, Const, Flag, Member, Named, Not, Or, Spec
+
+#: Above this many combinations, a deterministic sample of this size is analysed.
+MAX_COMBINATIONS = 200_000
+
+_ORDERING = frozenset({"<", "<=", ">", ">="})
+# Representatives for "some other dtype", most common first.
+_OTHER_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "bool")
+
+Domain = list[tuple[Any, str]]  # (value, label) pairs; together they cover the axis
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """A row that can never win: ``shadowed`` (by the rows in ``by``) or ``unsatisfiable``."""
+
+    kind: Literal["shadowed", "unsatisfiable"]
+    row: str
+    message: str
+    by: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LintReport:
+    """What lint found in one family (under the profiles it was given).
+
+    ``coverage`` maps compacted regions of the analysed axes (cells are value labels
+    joined by ``,``; ``*`` means any value) to the row that wins them when every row
+    is available; ``maybe x, else y`` where an opaque condition may take the call.
+    """
+
+    family: str
+    problems: list[LintFinding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    coverage: list[tuple[dict[str, str], str]] = field(default_factory=list)
+    axes: tuple[str, ...] = ()
+    profiles: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether no row is shadowed or unsatisfiable."""
+        return not self.problems
+
+    def render(self, coverage: bool = True) -> str:
+        """The report as the CLI prints it: problems, notes, then the coverage table."""
+        fam = self.family
+        lines = [f"{fam}: {p.message}" for p in self.problems]
+        lines += [f"{fam}: note: {n}" for n in self.notes]
+        if self.ok:
+            under = f" under profile {' + '.join(self.profiles)}" if self.profiles else ""
+            lines.append(f"{fam}: ok: no shadowed or unsatisfiable rows{under}")
+        if coverage and self.coverage:
+            lines.append(f"{fam}: coverage (every row assumed available):")
+            header = [*self.axes, "winner"]
+            body = [[cells[a] for a in self.axes] + [winner] for cells, winner in self.coverage]
+            widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+            for r in [header, *body]:
+                cells = (c.ljust(w) for c, w in zip(r, widths, strict=True))
+                lines.append(("  " + "  ".join(cells)).rstrip())
+        return "\n".join(lines)
+
+
+# -- the domain ------------------------------------------------------------------
+
+
+@dataclass
+class _Mention:
+    axis: Axis
+    values: set[Any] = field(default_factory=set)
+    ordered: bool = False
+
+
+def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
+    """Collect the axes and values ``spec`` tests, and the opaque parts it contains."""
+    if isinstance(spec, (Compare, Member)):
+        got = mentions.setdefault(spec.axis.name, _Mention(spec.axis))
+        if isinstance(spec, Compare):
+            got.values.add(spec.value)
+            got.ordered |= spec.op in _ORDERING
+        else:
+            got.values.update(spec.values)
+    elif isinstance(spec, Flag):
+        mentions.setdefault(spec.axis.name, _Mention(spec.axis))
+    elif isinstance(spec, Named):
+        _walk(spec.inner, mentions, opaque)
+    elif isinstance(spec, Not):
+        _walk(spec.part, mentions, opaque)
+    elif isinstance(spec, (And, Or)):
+        for part in spec.parts:
+            _walk(part, mentions, opaque)
+    elif not isinstance(spec, Const):
+        opaque.append(spec.description)
+
+
+def _int_domain(values: set[Any]) -> Domain:
+    """One value per class the comparisons can tell apart: each mentioned int and each gap."""
+    ints = sorted({v for v in values if isinstance(v, int) and not isinstance(v, bool)})
+    if not ints:
+        return [(1, "other")]
+    out: Domain = [(ints[0] - 1, f"<{ints[0]}")]
+    for lo, hi in itertools.pairwise(ints):
+        out.append((lo, str(lo)))
+        if hi - lo == 2:
+            out.append((lo + 1, str(lo + 1)))
+        elif hi - lo > 2:
+            out.append((lo + 1, f"{lo + 1}..{hi - 1}"))
+    out += [(ints[-1], str(ints[-1])), (ints[-1] + 1, f">{ints[-1]}")]
+    return out
+
+
+def _domain(m: _Mention) -> Domain:
+    axis = m.axis
+    if axis.kind == "bool":
+        out: Domain = [(False, "false"), (True, "true")]
+    elif axis.kind == "enum":
+        out = [(v, v) for v in axis.values]
+    elif axis.kind == "int":
+        out = _int_domain(m.values)
+    else:
+        named = [v for v in m.values if v is not None]
+        out = [(v, format_value(v)) for v in sorted(named, key=format_value)]
+        rest = [DTYPES[n] for n in _OTHER_DTYPES if DTYPES[n] not in named]
+        if rest:
+            out.append((rest[0], "other"))
+    if axis.nullable and (None in m.values or axis.kind in ("enum", "int")):
+        out.insert(0, (None, "none"))
+    return out
+
+
+def _combinations(sizes: list[int]) -> tuple[Iterator[tuple[int, ...]], int, bool]:
+    """Every index tuple over ``sizes``, or a deterministic sample when there are too many."""
+    total = math.prod(sizes)
+    if total <= MAX_COMBINATIONS:
+        return itertools.product(*(range(n) for n in sizes)), total, False
+    picked = sorted(random.Random(0).sample(range(total), MAX_COMBINATIONS))
+
+    def decode() -> Iterator[tuple[int, ...]]:
+        for flat in picked:
+            digits = []
+            for n in reversed(sizes):
+                flat, d = divmod(flat, n)
+                digits.append(d)
+            yield tuple(reversed(digits))
+
+    return decode(), total, True
+
+
+# -- evaluation ------------------------------------------------------------------
+
+
+def _tri(spec: Spec, ctx: CallContext) -> bool | None:
+    """``spec`` on ``ctx`` in three-valued logic: ``None`` where an opaque part decides."""
+    if isinstance(spec, (Compare, Member, Flag, Const)):
+        return spec.matches(ctx)
+    if isinstance(spec, Named):
+        return _tri(spec.inner, ctx)
+    if isinstance(spec, Not):
+        got = _tri(spec.part, ctx)
+        return None if got is None else not got
+    if isinstance(spec, (And, Or)):
+        decisive = isinstance(spec, Or)  # the value that settles the whole expression
+        result: bool | None = not decisive
+        for part in spec.parts:
+            got = _tri(part, ctx)
+            if got is decisive:
+                return decisive
+            if got is None:
+                result = None
+        return result
+    return None
+
+
+def _plain(spec: Spec, ctx: CallContext) -> bool | None:
+    """``spec`` on ``ctx`` for a spec without opaque parts (the fast path)."""
+    return spec.matches(ctx)
+
+
+def _eligible(view: View, rec: ImplRecord) -> bool:
+    """Whether the implicit chain may pick ``rec`` (lint assumes it is available)."""
+    return rec.name not in view.disabled and (rec.faithful or rec.name in view.enabled)
+
+
+def _quote(names: list[str] | tuple[str, ...]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+Region = tuple[list[frozenset[int]], str]  # (value indices per axis, winner)
+
+
+def _compact(entries: list[Region]) -> list[Region]:
+    """Merge regions that differ on one axis only and have the same winner, to a fixpoint."""
+    changed = True
+    while changed:
+        changed = False
+        for a in range(len(entries[0][0]) if entries else 0):
+            groups: dict[tuple[Any, ...], list[frozenset[int]]] = {}
+            for cells, winner in entries:
+                key = (winner, *cells[:a], *cells[a + 1:])
+                groups.setdefault(key, []).append(cells[a])
+            if len(groups) == len(entries):
+                continue
+            changed = True
+            entries = [([*key[1:a + 1], frozenset().union(*parts), *key[a + 1:]], key[0])
+                       for key, parts in groups.items()]
+    return sorted(entries, key=lambda e: ([min(c) for c in e[0]], e[1]))
+
+
+def lint_view(view: View) -> LintReport:
+    """Lint one family as ``view`` presents it (rows in effective order, profiles applied)."""
+    family = view.table.name
+    rows = list(view.rows)
+    fallback = view.fallback.name
+    mentions: dict[str, _Mention] = {}
+    notes: list[str] = []
+    opaque_rows: set[str] = set()
+    for rec in rows:
+        opaque: list[str] = []
+        _walk(rec.spec, mentions, opaque)
+        if opaque:
+            opaque_rows.add(rec.name)
+            notes.append(f"row {rec.name!r} is not analysable: its condition calls Python "
+                         f"({'; '.join(opaque)}); treated as 'may match anything'")
+    order = [*AXES, *view.table.axes]
+    axes = sorted(mentions, key=lambda a: order.index(a) if a in order else len(order))
+    domains = [_domain(mentions[a]) for a in axes]
+    combos, total, sampled = _combinations([len(d) for d in domains])
+    if sampled:
+        notes.append(f"too many combinations ({total}); analysed a sample of "
+                     f"{MAX_COMBINATIONS}, so findings may be incomplete")
+
+    forced = view.forced
+    chain: list[ImplRecord] = []
+    if forced is not None and (frec := view.row(forced[0])) is not None:
+        chain.append(frec)
+        notes.append(f"profile {forced[1]} forces {forced[0]!r}: it takes every call it accepts")
+    chain += [r for r in rows if _eligible(view, r)]
+    for rec in rows:
+        if rec.name in view.disabled:
+            notes.append(f"row {rec.name!r} is disabled by profile {view.disabled[rec.name]}")
+        elif not rec.faithful and rec.name not in view.enabled:
+            notes.append(f"row {rec.name!r} is explicit-only (not faithful; no profile enables "
+                         "it)")
+
+    satisfiable: set[str] = set()
+    can_win: set[str] = set()
+    taken_by: dict[str, set[str]] = {r.name: set() for r in rows}
+    entries: list[Region] = []
+    core = {a for a in axes if mentions[a].axis.core}
+    judges = [(r.name, r.spec, _tri if r.name in opaque_rows else _plain) for r in rows]
+    singles = [frozenset({j}) for j in range(max(map(len, domains), default=0))]
+    for combo in combos:
+        values = {a: domains[i][j][0] for i, (a, j) in enumerate(zip(axes, combo, strict=True))}
+        ctx = CallContext(family, **{a: v for a, v in values.items() if a in core},
+                          extra={a: v for a, v in values.items() if a not in core})
+        verdicts = {name: judge(spec, ctx) for name, spec, judge in judges}
+        satisfiable.update(n for n, v in verdicts.items() if v is not False)
+        maybe: list[str] = []
+        winner, later = fallback, []
+        for i, rec in enumerate(chain):
+            got = verdicts[rec.name]
+            if got:
+                winner, later = rec.name, chain[i + 1:]
+                break
+            if got is None and rec.name not in maybe:
+                maybe.append(rec.name)
+        can_win.update((winner, *maybe))
+        for rec in later:
+            if verdicts[rec.name] is not False:
+                taken_by[rec.name].add(winner)
+        label = f"maybe {', '.join(maybe)}, else {winner}" if maybe else winner
+        entries.append(([singles[j] for j in combo], label))
+
+    problems: list[LintFinding] = []
+    position = {r.name: i for i, r in enumerate(chain) if forced is None or i > 0}
+    for rec in rows:
+        name = rec.name
+        if name not in satisfiable:
+            if name == fallback:
+                notes.append(f"fallback row {name!r} has a condition that matches no call "
+                             f"({rec.spec.description}); it serves only as the last resort")
+            else:
+                problems.append(LintFinding("unsatisfiable", name, f"row {name!r} is "
+                                            f"unsatisfiable: {rec.spec.description}"))
+            continue
+        if name in can_win or name not in position:
+            continue
+        by = tuple(sorted(taken_by[name], key=lambda n: position.get(n, -1)))
+        if name == fallback:
+            notes.append(f"fallback row {name!r} never wins: every call is taken earlier by "
+                         f"{_quote(by)}")
+        elif forced is not None and forced[0] in by:
+            notes.append(f"row {name!r} never wins while profile {forced[1]} forces "
+                         f"{forced[0]!r}")
+        else:
+            problems.append(LintFinding("shadowed", name, f"row {name!r} is shadowed by "
+                                        f"{_quote(by)} (every call it accepts is taken "
+                                        "earlier)", by))
+    if fallback not in can_win and fallback not in position and fallback in satisfiable:
+        notes.append(f"fallback row {fallback!r} never wins: every call is taken earlier")
+
+    coverage = [({a: _cell(d, c) for a, d, c in zip(axes, domains, cells, strict=True)}, w)
+                for cells, w in _compact(entries)]
+    return LintReport(family, problems, notes, coverage, tuple(axes), view.profiles)
+
+
+def _cell(domain: Domain, picked: frozenset[int]) -> str:
+    if len(picked) == len(domain):
+        return "*"
+    return ",".join(domain[i][1] for i in sorted(picked))
+
+
+def lint_family(family: str, profiles: tuple[str, ...] = ()) -> LintReport:
+    """Lint the loaded family ``family`` under ``profiles`` (applied in order)."""
+    state = current()
+    state.family(family)  # UnknownFamilyError (a KeyError) names the known families
+    unknown = [p for p in profiles if p not in state.profiles]
+    if unknown:
+        raise ValueError(f"unknown profile {unknown[0]!r}; profiles: "
+                         f"{', '.join(sorted(state.profiles)) or '(none)'}")
+    return lint_view(state.view(family, tuple(profiles)))
+
+
+def lint_all(profiles: tuple[str, ...] = ()) -> list[LintReport]:
+    """Lint every loaded family (sorted by name) under ``profiles``, from one snapshot."""
+    state = current()
+    unknown = [p for p in profiles if p not in state.profiles]
+    if unknown:
+        raise ValueError(f"unknown profile {unknown[0]!r}; profiles: "
+                         f"{', '.join(sorted(state.profiles)) or '(none)'}")
+    return [lint_view(state.view(f, tuple(profiles))) for f in sorted(state.families)]

@@ -1,0 +1,194 @@
+"""Tests of the rotary rows (torch, complex, reference), rotary_freqs and tables/rotary.yaml."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from astrai.backends.rotary import complex_rotary, reference_rotary, rotary_freqs, torch_rotary
+from astrai.dispatch import parse_spec, shipped_tables_dir
+from astrai.ops._contexts import rotary_context
+
+# float64 is limited by the float32 (cos, sin) table that rotary_freqs returns.
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2, torch.float64: 1e-6}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ROWS = yaml.safe_load((shipped_tables_dir() / "rotary.yaml").read_text())["rows"]
+
+
+def load_impl(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+IMPLS = {row["name"]: load_impl(row["impl"]) for row in ROWS}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol)
+
+
+def loop_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate each adjacent pair of a [..., seq, heads, d] / [tokens, heads, d] x in float64."""
+    out = x.double().clone()
+    d = x.shape[-1]
+    flat_x, flat_out = x.double().reshape(-1, d), out.view(-1, d)
+    heads = x.shape[-2]
+    pos = positions.reshape(-1).repeat_interleave(heads)
+    for r in range(flat_x.shape[0]):
+        for i in range(d // 2):
+            angle = float(pos[r]) * theta ** (-2 * i / d)
+            a, b = float(flat_x[r, 2 * i]), float(flat_x[r, 2 * i + 1])
+            flat_out[r, 2 * i] = a * math.cos(angle) - b * math.sin(angle)
+            flat_out[r, 2 * i + 1] = a * math.sin(angle) + b * math.cos(angle)
+    return out
+
+
+LAYOUTS = ("dense_batch", "dense_shared", "dense_3d_table", "packed")
+
+
+def make_call(layout: str, dtype: torch.dtype, d: int = 8, seed: int = 0) -> tuple[Any, ...]:
+    """(x, freqs_cis, positions broadcast like x's leading dims) for a layout."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "packed":
+        pos = torch.tensor([0, 1, 2, 0, 1, 7, 3])
+        x = torch.randn(7, 3, d, generator=g).to(dtype)
+        return x, rotary_freqs(pos, d), pos
+    x = torch.randn(2, 5, 3, d, generator=g).to(dtype)
+    if layout == "dense_batch":
+        pos = torch.tensor([[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]])
+        return x, rotary_freqs(pos, d), pos
+    pos = torch.arange(5)
+    table = rotary_freqs(pos, d)
+    freqs = table if layout == "dense_3d_table" else table.unsqueeze(0)
+    return x, freqs, pos.expand(2, 5)
+
+
+class TestRotaryFreqs:
+    def test_shape_and_values(self) -> None:
+        """The table is [*positions, d/2, 2] of (cos, sin) with angle pos * theta^(-2i/d)."""
+        table = rotary_freqs(torch.tensor([[0, 3]]), 8, theta=100.0)
+        assert table.shape == (1, 2, 4, 2) and table.dtype == torch.float32
+        assert torch.equal(table[0, 0], torch.tensor([[1.0, 0.0]] * 4))
+        angles = 3 * 100.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+        torch.testing.assert_close(table[0, 1, :, 0].double(), angles.cos(), atol=1e-7, rtol=0)
+        torch.testing.assert_close(table[0, 1, :, 1].double(), angles.sin(), atol=1e-7, rtol=0)
+
+    def test_int_positions_mean_arange(self) -> None:
+        """An int is a count of positions starting at 0."""
+        assert torch.equal(rotary_freqs(6, 4), rotary_freqs(torch.arange(6), 4))
+
+    def test_error_odd_head_dim(self) -> None:
+        """An odd head_dim cannot form pairs."""
+        with pytest.raises(ValueError, match="head_dim must be even"):
+            rotary_freqs(4, 7)
+
+
+class TestRotaryNumerics:
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_rows_agree_with_the_loop_and_each_other(self, layout: str, dtype: torch.dtype) -> None:
+        """Every row that accepts the call matches a per-pair float64 loop and the others."""
+        x, freqs, pos = make_call(layout, dtype)
+        want = loop_rotary(x, pos)
+        outs = {}
+        for name, impl in IMPLS.items():
+            if impl.supports_call(x, freqs):
+                out = impl(x, freqs)
+                assert out.shape == x.shape and out.dtype == dtype
+                close(out, want, dtype)
+                outs[name] = out
+        assert {"torch", "reference"} <= outs.keys()
+        assert ("complex" in outs) == (dtype in (torch.float32, torch.float64))
+        for a, b in itertools.combinations(outs.values(), 2):
+            close(a, b, dtype)
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        m=st.integers(0, 64), n=st.integers(0, 64), shift=st.integers(0, 64),
+        half=st.integers(1, 8), seed=st.integers(0, 2**16),
+    )
+    def test_scores_depend_only_on_relative_position(
+        self, m: int, n: int, shift: int, half: int, seed: int
+    ) -> None:
+        """<rot(q, m), rot(k, n)> equals <rot(q, m+s), rot(k, n+s)> for every row."""
+        g = torch.Generator().manual_seed(seed)
+        d = 2 * half
+        q, k = torch.randn(2, 1, 1, d, generator=g, dtype=torch.float64)
+        for impl in IMPLS.values():
+            def score(a: int, b: int, impl: Any = impl) -> float:
+                fa = rotary_freqs(torch.tensor([a]), d).double()
+                fb = rotary_freqs(torch.tensor([b]), d).double()
+                return float((impl(q, fa) * impl(k, fb)).sum())
+            assert math.isclose(score(m, n), score(m + shift, n + shift), abs_tol=1e-4)
+
+    def test_rotation_keeps_pair_norms(self) -> None:
+        """Each (2i, 2i+1) pair keeps its length: the pairs are adjacent elements."""
+        x, freqs, _ = make_call("packed", torch.float64)
+
+        def norms(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(*t.shape[:-1], -1, 2).square().sum(dim=-1)
+
+        for impl in IMPLS.values():
+            torch.testing.assert_close(norms(impl(x, freqs)), norms(x))
+
+    @pytest.mark.parametrize("impl", list(IMPLS.values()), ids=repr)
+    def test_error_table_does_not_fit(self, impl: Any) -> None:
+        """A freqs_cis of the wrong shape is a ValueError showing the expected shape."""
+        x = torch.randn(2, 5, 3, 8)
+        with pytest.raises(ValueError, match=r"expected \[2 or 1, 5, 4, 2\]"):
+            impl(x, rotary_freqs(torch.arange(4), 8).unsqueeze(0))
+        with pytest.raises(ValueError, match="does not fit"):
+            impl(x[0], rotary_freqs(torch.arange(4), 8))
+        with pytest.raises(ValueError, match="even head_dim"):
+            impl(torch.randn(4, 2, 7), torch.zeros(4, 3, 2))
+
+    def test_error_complex_row_refuses_half_types(self) -> None:
+        """The complex row names the dtypes it takes instead of upcasting."""
+        x, freqs, _ = make_call("packed", torch.float16)
+        with pytest.raises(ValueError, match="float32/float64"):
+            complex_rotary(x, freqs)
+
+
+def grid_calls() -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Calls varying dtype, rank, head_dim and grad mode."""
+    calls = []
+    shapes = {2: (5,), 3: (5, 2), 4: (2, 5, 2), 5: (1, 2, 5, 2)}
+    for dtype, ndim, d, grad in itertools.product(
+        (*DTYPES, torch.int64), shapes, (4, 8, 64), (True, False)
+    ):
+        x = torch.zeros(*shapes[ndim], d).to(dtype)
+        freqs = torch.zeros(5, d // 2, 2)
+        calls.append((x, freqs, grad))
+    return calls
+
+
+class TestSupportsCallAgreesWithTable:
+    @pytest.mark.parametrize("row", ROWS, ids=lambda r: r["name"])
+    def test_supports_call_equals_when(self, row: dict[str, Any]) -> None:
+        """supports_call(*call) == parse_spec(when).matches(context of call) on the grid."""
+        impl, spec = load_impl(row["impl"]), parse_spec(row["when"])
+        accepted = 0
+        for x, freqs, grad in grid_calls():
+            with torch.set_grad_enabled(grad):
+                ctx = rotary_context(x, freqs)
+                want = spec.matches(ctx)
+                assert impl.supports_call(*ctx.raw, **ctx.raw_kwargs) == want, (row["name"], ctx)
+            accepted += want
+        assert accepted
+
+    def test_table_names_the_module_objects(self) -> None:
+        """The rows bind to this module's instances, in the documented order."""
+        assert list(IMPLS) == ["torch", "complex", "reference"]
+        assert IMPLS["torch"] is torch_rotary and IMPLS["reference"] is reference_rotary
+        assert yaml.safe_load((shipped_tables_dir() / "rotary.yaml").read_text())[
+            "fallback"
+        ] == "reference"

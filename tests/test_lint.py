@@ -1,0 +1,263 @@
+"""Tests for table lint (SPEC §10): shadowed and unsatisfiable rows, and the coverage matrix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from astrai.dispatch import lint
+from astrai.dispatch.axes import CORE_VOCABULARY, Axis
+from astrai.dispatch.lint import LintFinding, LintReport, lint_all, lint_family, lint_view
+from astrai.dispatch.profiles import View
+from astrai.dispatch.records import FamilyTable, ImplRecord
+from astrai.dispatch.registry import current
+from astrai.dispatch.spec import Spec, parse_spec
+
+QUANT = Axis("quant", "enum", ("int8", "fp8"), nullable=True, core=False)
+WINDOW = Axis("window", "int", nullable=True, core=False)
+EXTRAS: Mapping[str, Axis] = MappingProxyType({"quant": QUANT, "window": WINDOW})
+
+Row = tuple[str, str | Spec] | tuple[str, str | Spec, dict[str, Any]]
+
+
+def make_view(*rows: Row, fallback: str = "", axes: Mapping[str, Axis] = EXTRAS,
+              **view_kw: Any) -> View:
+    """A ``View`` of a family ``fam`` whose rows are ``(name, when[, record options])``."""
+    vocabulary = CORE_VOCABULARY.with_extras(axes)
+    records = []
+    for name, when, *opts in rows:
+        spec = parse_spec(when, vocabulary) if isinstance(when, str) else when
+        records.append(ImplRecord("fam", name, object(), spec, **(opts[0] if opts else {})))
+    table = FamilyTable("fam", tuple(records), fallback or records[-1].name, axes=axes)
+    return View(table, table.rows, table.fallback_record, **view_kw)
+
+
+def kinds(report: LintReport) -> dict[str, str]:
+    """Row name -> kind of finding, for compact assertions."""
+    return {p.row: p.kind for p in report.problems}
+
+
+def winner(report: LintReport, **cells: str) -> str:
+    """The winner of the single coverage region that contains the given axis values."""
+    found = [w for region, w in report.coverage
+             if all(region[a] == "*" or v in region[a].split(",") for a, v in cells.items())]
+    assert len(found) == 1, (cells, report.coverage)
+    return found[0]
+
+
+class TestLintView:
+    def test_shadowed_by_earlier_always_row(self) -> None:
+        """A row after an ``always`` row is reported as shadowed by it."""
+        report = lint_view(make_view(("a", "always"), ("b", "dtype == float16"),
+                                     ("ref", "always")))
+        assert report.problems == [LintFinding(
+            "shadowed", "b", "row 'b' is shadowed by 'a' (every call it accepts is taken "
+            "earlier)", ("a",))]
+
+    def test_shadowed_by_union_of_two_rows(self) -> None:
+        """A row covered by two earlier rows together names both of them, in order."""
+        report = lint_view(make_view(("f16", "dtype == float16"), ("bf16", "dtype == bfloat16"),
+                                     ("both", "dtype in {float16, bfloat16}"), ("ref", "always")))
+        assert kinds(report) == {"both": "shadowed"}
+        assert report.problems[0].by == ("f16", "bf16")
+
+    def test_partial_overlap_is_not_shadowed(self) -> None:
+        """A row that keeps at least one call of its own is not reported."""
+        report = lint_view(make_view(("f16", "dtype == float16"),
+                                     ("half_or_f32", "dtype in {float16, float32}"),
+                                     ("ref", "always")))
+        assert report.ok
+
+    @pytest.mark.parametrize("when", ["ndim == 3 and ndim == 4", "has_cache and not has_cache",
+                                      "ndim < 3 and ndim > 5", "never",
+                                      "inference and fwd == none"])
+    def test_unsatisfiable_row(self, when: str) -> None:
+        """A row whose condition accepts no call is unsatisfiable, with its condition shown."""
+        report = lint_view(make_view(("x", when), ("ref", "always")))
+        assert report.problems == [LintFinding("unsatisfiable", "x",
+                                               f"row 'x' is unsatisfiable: {when}")]
+
+    def test_int_boundary_le_then_lt_is_shadowed(self) -> None:
+        """``head_dim < 128`` after ``head_dim <= 128`` can never win."""
+        report = lint_view(make_view(("le", "head_dim <= 128"), ("lt", "head_dim < 128"),
+                                     ("ref", "always")))
+        assert kinds(report) == {"lt": "shadowed"}
+
+    def test_int_boundary_lt_then_le_is_not_shadowed(self) -> None:
+        """``head_dim <= 128`` after ``head_dim < 128`` still wins at exactly 128."""
+        report = lint_view(make_view(("lt", "head_dim < 128"), ("le", "head_dim <= 128"),
+                                     ("ref", "always")))
+        assert report.ok
+        assert winner(report, head_dim="128") == "le"
+        assert winner(report, head_dim="<128") == "lt"
+
+    def test_int_gaps_between_mentioned_values(self) -> None:
+        """Values strictly between two mentioned ints are a class of their own."""
+        report = lint_view(make_view(("a", "ndim >= 2 and ndim <= 5 and ndim != 3"),
+                                     ("b", "ndim > 1 and ndim < 6"), ("ref", "always")))
+        assert report.ok
+        assert winner(report, ndim="3") == "b"
+        assert winner(report, ndim="4") == "a"
+
+    def test_non_faithful_row_is_explicit_only(self) -> None:
+        """A non-faithful row nobody enables is explicit-only: a note, never a shadow."""
+        report = lint_view(make_view(("fp8", "always", {"faithful": False}), ("a", "always"),
+                                     ("late", "dtype == float16", {"faithful": False}),
+                                     ("ref", "always")))
+        assert report.ok
+        assert "row 'fp8' is explicit-only (not faithful; no profile enables it)" in report.notes
+        assert winner(report) == "a"
+
+    def test_enabled_non_faithful_row_shadows(self) -> None:
+        """A non-faithful row enabled by a profile takes part in the chain and can shadow."""
+        report = lint_view(make_view(("fp8", "always", {"faithful": False}), ("a", "ndim == 2"),
+                                     ("ref", "always"), enabled={"fp8": "fast"}))
+        assert kinds(report) == {"a": "shadowed"}
+        assert report.problems[0].by == ("fp8",)
+
+    def test_profile_disabled_row_does_not_shadow(self) -> None:
+        """A row disabled by a profile is skipped, so the rows after it can still win."""
+        report = lint_view(make_view(("a", "always"), ("b", "dtype == float16"),
+                                     ("ref", "always"), disabled={"a": "slow"}))
+        assert report.ok
+        assert "row 'a' is disabled by profile slow" in report.notes
+        assert winner(report, dtype="float16") == "b"
+
+    def test_extra_axes_are_analysed(self) -> None:
+        """A family's extra axes are enumerated like core ones (enum with none, int classes)."""
+        report = lint_view(make_view(("q", "quant == int8 and window > 64"),
+                                     ("q2", "quant in {int8} and window >= 65"),
+                                     ("any", "quant != none"), ("ref", "always")))
+        assert kinds(report) == {"q2": "shadowed"}
+        assert report.axes == ("quant", "window")
+        assert winner(report, quant="int8", window="65") == "q"
+        assert winner(report, quant="int8", window=">65") == "q"
+        assert winner(report, quant="fp8", window="64") == "any"
+        assert winner(report, quant="none", window="none") == "ref"
+
+    def test_coverage_matrix_winners(self) -> None:
+        """Each region of the coverage matrix names the row the chain picks there."""
+        report = lint_view(make_view(("fast", "dtype == bfloat16 and has_cache"),
+                                     ("mid", "dtype in {float16, bfloat16}"),
+                                     ("ref", "training")))
+        assert report.axes == ("fwd", "dtype", "has_cache")
+        assert winner(report, fwd="decode", dtype="bfloat16", has_cache="true") == "fast"
+        assert winner(report, fwd="decode", dtype="bfloat16", has_cache="false") == "mid"
+        assert winner(report, fwd="none", dtype="float16", has_cache="true") == "mid"
+        assert winner(report, fwd="prefill", dtype="other", has_cache="true") == "ref"
+        assert winner(report, fwd="none", dtype="other", has_cache="false") == "ref"
+
+    def test_coverage_regions_are_compact(self) -> None:
+        """An axis on which the winner does not depend collapses to ``*``."""
+        report = lint_view(make_view(("a", "dtype == float16 or has_mask"), ("ref", "always")))
+        assert report.coverage == [({"dtype": "float16", "has_mask": "false"}, "a"),
+                                   ({"dtype": "*", "has_mask": "true"}, "a"),
+                                   ({"dtype": "other", "has_mask": "false"}, "ref")]
+
+    def test_fallback_is_exempt_from_shadowed(self) -> None:
+        """A fallback that never wins is a note, not a problem."""
+        report = lint_view(make_view(("a", "always"), ("ref", "always")))
+        assert report.ok
+        assert "fallback row 'ref' never wins: every call is taken earlier by 'a'" in report.notes
+
+    def test_fallback_with_never_is_a_note(self) -> None:
+        """A fallback whose condition matches nothing still serves as the last resort."""
+        report = lint_view(make_view(("a", "ndim == 4"), ("ref", "never")))
+        assert report.ok
+        assert any("serves only as the last resort" in n for n in report.notes)
+        assert winner(report, ndim="<4") == "ref"
+
+    def test_fallback_in_the_middle_shadows_later_rows(self) -> None:
+        """Rows after a fallback that accepts every call are shadowed by it."""
+        report = lint_view(make_view(("ref", "always"), ("b", "ndim == 3"), fallback="ref"))
+        assert kinds(report) == {"b": "shadowed"}
+
+    def test_opaque_row_is_not_analysable(self) -> None:
+        """A Python predicate may match anything: it never shadows and is noted, not flagged."""
+        opaque = Spec.of(lambda ctx: ctx.ndim == 3, "is packed")
+        report = lint_view(make_view(("py", opaque), ("b", "ndim == 3"), ("ref", "always")))
+        assert report.ok
+        assert any("row 'py' is not analysable" in n and "is packed" in n for n in report.notes)
+        assert winner(report, ndim="3") == "maybe py, else b"
+
+    def test_opaque_row_after_always_is_shadowed(self) -> None:
+        """Even an opaque row is shadowed when an earlier row accepts every call."""
+        opaque = Spec.of(lambda ctx: True, "custom") & parse_spec("ndim == 3")
+        report = lint_view(make_view(("a", "always"), ("py", opaque), ("ref", "always")))
+        assert kinds(report) == {"py": "shadowed"}
+
+    def test_forced_row_is_a_note(self) -> None:
+        """Rows that lose only to a profile's forced row are notes, not problems."""
+        report = lint_view(make_view(("a", "dtype == float16"), ("ref", "always"),
+                                     forced=("ref", "reference"), profiles=("reference",)))
+        assert report.ok
+        assert "row 'a' never wins while profile reference forces 'ref'" in report.notes
+        assert winner(report, dtype="float16") == "ref"
+
+    def test_too_many_combinations_are_sampled(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Above the cap a deterministic sample is analysed, and the report says so."""
+        monkeypatch.setattr(lint, "MAX_COMBINATIONS", 5)
+        report = lint_view(make_view(("a", "dtype in {float16, bfloat16} and has_cache"),
+                                     ("ref", "always")))
+        assert any("too many combinations (6); analysed a sample of 5" in n
+                   for n in report.notes)
+
+
+class TestLintReport:
+    def test_render(self) -> None:
+        """``render`` prints problems prefixed by the family, then the coverage table."""
+        report = lint_view(make_view(("a", "dtype == float16"), ("b", "ndim == 3 and ndim == 4"),
+                                     ("c", "dtype in {float16}"), ("ref", "always")))
+        assert report.render() == "\n".join([
+            "fam: row 'b' is unsatisfiable: ndim == 3 and ndim == 4",
+            "fam: row 'c' is shadowed by 'a' (every call it accepts is taken earlier)",
+            "fam: coverage (every row assumed available):",
+            "  dtype    ndim  winner",
+            "  float16  *     a",
+            "  other    *     ref",
+        ])
+
+    def test_render_ok_without_coverage(self) -> None:
+        """A clean report renders one ok line when the coverage table is left out."""
+        report = lint_view(make_view(("a", "ndim == 3"), ("ref", "always")))
+        assert report.ok
+        assert report.render(coverage=False) == "fam: ok: no shadowed or unsatisfiable rows"
+
+
+class TestLintFamily:
+    def test_matches_lint_view_of_the_loaded_family(self) -> None:
+        """``lint_family`` lints the registry's view of the family."""
+        family = sorted(current().families)[0]
+        assert lint_family(family).render() == lint_view(current().view(family, ())).render()
+
+    def test_reference_profile_forces_the_fallback(self) -> None:
+        """Under the shipped reference profile every family is clean: forcing is intended."""
+        report = lint_family("attention", ("reference",))
+        assert report.ok
+        assert report.profiles == ("reference",)
+
+    def test_unknown_family(self) -> None:
+        """An unknown family is a ``KeyError``."""
+        with pytest.raises(KeyError, match="no_such_family"):
+            lint_family("no_such_family")
+
+    def test_unknown_profile(self) -> None:
+        """An unknown profile is a ``ValueError`` listing the known ones."""
+        with pytest.raises(ValueError, match=r"unknown profile 'nope'; profiles: .*reference"):
+            lint_family("attention", ("nope",))
+
+
+class TestLintAll:
+    def test_one_report_per_family(self) -> None:
+        """``lint_all`` reports every loaded family, sorted by name."""
+        reports = lint_all()
+        assert [r.family for r in reports] == sorted(current().families)
+        assert all(r.coverage for r in reports)
+
+    def test_unknown_profile(self) -> None:
+        """An unknown profile is a ``ValueError``."""
+        with pytest.raises(ValueError, match="nope"):
+            lint_all(("nope",))
