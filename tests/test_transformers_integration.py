@@ -12,13 +12,14 @@ import copy
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402
+from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     LlamaConfig,
@@ -27,14 +28,14 @@ from transformers import (  # noqa: E402
     PreTrainedModel,
 )
 
-import astrai.dispatch as dispatch  # noqa: E402
-from astrai.integrations import transformers as hf  # noqa: E402
+import astrai.dispatch as dispatch
+from astrai.integrations import transformers as hf
 
 SEQ = 12
 WINDOW = 4
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
     eos_token_id=2,
@@ -74,7 +75,9 @@ def build(
     state = None
     for impl in impls:
         # Each model needs its own config: the implementation is stored on it.
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            copy.deepcopy(config), attn_implementation=impl
+        )
         if state is None:
             state = model.state_dict()
         else:
@@ -98,25 +101,36 @@ def left_padded() -> tuple[torch.Tensor, torch.Tensor]:
 def logits(model: PreTrainedModel, ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
     """The model's float32 logits without autograd."""
     with torch.no_grad():
-        return model(ids, **kwargs).logits.float()
+        out: torch.Tensor = model(ids, **kwargs).logits.float()
+    return out
 
 
 def greedy(model: PreTrainedModel, ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
     """Eight greedy new tokens."""
+    generate: Any = model.generate
     with torch.no_grad():
-        out = model.generate(
+        out: torch.Tensor = generate(
             ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, **kwargs
         )
     return out[:, ids.shape[1]:]
+
+
+class _Attention(torch.nn.Module):
+    """Stands in for a transformers attention layer: causal, 2 query heads per kv head."""
+
+    is_causal = True
+    num_key_value_groups = 2
 
 
 class TestRegister:
     """``register`` / ``is_registered``."""
 
     def test_import_does_not_register(self) -> None:
-        """Importing the integration installs nothing in transformers."""
+        """Importing the integration neither imports transformers nor installs anything in it."""
         code = (
+            "import sys\n"
             "import astrai.integrations.transformers as hf\n"
+            "assert 'transformers' not in sys.modules\n"
             "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
             "from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS\n"
             "assert 'astrai' not in ALL_ATTENTION_FUNCTIONS\n"
@@ -146,9 +160,7 @@ class TestAstraiAttentionForward:
         """``[B, H, S, D]`` in (2 kv heads), ``[B, S, H, D]`` out, equal to transformers' sdpa."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        module = torch.nn.Module()
-        module.is_causal = True
-        module.num_key_value_groups = 2
+        module = _Attention()
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(2, 4, 6, 16, generator=gen)
         k, v = (torch.randn(2, 2, 6, 16, generator=gen) for _ in range(2))
@@ -190,7 +202,7 @@ class TestAstraiAttentionForward:
     def test_error_block_mask(self) -> None:
         """A mask that is not a tensor (flex_attention's BlockMask) is refused."""
         q = torch.zeros(1, 4, 6, 16)
-        with pytest.raises(hf.UnsupportedFeatureError, match="attention mask of type object"):
+        with pytest.raises(hf.UnsupportedFeatureError, match="mask that is not a tensor"):
             hf.astrai_attention_forward(None, q, q, q, object())  # type: ignore[arg-type]
 
 
@@ -312,7 +324,7 @@ class TestModelFeatures:
                               query_pre_attn_scalar=16, sliding_window=WINDOW,
                               attn_logit_softcapping=50.0)
         model = build(config, ("astrai",))["astrai"]
-        with pytest.raises(hf.UnsupportedFeatureError, match="soft-capping.*50.0"):
+        with pytest.raises(hf.UnsupportedFeatureError, match=r"soft-capping.*50\.0"):
             logits(model, tokens())
 
     def test_error_output_attentions(self) -> None:

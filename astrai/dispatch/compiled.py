@@ -17,6 +17,7 @@ from __future__ import annotations
 
 __all__ = ["IMPLS", "KEY", "decision_name", "impl_key", "note_epoch", "note_scope", "publish"]
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -59,7 +60,17 @@ def note_scope(keys: tuple[Any, ...]) -> None:
 IMPLS: dict[str, Any] = {}
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Any) -> Any:
+    """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing
+    ``torch._dynamo`` (which costs over a second at import time). The compile tests
+    check that the mark still takes effect (zero graph breaks)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def decision_name(family: str, sig: tuple[Any, ...], backend: Any, key: tuple[Any, ...]) -> str:
     """Decide at trace time; returns the ``IMPLS`` key of the object to call.
 

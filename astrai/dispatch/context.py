@@ -44,9 +44,12 @@ class CallContext:
         return dataclasses.replace(self, **changes)
 
     def signature(self) -> tuple[Any, ...]:
-        """The hashable identity of the call's axes (``raw`` excluded)."""
+        """The hashable identity of the call's axes (``raw`` excluded); computed once."""
+        got = self.__dict__.get("_signature")
+        if got is not None:
+            return got  # type: ignore[no-any-return]
         extra = tuple(sorted(self.extra.items())) if self.extra else ()
-        return (
+        got = (
             self.family,
             self.fwd,
             self.dtype,
@@ -58,3 +61,5 @@ class CallContext:
             self.grad_enabled,
             extra,
         )
+        object.__setattr__(self, "_signature", got)
+        return got

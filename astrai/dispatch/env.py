@@ -114,16 +114,16 @@ def encoded(name: str) -> Any:
     return encode(name) if callable(encode) else name
 
 
-_DATA: Any = getattr(os.environ, "_data", None)
-if not isinstance(_DATA, dict) or not callable(getattr(os.environ, "encodekey", None)):
-    _DATA = None
+ENVIRON_DATA: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+if not isinstance(ENVIRON_DATA, dict) or not callable(getattr(os.environ, "encodekey", None)):
+    ENVIRON_DATA = None  # pragma: no cover
 OPS_KEY = encoded(OPS_ENV)
 
 
 def raw_get(key: Any) -> Any:
     """The raw value of an environment variable by its pre-encoded ``key`` (or ``None``)."""
-    if _DATA is not None:
-        return _DATA.get(key)
+    if ENVIRON_DATA is not None:
+        return ENVIRON_DATA.get(key)
     return os.environ.get(key)  # pragma: no cover - platforms without os.environ._data
 
 

@@ -57,17 +57,14 @@ class Registry:
         init=False, default_factory=dict
     )
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
+    alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
-    @property
-    def alias_keys(self) -> Mapping[str, Any]:
-        """Per family, its legacy variable's name as ``os.environ`` stores it."""
-        got = self.__dict__.get("_alias_keys")
-        if got is None:
-            from astrai.dispatch.env import encoded
+    def __post_init__(self) -> None:
+        from astrai.dispatch.env import encoded
 
-            got = {f: encoded(v) for f, v in self.aliases.items()}
-            object.__setattr__(self, "_alias_keys", got)
-        return got
+        # Per family, its legacy variable's name as os.environ stores it (hot path).
+        object.__setattr__(self, "alias_keys",
+                           {f: encoded(v) for f, v in self.aliases.items()})
 
     def family(self, name: str) -> FamilyTable:
         """The family ``name``; ``UnknownFamilyError`` (a ``KeyError``) lists the known ones."""

@@ -20,6 +20,7 @@ __all__ = [
     "explanation",
     "resolve",
     "resolve_plan",
+    "set_max_decisions",
 ]
 
 from collections.abc import Callable, Mapping
@@ -31,7 +32,7 @@ from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import format_value
 from astrai.dispatch.context import CallContext
 from astrai.dispatch import registry as _registry
-from astrai.dispatch.env import OPS_KEY, EnvSettings, env_settings, raw_get
+from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY, EnvSettings, env_settings, raw_get
 from astrai.dispatch.overrides import (
     UNCACHEABLE,
     current_profiles,
@@ -241,6 +242,15 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
 # -- resolve, with its decision cache -----------------------------------------
 
 MAX_DECISIONS = 4096
+_environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
+
+
+def set_max_decisions(n: int) -> None:
+    """Bound the decision cache of each table snapshot to ``n`` entries (default 4096)."""
+    global MAX_DECISIONS
+    if n < 1:
+        raise ValueError(f"the decision cache needs room for at least 1 entry, got {n}")
+    MAX_DECISIONS = n
 
 
 class Decision:
@@ -271,8 +281,8 @@ def decide(family: str, sig: tuple[Any, ...], explicit: Any,
     if ekey is UNCACHEABLE or okey is UNCACHEABLE:
         return Decision(evaluate(family, build(*args), explicit, state=state))
     alias = state.alias_keys.get(family)
-    key = (sig, ekey, okey, scope.profiles, raw_get(OPS_KEY),
-           None if alias is None else raw_get(alias))
+    key = (sig, ekey, okey, scope.profiles, _environ_get(OPS_KEY),
+           None if alias is None else _environ_get(alias))
     decisions = state.decisions
     got = decisions.get(key)
     if got is not None:
@@ -295,9 +305,10 @@ def _same(ctx: CallContext) -> CallContext:
 
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
-    if ctx.family != family:
+    sig = ctx.signature()
+    if sig[0] != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
-    return decide(family, ctx.signature(), explicit, _same, (ctx,)).resolution
+    return decide(family, sig, explicit, _same, (ctx,)).resolution
 
 
 def resolve_plan(ctxs: Mapping[str, CallContext],

@@ -1,0 +1,341 @@
+"""Hugging Face transformers plug-in: ``attn_implementation="astrai"``.
+
+After ``register()``, any model whose attention layers go through transformers'
+``AttentionInterface`` (Llama, Mistral, Qwen2, ... - transformers >= 4.48) can be
+built with ``attn_implementation="astrai"``; every attention call is then sent to
+``astrai.ops.attention``, so it is resolved against ``tables/attention.yaml``,
+counted in ``astrai.dispatch.stats()``, explainable with ``explain`` and
+overridable with ``ASTR_OPS``, ``op_backend`` and profiles::
+
+    from astrai.integrations.transformers import register
+    register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="astrai")
+
+What ``register()`` installs, under the name ``"astrai"``:
+
+- ``AttentionInterface.register("astrai", astrai_attention_forward)`` - the
+  adapter below;
+- where transformers has an ``AttentionMaskInterface`` (>= 4.53), the mask builder
+  that ``"sdpa"`` uses: a boolean ``[batch, 1, q_len, kv_len]`` mask (``True`` =
+  may attend) carrying causality, padding, sliding windows and packed sequences,
+  or ``None`` when a plain causal mask suffices. Without this second registration
+  transformers would build *no mask at all* for an unknown implementation name.
+
+The adapter translates transformers' call (``[batch, heads, seq, head_dim]``
+tensors, fewer K/V heads for GQA, its 4-d mask, ``is_causal``) to the facade's
+dense layout (``[batch, seq, heads, head_dim]``) and back, following the
+semantics of transformers' own ``sdpa_attention_forward`` exactly. What the
+facade cannot express is refused with ``UnsupportedFeatureError`` - never
+computed differently: a softmax scale other than ``head_dim ** -0.5``, attention
+dropout, logit soft-capping, attention sinks, position biases, returning the
+attention weights, ``BlockMask`` masks, and a sliding window without a mask.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "UnsupportedFeatureError",
+    "astrai_attention_forward",
+    "call_context",
+    "is_registered",
+    "register",
+    "run_transformers_demo",
+]
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from astrai.dispatch.context import CallContext
+from astrai.errors import AstraiError
+from astrai.ops import attention
+from astrai.ops._contexts import attention_context
+
+#: The ``attn_implementation`` name that ``register()`` installs.
+ATTN_IMPLEMENTATION = "astrai"
+
+_INSTALL_HINT = (
+    "the transformers integration needs transformers >= 4.48 (pip install 'astrai[transformers]')"
+)
+
+# Keyword arguments some architectures pass that the facade cannot honour, with why.
+_REFUSED_KWARGS: dict[str, str] = {
+    "softcap": "attention logit soft-capping (e.g. Gemma 2)",
+    "s_aux": "attention sinks (e.g. gpt-oss)",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias (e.g. T5 / ALiBi style)",
+}
+
+
+class UnsupportedFeatureError(AstraiError, NotImplementedError):
+    """A transformers attention call uses a feature ``astrai.ops.attention`` cannot express.
+
+    ``feature`` names it, ``value`` is what the call carried, ``hint`` says how to
+    proceed (usually: use ``attn_implementation="sdpa"`` or ``"eager"`` for this model).
+    """
+
+    def __init__(self, feature: str, value: Any, hint: str) -> None:
+        self.feature = feature
+        self.value = value
+        self.hint = hint
+        super().__init__(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support {feature} "
+            f"(got {value!r}): {hint}"
+        )
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (UnsupportedFeatureError, (self.feature, self.value, self.hint))
+
+
+def _refuse(feature: str, value: Any, hint: str | None = None) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        feature,
+        value,
+        hint or "astrai.ops.attention cannot compute it; use attn_implementation='sdpa' or "
+        "'eager' for this model",
+    )
+
+
+def _check_supported(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Raise ``UnsupportedFeatureError`` for anything the facade would compute differently."""
+    if dropout:
+        raise _refuse(
+            "attention dropout", dropout,
+            "set config.attention_dropout = 0.0 to train, or call model.eval()",
+        )
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
+        raise _refuse(
+            f"a softmax scale other than head_dim ** -0.5 = {head_dim**-0.5:.6g}", scaling,
+            "the facade always scales by 1 / sqrt(head_dim) (e.g. Gemma's "
+            "query_pre_attn_scalar changes it); use attn_implementation='sdpa' or 'eager'",
+        )
+    for name, feature in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise _refuse(feature, _summary(kwargs[name]))
+    if kwargs.get("output_attentions"):
+        raise _refuse(
+            "returning attention weights (output_attentions=True)", True,
+            "the facade returns only the attention output; use attn_implementation='eager'",
+        )
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise _refuse(
+            "an attention mask that is not a tensor", type(attention_mask).__name__,
+            "pass a boolean or additive 4-d tensor mask (flex_attention's BlockMask is "
+            "for attn_implementation='flex_attention')",
+        )
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and window is not None and key.shape[2] > window:
+        raise _refuse(
+            "a sliding window without a materialised mask", window,
+            "transformers built no mask for this call; call register() before building the "
+            "model so the 'astrai' mask builder is installed",
+        )
+
+
+def _summary(value: Any) -> Any:
+    """A short stand-in for a tensor in an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    return value
+
+
+def _facade_arguments(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """The facade's ``(q, k, v, attn_mask, is_causal)`` for one transformers call.
+
+    Follows ``transformers.integrations.sdpa_attention.sdpa_attention_forward``:
+    causality comes from the mask when there is one; without a mask, the call is
+    causal (if the module or the caller says so) only for more than one query.
+    transformers leaves out the mask of a causal prefill into an empty static
+    cache, where the keys past ``q_len`` are unwritten slots and the causal rule is
+    top-left aligned; the facade's rule is bottom-right aligned, so - exactly like
+    sdpa - those slots are cut off, which makes both alignments coincide.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and attention_mask is None and q_len > 1
+    if causal and kv_len > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        kv_len = q_len
+    if attention_mask is not None and attention_mask.shape[-1] > kv_len:
+        # transformers < 4.53 hands static-cache masks sized to the cache; its sdpa slices.
+        attention_mask = attention_mask[..., :kv_len]
+    return (
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attention_mask,
+        causal,
+    )
+
+
+def astrai_attention_forward(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function protocol, served by ``astrai.ops.attention``.
+
+    ``query`` is ``[batch, heads, q_len, head_dim]``, ``key``/``value``
+    ``[batch, kv_heads, kv_len, head_dim]`` (GQA when ``kv_heads < heads``),
+    ``attention_mask`` a 4-d mask broadcastable to ``[batch, heads, q_len, kv_len]``
+    (boolean, ``True`` = may attend, or additive float) or ``None``. Returns
+    ``(attn_output [batch, q_len, heads, head_dim], None)`` like transformers' sdpa.
+    Unsupported features raise ``UnsupportedFeatureError``.
+    """
+    _check_supported(query, key, attention_mask, dropout, scaling, kwargs)
+    q, k, v, mask, causal = _facade_arguments(module, query, key, value, attention_mask, is_causal)
+    out = attention(q, k, v, attn_mask=mask, is_causal=causal)
+    batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
+    return out.view(batch, q_len, heads, -1), None
+
+
+def call_context(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    is_causal: bool | None = True,
+) -> CallContext:
+    """The ``CallContext`` the facade sees for this transformers-layout call.
+
+    Feed it to ``astrai.dispatch.explain("attention", ...)`` to see which row
+    would serve the call and why the others would not.
+    """
+    q, k, v, mask, causal = _facade_arguments(None, query, key, value, attention_mask, is_causal)
+    return attention_context(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def _interfaces() -> tuple[Any, Any, Callable[..., Any] | None]:
+    """``(AttentionInterface, AttentionMaskInterface or None, sdpa's mask builder or None)``."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError as exc:  # transformers missing, or older than 4.48
+        raise ImportError(_INSTALL_HINT) from exc
+    try:
+        from transformers.masking_utils import (
+            ALL_MASK_ATTENTION_FUNCTIONS,
+            AttentionMaskInterface,
+        )
+    except ImportError:  # < 4.53: models build an eager-style 4-d mask for custom names
+        return AttentionInterface, None, None
+    return AttentionInterface, AttentionMaskInterface, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def register() -> None:
+    """Install ``attn_implementation="astrai"`` in transformers (idempotent).
+
+    Registers ``astrai_attention_forward`` with ``AttentionInterface`` and, where
+    transformers has an ``AttentionMaskInterface``, sdpa's boolean mask builder
+    under the same name. Call it before building the model. Nothing is
+    registered by importing this module.
+    """
+    attention_interface, mask_interface, sdpa_mask = _interfaces()
+    attention_interface.register(ATTN_IMPLEMENTATION, astrai_attention_forward)
+    if mask_interface is not None and sdpa_mask is not None:
+        mask_interface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def is_registered() -> bool:
+    """Whether ``"astrai"`` currently names this module's adapter in transformers."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+    return ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION) is astrai_attention_forward
+
+
+def run_transformers_demo(seed: int = 0, max_new_tokens: int = 8) -> str:
+    """Build a tiny random Llama, run it through ``attn_implementation="astrai"``, report.
+
+    The model (GQA: 4 query heads, 2 key/value heads) gets random weights from its
+    config - nothing is downloaded. Runs a forward pass (compared with ``"sdpa"``)
+    and a short greedy ``generate``, then returns a printable report with the
+    dispatch ``stats()`` table and ``explain`` of a prefill-shaped call.
+    """
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM, LlamaConfig
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+
+    from astrai.dispatch import explain, op_backend, reset_stats, stats
+
+    register()
+    layers, heads, kv_heads, head_dim, prompt = 2, 4, 2, 16, 10
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    # Each model gets its own config: the attention implementation is stored on it.
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION
+    ).eval()
+    reference = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        copy.deepcopy(config), attn_implementation="sdpa"
+    ).eval()
+    reference.load_state_dict(model.state_dict())
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 128, (2, prompt), generator=generator)
+    reset_stats()
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        logits = model(input_ids).logits
+        with op_backend(attention="math"):
+            logits_math = model(input_ids).logits
+        tokens = model.generate(
+            input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+        q = torch.zeros(2, heads, prompt, head_dim)
+        kv = torch.zeros(2, kv_heads, prompt, head_dim)
+        decision = explain("attention", call_context(q, kv, kv))
+    usage = stats()
+
+    def gap(got: torch.Tensor) -> str:
+        return f"{(got - expected).abs().max().item():.2e}"
+
+    lines = [
+        f"astrai x transformers {transformers.__version__} (torch {torch.__version__})",
+        f"model: LlamaForCausalLM, random weights, {layers} layers, {heads} heads / "
+        f"{kv_heads} kv heads (GQA), head_dim {head_dim}, "
+        f"attn_implementation={model.config._attn_implementation!r}",
+        f"forward: logits {tuple(logits.shape)}; max |astrai - sdpa| = {gap(logits)}, "
+        f"with op_backend(attention='math') = {gap(logits_math)}",
+        f"generate (greedy, {max_new_tokens} new tokens): "
+        f"{tokens[0, prompt:].tolist()}",
+        "",
+        "dispatch stats:",
+        usage.table(),
+        "",
+        "explain (a prefill-shaped call of this model, as generate makes it):",
+        decision,
+    ]
+    return "\n".join(lines)

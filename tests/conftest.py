@@ -1,0 +1,125 @@
+"""Shared fixtures: isolation of the engine's global state, markers, and small test tables.
+
+The dispatch engine keeps process-wide state (the loaded tables, parsed ``ASTR_OPS``
+values, warn-once bookkeeping, usage counters). Every test starts from the snapshot in
+force before it and leaves that snapshot in force after it, with the astrai variables
+cleared from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import astrai.dispatch as dispatch
+from astrai.dispatch import _log, env, registry
+from tests import _impls
+
+#: A family for the precedence tests: one row per source, so each source picks its own row.
+#: ``fast`` wins the chain when ``ndim == 3``; otherwise the chain reaches ``ref`` (the
+#: fallback). ``lowp`` is non-faithful and ``gone`` is unavailable; both sit above ``ref``
+#: so that skipping them is visible. Rows after ``ref`` are reachable only by name.
+TOY_TABLE = """\
+version: 1
+family: toy
+description: a family for the tests
+fallback: ref
+rows:
+  - name: fast
+    impl: tests._impls:fast
+    when: ndim == 3
+  - name: lowp
+    impl: tests._impls:lowp
+    faithful: false
+  - name: gone
+    impl: tests._impls:slow
+    available: tests._impls:no_widget
+  - name: ref
+    impl: tests._impls:ref
+  - name: for_explicit
+    impl: tests._impls:for_explicit
+  - name: for_context
+    impl: tests._impls:for_context
+  - name: for_env
+    impl: tests._impls:for_env
+  - name: for_profile
+    impl: tests._impls:for_profile
+"""
+
+#: Profiles over ``toy``: force a row, force a row that rejects some calls, enable the
+#: non-faithful row, disable the chain's winner.
+TOY_PROFILES = {
+    "toy-force": "families:\n  toy:\n    force: for_profile\n",
+    "toy-force-fast": "families:\n  toy:\n    force: fast\n",
+    "toy-enable": "families:\n  toy:\n    enable: [lowp]\n",
+    "toy-disable": "families:\n  toy:\n    disable: [fast]\n",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests without CUDA and ``fuzz`` tests unless ``ASTR_FUZZ=1``."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_fuzz = pytest.mark.skip(reason="long fuzzing run; set ASTR_FUZZ=1 to enable")
+    has_cuda = torch.cuda.is_available()
+    fuzz = os.environ.get("ASTR_FUZZ") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(no_gpu)
+        if "fuzz" in item.keywords and not fuzz:
+            item.add_marker(no_fuzz)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run each test against the tables in force before it, with a clean environment."""
+    for var in ("ASTR_OPS", "ASTR_BACKEND", "ASTR_TABLES"):
+        monkeypatch.delenv(var, raising=False)
+    _log.forget_warnings()
+    env.clear_cache()
+    dispatch.reset_stats()
+    saved = registry._state
+    _impls.PROBE.update(available=True, calls=0)
+    try:
+        yield
+    finally:
+        for family in list(dispatch.current_overrides()):
+            dispatch.set_override(family, None)  # a test that forgot its reset_override
+        registry._state = saved
+        _log.forget_warnings()
+        env.clear_cache()
+        dispatch.reset_stats()
+
+
+@pytest.fixture
+def write_yaml(tmp_path: Path) -> Callable[[str, str], Path]:
+    """Write ``text`` (dedented) to ``tmp_path/name`` and return the path."""
+
+    def write(name: str, text: str) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def toy(write_yaml: Callable[[str, str], Path]) -> Path:
+    """Load the ``toy`` family and its profiles; returns the table's path."""
+    path = write_yaml("toy.yaml", TOY_TABLE)
+    profiles = [
+        write_yaml(f"profiles/{name}.yaml", f"version: 1\nprofile: {name}\n{body}")
+        for name, body in TOY_PROFILES.items()
+    ]
+    dispatch.load_tables(path, *profiles)
+    return path
+
+
+def ctx(ndim: int | None = 3, **axes: object) -> dispatch.CallContext:
+    """A ``toy`` call context (``ndim=3`` lets ``fast`` win the chain)."""
+    return dispatch.CallContext("toy", ndim=ndim, **axes)  # type: ignore[arg-type]
