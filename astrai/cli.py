@@ -17,7 +17,7 @@ from contextlib import ExitStack
 
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import DTYPES, FWD_MODES, format_value
+from astrai.dispatch.axes import DTYPES, FWD_MODES
 from astrai.dispatch.context import CallContext
 from astrai.dispatch.env import OPS_ENV
 from astrai.errors import AstraiError

@@ -41,7 +41,7 @@ def run_demo(seed: int = 0) -> str:
     batch = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=gen)
     logits = model(batch[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
     t_train = time.perf_counter() - t1
 

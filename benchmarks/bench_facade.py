@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved_us  # noqa: E402
+from _timing import interleaved_us
 
-from astrai import ops  # noqa: E402
-from astrai.dispatch import resolve  # noqa: E402
-from astrai.ops._contexts import attention_context  # noqa: E402
+from astrai import ops
+from astrai.dispatch import resolve
+from astrai.ops._contexts import attention_context
 
 
 def main() -> None:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import itertools
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import interleaved_us, per_call_us  # noqa: E402
+from _timing import interleaved_us, per_call_us
 
-import astrai.dispatch as d  # noqa: E402
-from astrai.dispatch.availability import check  # noqa: E402
-from astrai.dispatch.registry import current  # noqa: E402
-from astrai.dispatch.resolution import MAX_DECISIONS  # noqa: E402
+import astrai.dispatch as d
+from astrai.dispatch.availability import check
+from astrai.dispatch.registry import current
+from astrai.dispatch.resolution import MAX_DECISIONS
 
 ROW = """  - name: r{i}
     impl: astrai.backends.linear:torch_linear
@@ -96,8 +97,10 @@ def main() -> None:
 
     for n in (4, 40, 400):
         c = d.CallContext(f"bench{n}", dtype=torch.float32, ndim=3, head_dim=64)
-        print(f"{n:>4} rows: cached {per_call_us(lambda c=c, n=n: d.resolve(f'bench{n}', c), 20000):.3f} "
-              f"us/call, naive {per_call_us(lambda c=c, n=n: naive_walk(f'bench{n}', c), 200):.1f} us/call")
+        fam = f"bench{n}"
+        cached = per_call_us(lambda c=c, fam=fam: d.resolve(fam, c), 20000)
+        naive = per_call_us(lambda c=c, fam=fam: naive_walk(fam, c), 200)
+        print(f"{n:>4} rows: cached {cached:.3f} us/call, naive {naive:.1f} us/call")
 
     for distinct in (1, 100, 10_000):
         ctxs = [d.CallContext("bench4", dtype=torch.float32, ndim=3, head_dim=h)
@@ -106,7 +109,7 @@ def main() -> None:
             d.resolve("bench4", c)
         it = itertools.cycle(ctxs)
 
-        def one() -> None:
+        def one(it: Iterator[d.CallContext] = it) -> None:
             d.resolve("bench4", next(it))
 
         us = per_call_us(one, 20000, repeat=1 if distinct == 10_000 else 5)

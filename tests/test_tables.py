@@ -412,12 +412,6 @@ class TestLoadTables:
             """)
         assert [g.split(": ", 1)[0] for g in got] == [f"{path}:3:1", f"{path}:8:11"]
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: after a structural error, loader._check_rows_anyway checks 'fallback' "
-        "against the well-formed rows only, so a fallback row with e.g. an unknown key gets a "
-        "spurious \"fallback 'ref' names no row\" problem",
-    )
     def test_error_malformed_fallback_row_is_not_missing(self, write_yaml: Write) -> None:
         """A fallback row with an unknown key is reported for the key, not as missing."""
         path, got = load_error(write_yaml, """\
@@ -436,12 +430,6 @@ class TestLoadTables:
             f"faithful, impl, name, when"
         ]
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: after a structural error, loader._check_rows_anyway compiles rows with "
-        "CORE_VOCABULARY, ignoring the family's declared 'axes', so a valid row using a "
-        "declared axis gets a spurious 'unknown axis or predicate' problem",
-    )
     def test_error_structural_problem_keeps_declared_axes(self, write_yaml: Write) -> None:
         """Rows using a declared extra axis are not reported when another key is bad."""
         path, got = load_error(write_yaml, """\
@@ -459,11 +447,6 @@ class TestLoadTables:
             """)
         assert [g.split(": ", 1)[0] for g in got] == [f"{path}:3:1"]
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: a row with a structural error (unknown key) is skipped entirely by "
-        "loader._check_rows_anyway, so its bad 'when' expression is not reported",
-    )
     def test_error_bad_row_reports_all_its_problems(self, write_yaml: Write) -> None:
         """A row with an unknown key and a bad expression gets both problems reported."""
         path, got = load_error(write_yaml, """\
@@ -602,12 +585,6 @@ class TestLoadTables:
             explain("pc", CallContext("pc", ndim=ndim))
         assert _impls.PROBE["calls"] == 1
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: availability is cached per registry snapshot (Registry._availability), "
-        "so loading any unrelated table re-runs every probe; SPEC §5 says once per process "
-        "until refresh()",
-    )
     def test_available_probe_survives_unrelated_load(self, write_yaml: Write) -> None:
         """Loading another family does not re-run an already evaluated probe."""
         load_tables(write_yaml("pc.yaml", ONE_ROW.format(family="pc").replace(
@@ -699,11 +676,6 @@ class TestReloadTables:
         assert resolve("prog", CallContext("prog")).name == "only"
         assert len(calls) == 2
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: registry._build(replace_all=True) keeps only aliases of programmatic "
-        "families, so register_env_alias() for a YAML family is lost on reload_tables()",
-    )
     def test_reload_keeps_registered_alias(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """An alias registered in code for a shipped family survives a reload."""
         register_env_alias("rotary", "ASTR_TEST_ROTARY")
@@ -712,11 +684,6 @@ class TestReloadTables:
         res = resolve("rotary", CallContext("rotary", dtype=torch.float32, ndim=4))
         assert (res.name, res.origin) == ("reference", "env")
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="BUG: registry._build(replace_all=False) keeps the old env_alias when "
-        "load_tables replaces a table whose new version has no env_alias",
-    )
     def test_replaced_table_drops_its_alias(self, write_yaml: Write,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
         """Removing ``env_alias`` from a table and loading it again drops the alias."""

@@ -92,14 +92,14 @@ def _convert(loader: yaml.SafeLoader, node: yaml.Node, path: Path, out: Located)
                 raise YamlProblem(*_pos(key_node), f"duplicate key {key!r}")
             if isinstance(key, (list, dict)):  # pragma: no cover - excluded above
                 raise YamlProblem(*_pos(key_node), "mapping keys must be plain scalars")
-            out.keys[(*path, key)] = _pos(key_node)
+            out.keys[path + (key,)] = _pos(key_node)  # noqa: RUF005 (py3.10 syntax)
             result[key] = _convert(loader, value_node, (*path, key), out)
         return result
     if isinstance(node, yaml.SequenceNode):
         if node.tag != _SEQ_TAG:
             raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
         return [_convert(loader, item, (*path, i), out) for i, item in enumerate(node.value)]
-    out.styles[path] = node.style
+    out.styles[path] = getattr(node, "style", None)
     return _scalar(loader, node)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CallContext", "EMPTY"]
+__all__ = ["EMPTY", "CallContext"]
 
 import dataclasses
 from collections.abc import Mapping

@@ -158,16 +158,37 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     if not isinstance(rows, list):
         return
     good: list[tuple[int, RowModel]] = []
+    vocabulary = _declared_vocabulary(data)
     for i, raw in enumerate(rows):
         try:
             good.append((i, RowModel.model_validate(raw)))
-        except ValidationError:
-            continue  # already reported
-    build_overlay_rows(out, ("rows",), str(data.get("family")), good, CORE_VOCABULARY)
+        except ValidationError:  # already reported; its expression may still be wrong too
+            if isinstance(raw, dict) and isinstance(raw.get("when"), str) and raw["when"]:
+                compile_when(out, ("rows", i, "when"), raw["when"], vocabulary)
+    build_overlay_rows(out, ("rows",), str(data.get("family")), good, vocabulary)
     fallback = data.get("fallback")
-    names = [r.name for _, r in good]
-    if isinstance(fallback, str) and good and fallback not in names:
+    # Every row that has a name counts, even one with other problems (already reported).
+    names = list(dict.fromkeys(r["name"] for r in rows
+                               if isinstance(r, dict) and isinstance(r.get("name"), str)))
+    if isinstance(fallback, str) and names and fallback not in names:
         _no_fallback(out, fallback, names)
+
+
+def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
+    """The family's vocabulary from its well-formed ``axes`` declarations, if any."""
+    from astrai.dispatch.models import AxisModel
+
+    axes: dict[str, Axis] = {}
+    declared = data.get("axes")
+    for raw in declared if isinstance(declared, list) else []:
+        try:
+            decl = AxisModel.model_validate(raw)
+        except ValidationError:
+            continue
+        if decl.name not in CORE_VOCABULARY.axes:
+            axes[decl.name] = Axis(decl.name, decl.type, tuple(decl.values),
+                                   nullable=decl.nullable, core=False)
+    return family_vocabulary(axes)
 
 
 def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
@@ -184,7 +205,8 @@ def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
         return top
     head = path[0]
     if out.kind == "table":
-        return {"rows": RowModel, "axes": AxisModel}.get(str(head))
+        models: dict[str, type[BaseModel]] = {"rows": RowModel, "axes": AxisModel}
+        return models.get(str(head))
     if head == "families":
         if len(path) == 2:
             return FamilyOverlayModel
@@ -274,7 +296,7 @@ def _build_table(out: ParsedFile, model: TableFile) -> FamilyTable | None:
     vocabulary = family_vocabulary(axes)
     rows = build_overlay_rows(out, ("rows",), model.family, list(enumerate(model.rows)),
                               vocabulary)
-    names = [r.name for r in model.rows]
+    names = list(dict.fromkeys(r.name for r in model.rows))
     if model.fallback not in names:
         _no_fallback(out, model.fallback, names)
     if out.problems or rows is None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 __all__ = [
     "Scope",
     "current_overrides",
-    "current_scope",
     "current_profiles",
+    "current_scope",
     "get_override",
     "op_backend",
     "reset_override",

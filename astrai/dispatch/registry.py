@@ -48,14 +48,12 @@ class Registry:
 
     families: Mapping[str, FamilyTable]
     profiles: Mapping[str, Profile]
-    aliases: Mapping[str, str]  # family -> legacy env var
+    aliases: Mapping[str, str]  # family -> legacy env var (tables' and registered)
     epoch: int
     programmatic: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    registered_aliases: Mapping[str, str] = field(default_factory=dict)  # register_env_alias
     # Caches that belong to this snapshot; a new snapshot starts with empty ones.
     _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
-    _availability: dict[int, tuple[ImplRecord, bool, str]] = field(
-        init=False, default_factory=dict
-    )
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
@@ -87,15 +85,18 @@ class Registry:
         """``(available, reason)`` for a row, probed once per snapshot/refresh."""
         if record.available is ALWAYS_AVAILABLE:
             return True, ""
-        got = self._availability.get(id(record))
+        # Per process (not per snapshot): a load of another family must not re-probe.
+        got = _availability.get(id(record))
         if got is None or got[0] is not record:
             # The record is stored with its result, so its id cannot be reused meanwhile.
             got = (record, *check(record.available))
-            self._availability[id(record)] = got
+            _availability[id(record)] = got
         return got[1], got[2]
 
 
 _lock = threading.RLock()
+#: Probe results, once per process until ``refresh()``: id(record) -> (record, ok, reason).
+_availability: dict[int, tuple[ImplRecord, bool, str]] = {}
 _epochs = itertools.count(1)
 _state: Registry | None = None
 _listeners: list[Callable[[], None]] = []
@@ -143,10 +144,12 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
     profiles: dict[str, Profile] = {}
     aliases: dict[str, str] = {}
     programmatic: dict[str, tuple[Any, Any]] = {}
+    registered: dict[str, str] = {}
     if base is not None:
         programmatic = dict(base.programmatic)
-        aliases = {f: a for f, a in base.aliases.items() if f in programmatic or not replace_all}
+        registered = dict(base.registered_aliases)
         if not replace_all:
+            aliases = dict(base.aliases)
             families = dict(base.families)
             profiles = dict(base.profiles)
         else:
@@ -164,6 +167,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
         seen[name] = pf.file
         families[name] = pf.table
         programmatic.pop(name, None)
+        aliases.pop(name, None)  # a replaced table brings its own alias, or none
         if pf.table.env_alias:
             aliases[name] = pf.table.env_alias
     seen_profiles: dict[str, str] = {}
@@ -193,8 +197,10 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
                                              f"loaded profile {name!r} {stale}"))
     if problems:
         raise TableError(sorted(problems, key=lambda p: (p.file, p.line, p.column)))
+    aliases.update({f: v for f, v in registered.items() if f in families})
     return Registry(MappingProxyType(families), MappingProxyType(profiles),
-                    MappingProxyType(aliases), next(_epochs), MappingProxyType(programmatic))
+                    MappingProxyType(aliases), next(_epochs), MappingProxyType(programmatic),
+                    MappingProxyType(registered))
 
 
 def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
@@ -305,6 +311,7 @@ def refresh() -> None:
     """Forget cached availability probes (and every cached decision)."""
     with _lock:
         base = current()
+        _availability.clear()
         _swap(replace(base, epoch=next(_epochs)))
 
 
@@ -324,7 +331,7 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
         programmatic = dict(base.programmatic)
         programmatic[name] = (provider, fallback)
         _swap(Registry(MappingProxyType(families), base.profiles, base.aliases,
-                       next(_epochs), MappingProxyType(programmatic)))
+                       next(_epochs), MappingProxyType(programmatic), base.registered_aliases))
 
 
 def register_env_alias(family: str, varname: str) -> None:
@@ -337,7 +344,10 @@ def register_env_alias(family: str, varname: str) -> None:
         base.family(family)
         aliases = dict(base.aliases)
         aliases[family] = varname
-        _swap(replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs)))
+        registered = dict(base.registered_aliases)
+        registered[family] = varname
+        _swap(replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs),
+                      registered_aliases=MappingProxyType(registered)))
 
 
 def list_families() -> list[str]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 __all__ = [
     "PRECEDENCE",
+    "Decision",
     "Resolution",
     "Source",
-    "Decision",
     "active_view",
     "decide",
     "explain",
@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from astrai.dispatch import registry as _registry
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import format_value
 from astrai.dispatch.context import CallContext
-from astrai.dispatch import registry as _registry
 from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY, EnvSettings, env_settings, raw_get
 from astrai.dispatch.overrides import (
     UNCACHEABLE,
@@ -93,7 +93,8 @@ class NoImplementationError(AstraiError, RuntimeError):
 
 # -- the evaluator ---------------------------------------------------------
 
-MATCH, REJECT, UNAVAILABLE, UNFAITHFUL, DISABLED = "MATCH", "reject", "unavailable", "unfaithful", "disabled"
+MATCH, REJECT, UNAVAILABLE = "MATCH", "reject", "unavailable"
+UNFAITHFUL, DISABLED = "unfaithful", "disabled"
 
 
 def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,

@@ -186,12 +186,13 @@ def _read(axis: str, ctx: CallContext) -> Any:
 
 class _Const(Spec):
     __slots__ = ("_value",)
+    _value: bool
 
     def __init__(self, value: bool) -> None:
         object.__setattr__(self, "_value", value)
 
     def matches(self, ctx: CallContext) -> bool:
-        return self._value
+        return bool(self._value)
 
     @property
     def description(self) -> str:
@@ -230,7 +231,7 @@ class _Frozen(Spec):
 
 
 class _Fn(_Frozen):
-    __slots__ = ("fn", "desc")
+    __slots__ = ("desc", "fn")
     fn: Callable[[CallContext], bool]
     desc: str
 
@@ -255,10 +256,12 @@ class _Fn(_Frozen):
 class _Compare(_Frozen):
     """``axis <op> value``. An ordering test on a ``None`` value is false."""
 
-    __slots__ = ("axis", "op", "value", "_get", "_fn")
+    __slots__ = ("_fn", "_get", "axis", "op", "value")
     axis: Axis
     op: str
     value: Any
+    _get: Callable[[Any], Any]
+    _fn: Callable[[Any, Any], bool]
 
     def __init__(self, axis: Axis, op: str, value: Any) -> None:
         if op not in _OPS:
@@ -294,10 +297,12 @@ class _Compare(_Frozen):
 class _Member(_Frozen):
     """``axis in {v, ...}`` or ``axis not in {v, ...}``."""
 
-    __slots__ = ("axis", "values", "negated", "_get", "_set")
+    __slots__ = ("_get", "_set", "axis", "negated", "values")
     axis: Axis
     values: tuple[Any, ...]
     negated: bool
+    _get: Callable[[Any], Any]
+    _set: frozenset[Any]
 
     def __init__(self, axis: Axis, values: Iterable[Any], negated: bool = False) -> None:
         vals = tuple(dict.fromkeys(values))
@@ -329,8 +334,9 @@ class _Member(_Frozen):
 class _Flag(_Frozen):
     """A bool axis standing alone: ``has_cache``."""
 
-    __slots__ = ("axis", "_get")
+    __slots__ = ("_get", "axis")
     axis: Axis
+    _get: Callable[[Any], Any]
 
     def __init__(self, axis: Axis) -> None:
         object.__setattr__(self, "axis", axis)
@@ -353,7 +359,7 @@ class _Flag(_Frozen):
 class _Named(_Frozen):
     """A named predicate (``inference``, ``no_grad``...) abbreviating an expression."""
 
-    __slots__ = ("name", "inner")
+    __slots__ = ("inner", "name")
     name: str
     inner: Spec
 
@@ -421,7 +427,7 @@ class _And(_Frozen):
         object.__setattr__(self, "parts", parts)
 
     @staticmethod
-    def of(parts: Iterable[Spec]) -> Spec:
+    def of(parts: Iterable[Spec]) -> Spec:  # type: ignore[override]
         flat: list[Spec] = []
         for p in parts:
             flat.extend(p.parts if isinstance(p, _And) else (p,))
@@ -461,7 +467,7 @@ class _Or(_Frozen):
         object.__setattr__(self, "parts", parts)
 
     @staticmethod
-    def of(parts: Iterable[Spec]) -> Spec:
+    def of(parts: Iterable[Spec]) -> Spec:  # type: ignore[override]
         flat: list[Spec] = []
         for p in parts:
             flat.extend(p.parts if isinstance(p, _Or) else (p,))

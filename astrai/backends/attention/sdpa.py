@@ -96,6 +96,19 @@ class SdpaAttention:
         attn_mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
+        if attn_mask is None and _HAS_GQA and q.dim() == 4 and k.dim() == 4:
+            # Hot path (no mask): SDPA checks shapes itself; our clearer checks run only when
+            # it fails, plus the one mismatch SDPA would silently broadcast (batch size).
+            qs, ks = q.shape, k.shape
+            if qs[0] == ks[0] == v.shape[0] and (not is_causal or qs[1] == ks[1]):
+                try:
+                    out = F.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        is_causal=is_causal, enable_gqa=qs[2] != ks[2])
+                except RuntimeError:
+                    check_dense(q, k, v, attn_mask)
+                    raise
+                return out.transpose(1, 2).flatten(-2)
         check_dense(q, k, v, attn_mask)
         q_len, k_len = q.shape[1], k.shape[1]
         if is_causal and attn_mask is None and q_len == k_len:
