@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-KEY: tuple[Any, ...] = (0, ())
+_scope: tuple[Any, ...] = ((), ())  # the empty scope's compile_key (see overrides.Scope)
 _epoch = 0
-_scope: tuple[Any, ...] = ()
+KEY: tuple[Any, ...] = (_epoch, _scope)
 
 
 def impl_key(family: str, name: str, obj: Any) -> str:

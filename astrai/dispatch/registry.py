@@ -350,6 +350,25 @@ def register_env_alias(family: str, varname: str) -> None:
                       registered_aliases=MappingProxyType(registered)))
 
 
+def _after_fork_in_child() -> None:
+    """A forked child starts clean: a fresh lock (the parent's may have been held by
+    another thread), no cached decisions or parsed environment, counters from zero."""
+    global _lock
+    _lock = threading.RLock()
+    if _state is not None:
+        _state.decisions.clear()
+    from astrai.dispatch import _log, env
+    from astrai.dispatch.stats import reset_stats
+
+    env.clear_cache()
+    reset_stats()
+    _log._warned_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def list_families() -> list[str]:
     """Names of the loaded families."""
     return sorted(current().families)
