@@ -41,7 +41,12 @@ from astrai.dispatch import (
     use_profile,
 )
 from astrai.dispatch.resolution import Decision, decide, set_max_decisions
-from astrai.ops._contexts import linear_context, rms_norm_context
+from astrai.ops._contexts import (
+    attention_context,
+    linear_context,
+    rms_norm_context,
+    rotary_context,
+)
 from tests import _impls
 from tests.conftest import TOY_TABLE, ctx
 
@@ -147,6 +152,72 @@ class TestDecide:
         decide("rms_norm", sig, None, build, (x, w, 1e-6))
         decide("rms_norm", sig, None, build, (x, w, 1e-6))
         assert len(calls) == 1
+
+
+class TestFacadeKey:
+    """The facades build the cache key inline; it must be the key ``decide`` uses."""
+
+    @pytest.mark.parametrize("family", ["attention", "rotary", "rms_norm", "linear"])
+    def test_inline_key_equals_cache_key(self, family: str) -> None:
+        """After one facade call, the only key in the cache is ``cache_key`` of its signature
+        (so a later ``resolve`` of the same call, and the facade itself, hit that entry)."""
+        q, kv = torch.randn(1, 2, 2, 8), torch.randn(1, 3, 2, 8)
+        x, w = torch.randn(2, 4), torch.randn(3, 4)
+        freqs = torch.randn(1, 2, 4, 2)
+        calls: dict[str, tuple[Callable[..., Any], Callable[..., CallContext], tuple[Any, ...]]]
+        calls = {
+            "attention": (astrai.ops.attention, attention_context, (q, kv, kv)),
+            "rotary": (astrai.ops.apply_rotary, rotary_context, (q, freqs)),
+            "rms_norm": (astrai.ops.rms_norm, rms_norm_context, (x, torch.ones(4), 1e-6)),
+            "linear": (astrai.ops.linear, linear_context, (x, w)),
+        }
+        facade, build, args = calls[family]
+        reload_tables()
+        facade(*args)
+        state = current()
+        expected = resolution.cache_key(family, build(*args).signature(), None, state)
+        assert list(state.decisions) == [expected]
+        reset_stats()
+        resolve(family, build(*args))
+        facade(*args)
+        assert (stats().cache_hits, stats().cache_misses) == (2, 0)
+
+    def test_hits_counted_on_both_paths(self) -> None:
+        """Inline facade hits, ``decide`` hits and misses all add up in ``stats``."""
+        x, w = torch.randn(2, 4), torch.randn(3, 4)
+        reset_stats()
+        astrai.ops.linear(x, w)                    # miss (through decide)
+        astrai.ops.linear(x, w)                    # inline hit
+        resolve("linear", linear_context(x, w))    # decide hit
+        astrai.ops.linear(x, w, backend="torch")   # miss: another explicit handle
+        astrai.ops.linear(x, w, backend="torch")   # inline hit (a row name is cacheable)
+        s = stats()
+        assert (s.cache_hits, s.cache_misses) == (3, 2)
+        assert s.served("linear") == 4
+        reset_stats()
+        astrai.ops.linear(x, w)
+        assert (stats().cache_hits, stats().cache_misses) == (1, 0)
+
+    def test_bad_fwd_never_cached(self) -> None:
+        """An invalid ``fwd`` raises every time, and leaves nothing in the cache."""
+        q = torch.randn(3, 2, 8)
+        reload_tables()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="fwd must be one of"):
+                astrai.ops.attention(q, q, q, fwd="decoding")
+        assert not current().decisions
+
+    def test_decision_call_is_bound_call(self) -> None:
+        """``Decision.call`` runs the object's ``__call__``; plain functions are used as is."""
+        x, w = torch.randn(2, 4), torch.randn(3, 4)
+        d = decide("linear", linear_context(x, w).signature(), None, linear_context, (x, w, None))
+        obj = d.obj
+        if isinstance(obj, type(lambda: None)):
+            assert d.call is obj
+        else:
+            assert d.call.__self__ is obj
+            assert d.call.__func__ is type(obj).__call__
+        torch.testing.assert_close(d.call(x, w, None), obj(x, w, None))
 
 
 class TestTableReload:

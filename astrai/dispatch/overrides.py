@@ -41,13 +41,16 @@ class Scope:
     the raw call, so decisions under it are never cached).
     """
 
-    __slots__ = ("compile_key", "handles", "keys", "profiles")
+    __slots__ = ("cache_token", "compile_key", "handles", "keys", "profiles")
 
     def __init__(self, handles: Mapping[str, Any], profiles: tuple[str, ...]) -> None:
         self.handles = MappingProxyType(dict(handles))
         self.profiles = profiles
         self.keys = MappingProxyType({f: handle_key(h) for f, h in handles.items()})
         self.compile_key = (tuple(sorted(self.keys.items())), profiles)
+        # The same description as a str: equal scopes give equal tokens, and a str caches
+        # its hash, so the decision-cache key does not rehash nested tuples on every call.
+        self.cache_token = repr(self.compile_key)
 
 
 def _enter(scope: Scope) -> Token[Scope]:

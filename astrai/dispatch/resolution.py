@@ -14,6 +14,7 @@ __all__ = [
     "Resolution",
     "Source",
     "active_view",
+    "cache_key",
     "decide",
     "explain",
     "explain_plan",
@@ -25,6 +26,7 @@ __all__ = [
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import FunctionType, MethodType
 from typing import Any
 
 from astrai.dispatch import registry as _registry
@@ -255,15 +257,33 @@ def set_max_decisions(n: int) -> None:
 
 
 class Decision:
-    """A cached decision: the resolution, the object to call, and its usage counter."""
+    """A cached decision: the resolution, the object to call, and its usage counter.
 
-    __slots__ = ("counter", "obj", "resolution")
+    ``call`` is ``obj`` itself, or for an instance of a Python class its bound
+    ``__call__``: calling that with keyword arguments skips the slot wrapper that
+    ``obj(...)`` goes through (a few hundred ns per call).
+    """
+
+    __slots__ = ("call", "counter", "obj", "resolution")
 
     def __init__(self, resolution: Resolution) -> None:
         self.resolution = resolution
-        self.obj = resolution.record.obj
+        self.obj = obj = resolution.record.obj
+        method = getattr(type(obj), "__call__", None)  # noqa: B004 - we want the function
+        self.call = MethodType(method, obj) if isinstance(method, FunctionType) else obj
         self.counter = counter(resolution.record.family, resolution.record.name,
                                resolution.origin)
+
+
+def cache_key(family: str, sig: tuple[Any, ...], ekey: Any, state: Registry) -> tuple[Any, ...]:
+    """The decision-cache key of a call; the facades build the same tuple inline.
+
+    Everything a decision depends on besides the snapshot (which owns the cache):
+    the call's signature, the explicit handle's key, the whole ``op_backend`` /
+    ``use_profile`` scope, and the raw values of ``ASTR_OPS`` and the family's alias.
+    """
+    return (*sig, ekey, _scope_var.get().cache_token, _environ_get(OPS_KEY),
+            _environ_get(state.alias_keys.get(family)))
 
 
 def decide(family: str, sig: tuple[Any, ...], explicit: Any,
@@ -271,26 +291,31 @@ def decide(family: str, sig: tuple[Any, ...], explicit: Any,
     """The decision for a call whose signature is ``sig`` (== ``CallContext.signature()``).
 
     On a cache hit this is a few dict lookups; on a miss ``build(*args)`` makes the
-    full ``CallContext`` and the evaluator runs. The key holds everything a decision
-    depends on besides the snapshot (which owns the cache): the call's axes, the
-    explicit and scoped handles, scoped profiles, and the raw environment values.
+    full ``CallContext`` and the evaluator runs. Calls under a handle whose verdict
+    depends on the raw call (an object with ``supports_call``) are never cached.
     """
     state = _registry._state or current()
     scope = _scope_var.get()
     ekey = explicit if explicit is None or type(explicit) is str else handle_key(explicit)
-    okey = scope.keys.get(family)
-    if ekey is UNCACHEABLE or okey is UNCACHEABLE:
+    if ekey is UNCACHEABLE or scope.keys.get(family) is UNCACHEABLE:
         return Decision(evaluate(family, build(*args), explicit, state=state))
-    alias = state.alias_keys.get(family)
-    key = (sig, ekey, okey, scope.profiles, _environ_get(OPS_KEY),
-           None if alias is None else _environ_get(alias))
+    # == cache_key(family, sig, ekey, state), inlined: this is resolve's hot path
+    key = (*sig, ekey, scope.cache_token, _environ_get(OPS_KEY),
+           _environ_get(state.alias_keys.get(family)))
     decisions = state.decisions
     got = decisions.get(key)
     if got is not None:
         next(HITS)
         return got  # type: ignore[no-any-return]
+    return miss(state, key, family, explicit, build(*args))
+
+
+def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
+         ctx: CallContext) -> Decision:
+    """Evaluate ``ctx`` on ``state`` and remember the decision under ``key`` (bounded)."""
     next(MISSES)
-    got = Decision(evaluate(family, build(*args), explicit, state=state))
+    got = Decision(evaluate(family, ctx, explicit, state=state))
+    decisions = state.decisions
     if len(decisions) >= MAX_DECISIONS:
         try:  # drop the oldest entry; another thread may be doing the same
             decisions.pop(next(iter(decisions)), None)

@@ -9,7 +9,7 @@ user notices a silent fallback: ``stats().served("attention", "math")``.
 
 from __future__ import annotations
 
-__all__ = ["UsageStats", "count", "counter", "reset_stats", "stats"]
+__all__ = ["HITS", "MISSES", "SLOW", "UsageStats", "counter", "reset_stats", "stats"]
 
 import itertools
 from collections.abc import Mapping
@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 Key = tuple[str, str, str]  # family, row, origin
 
 _counters: dict[Key, itertools.count[int]] = {}
+# Decision-cache counts. ``decide`` counts its own hits and misses; a facade's inline
+# hit counts only the row's usage counter, so those hits are derived: every facade
+# call bumps a usage counter, and ``SLOW`` counts the ones that went through ``decide``.
 HITS: itertools.count[int] = itertools.count()
 MISSES: itertools.count[int] = itertools.count()
+SLOW: itertools.count[int] = itertools.count()
 _baseline: dict[object, int] = {}
 
 
@@ -32,13 +36,13 @@ def counter(family: str, row: str, origin: str) -> itertools.count[int]:
     return c
 
 
-def count(family: str, row: str, origin: str) -> None:
-    """Count one call of ``family`` served by ``row`` (decided by ``origin``)."""
-    next(counter(family, row, origin))
-
-
 def _value(c: itertools.count[int]) -> int:
     return int(c.__reduce__()[1][0])  # type: ignore[index]
+
+
+def _hits(usage: dict[Key, int]) -> int:
+    """All cache hits so far: ``decide``'s own plus the facades' inline ones."""
+    return _value(HITS) + sum(usage.values()) - _value(SLOW)
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,15 @@ class UsageStats:
 
 
 def stats(reset: bool = False) -> UsageStats:
-    """The counters now; with ``reset=True`` they start again from zero."""
-    calls = {}
-    for key, c in list(_counters.items()):
-        n = _value(c) - _baseline.get(key, 0)
-        if n:
-            calls[key] = n
-    snap = UsageStats(calls, _value(HITS) - _baseline.get("hits", 0),
+    """The counters now; with ``reset=True`` they start again from zero.
+
+    While calls are in flight in other threads the hit count may be off by the
+    number of those calls; it is exact once they return.
+    """
+    totals = {key: _value(c) for key, c in list(_counters.items())}
+    calls = {key: n - _baseline.get(key, 0) for key, n in totals.items()}
+    snap = UsageStats({k: n for k, n in calls.items() if n},
+                      _hits(totals) - _baseline.get("hits", 0),
                       _value(MISSES) - _baseline.get("misses", 0))
     if reset:
         reset_stats()
@@ -88,8 +94,9 @@ def stats(reset: bool = False) -> UsageStats:
 
 def reset_stats() -> None:
     """Zero every counter."""
-    base: dict[object, int] = {key: _value(c) for key, c in list(_counters.items())}
-    base["hits"] = _value(HITS)
+    totals: dict[Key, int] = {key: _value(c) for key, c in list(_counters.items())}
+    base: dict[object, int] = {key: n for key, n in totals.items()}
+    base["hits"] = _hits(totals)
     base["misses"] = _value(MISSES)
     _baseline.clear()
     _baseline.update(base)

@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 from astrai.dispatch import compiled
+from astrai.dispatch import registry as _registry
 from astrai.dispatch.compiled import IMPLS, decision_name
+from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY, raw_get
+from astrai.dispatch.overrides import _scope
 from astrai.dispatch.resolution import decide
+from astrai.dispatch.stats import SLOW
 from astrai.ops._contexts import (
     attention_context,
     linear_context,
@@ -25,10 +29,34 @@ from astrai.ops._contexts import (
     rotary_context,
 )
 
-_FWD_MODES = (None, "prefill", "decode")
+_FWD_MODES = ("prefill", "decode")
 _NO_EXTRA = ()
 _grad = torch.is_grad_enabled
-_compiling = torch.compiler.is_compiling
+# Dynamo folds this to True while tracing (it cannot trace the ContextVar read below);
+# eagerly it is a one-line ``return False``. Non-strict export runs the eager path.
+_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_scope_get = _scope.get
+_env = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
+
+# Each facade builds its decision-cache key inline: the call's signature (equal to
+# ``CallContext.signature()``, read straight off the tensors) followed by what
+# ``resolution.cache_key`` appends. ``decide`` runs only on a miss, when no table is
+# loaded yet, or when ``backend`` is an object; it counts, evaluates and fills the cache.
+_SIG = 10  # the signature's length within the key
+# A cache hit counts only the row's usage counter; ``stats`` derives the hit count
+# from those and ``SLOW`` (facade calls that went through ``decide``, which counts them).
+
+
+def _check_fwd(fwd: str | None) -> None:
+    if fwd is not None and fwd not in _FWD_MODES:
+        raise ValueError(f"fwd must be one of None, 'prefill', 'decode'; got {fwd!r}")
+
+
+def _attention_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
+                       layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
+                       fwd: str | None) -> Any:
+    _check_fwd(fwd)  # an invalid fwd never reaches the cache: it is part of the key
+    return attention_context(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd)
 
 
 def attention(
@@ -48,56 +76,87 @@ def attention(
     ``[tokens, heads, head_dim]`` with a paged ``kv_cache`` for ``fwd="prefill"`` /
     ``"decode"``. K/V may have fewer heads (GQA). Returns ``[..., heads*head_dim]``.
     """
-    if fwd not in _FWD_MODES:
-        raise ValueError(f"fwd must be one of None, 'prefill', 'decode'; got {fwd!r}")
-    # The signature is read straight off the tensors; it equals CallContext.signature().
-    sig = ("attention", fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1], kv_cache is not None,
-           attn_mask is not None, _grad(), _NO_EXTRA)
-    if _compiling():
-        obj = IMPLS[decision_name("attention", sig, backend, compiled.KEY)]
-    else:
-        d = decide("attention", sig, backend, attention_context,
+    if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
+        _check_fwd(fwd)
+        sig = ("attention", fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1],
+               kv_cache is not None, attn_mask is not None, _grad(), _NO_EXTRA)
+        return IMPLS[decision_name("attention", sig, backend, compiled.KEY)](  # type: ignore[no-any-return]
+            q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
+            is_causal=is_causal, fwd=fwd)
+    state = _registry._state
+    qs = q.shape
+    key = ("attention", fwd, q.dtype, q.is_cuda, len(qs), qs[-1], kv_cache is not None,
+           attn_mask is not None, _grad(), _NO_EXTRA, backend, _scope_get().cache_token,
+           _env(OPS_KEY), _env(state and state.alias_keys.get("attention")))
+    d = (state.decisions.get(key)
+         if state is not None and (backend is None or backend.__class__ is str) else None)
+    if d is None:
+        d = decide("attention", key[:_SIG], backend, _attention_context,
                    (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd))
-        next(d.counter)
-        obj = d.obj
-    return obj(  # type: ignore[no-any-return]
+        next(SLOW)
+    next(d.counter)
+    return d.call(  # type: ignore[no-any-return]
         q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
-        is_causal=is_causal, fwd=fwd,
-    )
+        is_causal=is_causal, fwd=fwd)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x`` by ``freqs_cis`` (cos, sin) per pair."""
-    sig = ("rotary", None, x.dtype, x.is_cuda, x.dim(), x.shape[-1], False, False, _grad(),
-           _NO_EXTRA)
-    if _compiling():
+    if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
+        sig = ("rotary", None, x.dtype, x.is_cuda, x.dim(), x.shape[-1], False, False, _grad(),
+               _NO_EXTRA)
         return IMPLS[decision_name("rotary", sig, backend, compiled.KEY)](  # type: ignore[no-any-return]
             x, freqs_cis)
-    d = decide("rotary", sig, backend, rotary_context, (x, freqs_cis))
+    state = _registry._state
+    key = ("rotary", None, x.dtype, x.is_cuda, x.dim(), x.shape[-1], False, False, _grad(),
+           _NO_EXTRA, backend, _scope_get().cache_token, _env(OPS_KEY),
+           _env(state and state.alias_keys.get("rotary")))
+    d = (state.decisions.get(key)
+         if state is not None and (backend is None or backend.__class__ is str) else None)
+    if d is None:
+        d = decide("rotary", key[:_SIG], backend, rotary_context, (x, freqs_cis))
+        next(SLOW)
     next(d.counter)
-    return d.obj(x, freqs_cis)  # type: ignore[no-any-return]
+    return d.call(x, freqs_cis)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              backend: Any = None) -> torch.Tensor:
     """RMS normalisation over the last dimension, scaled by ``weight``."""
-    sig = ("rms_norm", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
-           _NO_EXTRA)
-    if _compiling():
+    if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
+        sig = ("rms_norm", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
+               _NO_EXTRA)
         return IMPLS[decision_name("rms_norm", sig, backend, compiled.KEY)](  # type: ignore[no-any-return]
             x, weight, eps)
-    d = decide("rms_norm", sig, backend, rms_norm_context, (x, weight, eps))
+    state = _registry._state
+    key = ("rms_norm", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
+           _NO_EXTRA, backend, _scope_get().cache_token, _env(OPS_KEY),
+           _env(state and state.alias_keys.get("rms_norm")))
+    d = (state.decisions.get(key)
+         if state is not None and (backend is None or backend.__class__ is str) else None)
+    if d is None:
+        d = decide("rms_norm", key[:_SIG], backend, rms_norm_context, (x, weight, eps))
+        next(SLOW)
     next(d.counter)
-    return d.obj(x, weight, eps)  # type: ignore[no-any-return]
+    return d.call(x, weight, eps)  # type: ignore[no-any-return]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            backend: Any = None) -> torch.Tensor:
     """``x @ weight.T + bias`` through the ``linear`` table."""
-    sig = ("linear", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(), _NO_EXTRA)
-    if _compiling():
+    if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
+        sig = ("linear", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
+               _NO_EXTRA)
         return IMPLS[decision_name("linear", sig, backend, compiled.KEY)](  # type: ignore[no-any-return]
             x, weight, bias)
-    d = decide("linear", sig, backend, linear_context, (x, weight, bias))
+    state = _registry._state
+    key = ("linear", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
+           _NO_EXTRA, backend, _scope_get().cache_token, _env(OPS_KEY),
+           _env(state and state.alias_keys.get("linear")))
+    d = (state.decisions.get(key)
+         if state is not None and (backend is None or backend.__class__ is str) else None)
+    if d is None:
+        d = decide("linear", key[:_SIG], backend, linear_context, (x, weight, bias))
+        next(SLOW)
     next(d.counter)
-    return d.obj(x, weight, bias)  # type: ignore[no-any-return]
+    return d.call(x, weight, bias)  # type: ignore[no-any-return]

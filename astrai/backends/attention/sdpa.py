@@ -33,6 +33,7 @@ from astrai.backends.attention._paged import (
 
 #: ``enable_gqa`` arrived in torch 2.5.
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+_SDPA = F.scaled_dot_product_attention
 
 
 def _sdpa(
@@ -84,6 +85,25 @@ class SdpaAttention:
         fwd: str | None = None,
     ) -> torch.Tensor:
         """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
+        if kv_cache is None and attn_mask is None and _HAS_GQA:
+            # Hot path (dense, no mask): SDPA checks shapes itself; our clearer checks run
+            # only when it fails, plus the one mismatch SDPA would silently broadcast
+            # (batch size) and the causal rule's square case.
+            qs, ks, vs = q.shape, k.shape, v.shape
+            if (len(qs) == 4 and len(ks) == 4 and qs[0] == ks[0] == vs[0]
+                    and (not is_causal or qs[1] == ks[1])):
+                try:
+                    if is_causal or qs[2] != ks[2]:
+                        out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    is_causal=is_causal, enable_gqa=qs[2] != ks[2])
+                    else:
+                        out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                except RuntimeError:
+                    check_dense(q, k, v, attn_mask)
+                    raise
+                if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
+                    return out.reshape(qs[0], 1, qs[2] * vs[-1])
+                return out.transpose(1, 2).flatten(-2)
         if kv_cache is None:
             return self._dense(q, k, v, attn_mask, is_causal)
         return self._paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
@@ -96,19 +116,6 @@ class SdpaAttention:
         attn_mask: torch.Tensor | None,
         is_causal: bool,
     ) -> torch.Tensor:
-        if attn_mask is None and _HAS_GQA and q.dim() == 4 and k.dim() == 4:
-            # Hot path (no mask): SDPA checks shapes itself; our clearer checks run only when
-            # it fails, plus the one mismatch SDPA would silently broadcast (batch size).
-            qs, ks = q.shape, k.shape
-            if qs[0] == ks[0] == v.shape[0] and (not is_causal or qs[1] == ks[1]):
-                try:
-                    out = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                        is_causal=is_causal, enable_gqa=qs[2] != ks[2])
-                except RuntimeError:
-                    check_dense(q, k, v, attn_mask)
-                    raise
-                return out.transpose(1, 2).flatten(-2)
         check_dense(q, k, v, attn_mask)
         q_len, k_len = q.shape[1], k.shape[1]
         if is_causal and attn_mask is None and q_len == k_len:
