@@ -59,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     lint.add_argument("--profile", action="append", default=[], help="lint under a profile")
     lint.add_argument("--no-coverage", action="store_true", help="omit the coverage matrix")
 
-    s = sub.add_parser("schema", help="regenerate schemas/ from the models")
-    s.add_argument("--check", action="store_true", help="exit 1 if schemas/ is stale")
+    s = sub.add_parser("schema", help="regenerate schemas/ and the precompiled shipped tables")
+    s.add_argument("--check", action="store_true",
+                   help="exit 1 if schemas/ or tables/compiled.json is stale")
 
     d = sub.add_parser("demo", help="run the demo model and show which rows served it")
     d.add_argument("--transformers", action="store_true",
@@ -188,16 +189,23 @@ def _cmd_lint(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    from astrai.dispatch.precompiled import ARTIFACT, render_artifact
+    from astrai.dispatch.registry import shipped_tables_dir
     from astrai.dispatch.schemas import schemas_dir, stale_schemas, write_schemas
 
+    tables = shipped_tables_dir()
+    artifact, compiled = tables / ARTIFACT, render_artifact(tables)
     if args.check:
-        stale = stale_schemas()
-        for name in stale:
-            print(f"{schemas_dir() / name}: stale; run 'astrai-ops schema' to regenerate",
-                  file=sys.stderr)
+        stale = [schemas_dir() / name for name in stale_schemas()]
+        if not artifact.is_file() or artifact.read_text(encoding="utf-8") != compiled:
+            stale.append(artifact)
+        for path in stale:
+            print(f"{path}: stale; run 'astrai-ops schema' to regenerate", file=sys.stderr)
         return PROBLEMS if stale else OK
     for path in write_schemas():
         print(f"wrote {path}")
+    artifact.write_text(compiled, encoding="utf-8")
+    print(f"wrote {artifact}")
     return OK
 
 

@@ -35,20 +35,20 @@ __all__ = [
     "Value",
     "compile_expression",
     "parse_expression",
+    "to_plain",
     "to_spec",
     "to_text",
 ]
 
 import functools
-from typing import Literal, NoReturn
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import CORE_VOCABULARY, PREDICATES, Axis, Vocabulary, format_value
-from astrai.dispatch.spec import And, Compare, Flag, Member, Named, Not, Or, Spec, predicate
-from astrai.errors import SpecSyntaxError
+from astrai.dispatch.axes import CORE_VOCABULARY, Vocabulary, format_value
+from astrai.dispatch.spec import Spec
+from astrai.dispatch.spec_data import Plain, build_spec, encode_value
 
 #: A typed value: ``bool`` (bool axes), ``int``, ``str`` (enum axes), a dtype, or ``None``.
 Value = bool | int | str | torch.dtype | None
@@ -190,6 +190,28 @@ def _flatten(node: AndNode | OrNode) -> list[Expr]:
 # -- compilation ------------------------------------------------------------------------
 
 
+def to_plain(node: Expr) -> Plain:
+    """``node`` as plain JSON-ready data (the forms of ``spec_data``)."""
+    match node:
+        case ConstNode(value=value):
+            return ["const", value]
+        case AxisNode(axis=axis):
+            return ["axis", axis]
+        case PredicateNode(name=name):
+            return ["pred", name]
+        case CompareNode(axis=axis, op=op, value=value):
+            return ["cmp", axis, op, encode_value(value)]
+        case MemberNode(axis=axis, values=values, negated=negated):
+            return ["in", axis, [encode_value(v) for v in values], negated]
+        case NotNode(item=item):
+            return ["not", to_plain(item)]
+        case AndNode(items=items):
+            return ["and", [to_plain(i) for i in items]]
+        case OrNode(items=items):
+            return ["or", [to_plain(i) for i in items]]
+    raise TypeError(f"not a spec expression node: {node!r}")
+
+
 def to_spec(node: Expr, vocabulary: Vocabulary | None = None) -> Spec:
     """The ``Spec`` combinators for ``node``; names are looked up in ``vocabulary``.
 
@@ -197,65 +219,7 @@ def to_spec(node: Expr, vocabulary: Vocabulary | None = None) -> Spec:
     hand-built node naming an unknown axis or predicate raises ``SpecSyntaxError``.
     """
     vocab = CORE_VOCABULARY if vocabulary is None else vocabulary
-    return _Builder(vocab, node).build(node)
-
-
-class _Builder:
-    def __init__(self, vocabulary: Vocabulary, root: Expr) -> None:
-        self.vocabulary = vocabulary
-        self.root = root
-
-    def build(self, node: Expr) -> Spec:
-        match node:
-            case ConstNode(value=value):
-                return Spec.always() if value else Spec.never()
-            case AxisNode(axis=name):
-                axis = self.axis(name)
-                if axis.kind != "bool":
-                    self.fail(f"{name!r} needs a comparison; only bool axes stand alone")
-                return Flag(axis)
-            case PredicateNode(name=name):
-                return self.predicate(name)
-            case CompareNode(axis=name, op=op, value=value):
-                return Compare(self.axis(name), op, value)
-            case MemberNode(axis=name, values=values, negated=negated):
-                return Member(self.axis(name), values, negated)
-            case NotNode(item=item):
-                return Not(self.build(item))
-            case AndNode(items=items):
-                return And.of(self.build(i) for i in items)
-            case OrNode(items=items):
-                return Or.of(self.build(i) for i in items)
-        raise TypeError(f"not a spec expression node: {node!r}")
-
-    def axis(self, name: str) -> Axis:
-        axis = self.vocabulary.axes.get(name)
-        if axis is None:
-            names = sorted(self.vocabulary.axes)
-            self.fail(
-                f"unknown axis {name!r}{did_you_mean(name, names)}; "
-                f"expected one of: {', '.join(names)}"
-            )
-        return axis
-
-    def predicate(self, name: str) -> Spec:
-        definition = self.vocabulary.predicates.get(name)
-        if definition is None:
-            names = sorted(self.vocabulary.predicates)
-            self.fail(
-                f"unknown predicate {name!r}{did_you_mean(name, names)}; "
-                f"expected one of: {', '.join(names)}"
-            )
-        if PREDICATES.get(name) == definition:
-            return predicate(name)
-        # A vocabulary's own predicate: its expression over the axes (no predicates, so
-        # a predicate cannot refer to itself).
-        inner = compile_expression(definition[0], Vocabulary(self.vocabulary.axes, {}))
-        return Named(name, inner)
-
-    def fail(self, message: str) -> NoReturn:
-        text = to_text(self.root)
-        raise SpecSyntaxError(message, text, (0, len(text)))
+    return build_spec(to_plain(node), vocab, lambda: to_text(node))
 
 
 class _VocabularyKey:

@@ -3,32 +3,44 @@
 Every problem in a file is collected (not only the first) and reported as
 ``file:line:col: message``. Nothing here touches the live registry; the
 registry swaps in what this module builds only when everything is valid.
+
+A file whose bytes match a precompiled shipped file (``precompiled``) skips the
+YAML and pydantic stages: its validated data, row positions and parsed
+expressions come from the precompiled form, and the same builders run on them.
+pydantic and PyYAML are imported only when some file needs the full path; a
+problem found on the fast path reads the file's YAML then, for exact positions.
 """
 
 from __future__ import annotations
 
 __all__ = ["ParsedFile", "build_overlay_rows", "parse_file", "parse_text"]
 
+import functools
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
-
+from astrai.dispatch import precompiled
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch._yaml import Located, YamlProblem, load_located
 from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.binding import BindError, bind
-from astrai.dispatch.models import SUPPORTED_VERSION, ProfileFile, RowModel, TableFile
+from astrai.dispatch.filedata import ProfileData, RowData, TableData
 from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.spec import Spec
+from astrai.dispatch.spec_data import Plain, build_spec
 from astrai.errors import SpecSyntaxError, TableProblem
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel, ValidationError
+
+    from astrai.dispatch._yaml import Located
+
 PathT = tuple[Any, ...]
+SUPPORTED_VERSION = 1  # == models.SUPPORTED_VERSION (a test keeps them equal)
 
 
 @dataclass
@@ -39,13 +51,30 @@ class ParsedFile:
     kind: str  # "table" | "profile" | "unknown"
     located: Located | None = None
     table: FamilyTable | None = None
-    profile: ProfileFile | None = None
+    profile: ProfileData | None = None
     revision: str = ""
     problems: list[TableProblem] = field(default_factory=list)
+    text: str | None = None  # kept on the fast path, to find exact positions on demand
+    dump: dict[str, Any] | None = None  # the validated model's JSON dump (full path)
+    lines: dict[PathT, tuple[int, int]] = field(default_factory=dict)  # rows' positions
+    whens: dict[PathT, Plain] = field(default_factory=dict)  # parsed core-vocabulary `when`s
+
+    def where(self, path: PathT, *, key: bool = False) -> tuple[int, int]:
+        """1-based ``(line, column)`` of ``path`` in the file (``(1, 1)`` if unknown)."""
+        if not key and path in self.lines:
+            return self.lines[path]
+        if self.located is None and self.text is not None:
+            from astrai.dispatch._yaml import YamlProblem, load_located
+
+            try:
+                self.located = load_located(self.text)
+            except YamlProblem:
+                self.text = None
+        return self.located.where(path, key=key) if self.located else (1, 1)
 
     def problem(self, path: PathT, message: str, *, key: bool = False) -> None:
         """Record a problem at ``path`` of this file."""
-        line, col = self.located.where(path, key=key) if self.located else (1, 1)
+        line, col = self.where(path, key=key)
         self.problems.append(TableProblem(self.file, line, col, message))
 
 
@@ -64,11 +93,38 @@ def parse_file(path: str | Path) -> ParsedFile:
         return ParsedFile(name, "unknown", problems=[
             TableProblem(name, 1, 1, f"file is not UTF-8 text: {exc.reason}")
         ])
+    entry = precompiled.lookup(data)
+    if entry is not None:
+        fast = _from_precompiled(name, text, entry)
+        if fast is not None:
+            return fast
     return parse_text(text, name)
+
+
+def _from_precompiled(file: str, text: str, entry: precompiled.Entry) -> ParsedFile | None:
+    """Build a shipped file from its precompiled form; ``None`` if anything goes wrong
+    (the caller then takes the full path, which reports the problem properly)."""
+    out = ParsedFile(file, entry.kind, revision=entry.revision, text=text,
+                     lines=dict(entry.lines), whens=dict(entry.whens))
+    try:
+        if entry.kind == "table":
+            out.table = _build_table(out, TableData.from_dict(entry.data))
+        else:
+            out.profile = ProfileData.from_dict(entry.data)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if out.problems or (out.kind == "table" and out.table is None):
+        return None
+    return out
 
 
 def parse_text(text: str, file: str = "<string>") -> ParsedFile:
     """Validate the text of a table or profile file (told apart by ``family:``/``profile:``)."""
+    from pydantic import ValidationError
+
+    from astrai.dispatch._yaml import YamlProblem, load_located
+    from astrai.dispatch.models import ProfileFile, TableFile
+
     out = ParsedFile(file, "unknown", revision=hashlib.sha256(text.encode()).hexdigest()[:16])
     try:
         out.located = load_located(text)
@@ -101,11 +157,11 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
         if out.kind == "table":
             _check_rows_anyway(out, data)
         return out
+    out.dump = model.model_dump(mode="json")
     if isinstance(model, TableFile):
-        out.table = _build_table(out, model)
+        out.table = _build_table(out, TableData.from_dict(out.dump))
     else:
-        assert isinstance(model, ProfileFile)
-        out.profile = model
+        out.profile = ProfileData.from_dict(out.dump)
     return out
 
 
@@ -154,14 +210,18 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
 
 def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     """After a structural error, still check every well-formed row: all problems at once."""
+    from pydantic import ValidationError
+
+    from astrai.dispatch.models import RowModel
+
     rows = data.get("rows")
     if not isinstance(rows, list):
         return
-    good: list[tuple[int, RowModel]] = []
+    good: list[tuple[int, RowData]] = []
     vocabulary = _declared_vocabulary(data)
     for i, raw in enumerate(rows):
         try:
-            good.append((i, RowModel.model_validate(raw)))
+            good.append((i, RowData.from_dict(RowModel.model_validate(raw).model_dump())))
         except ValidationError:  # already reported; its expression may still be wrong too
             if isinstance(raw, dict) and isinstance(raw.get("when"), str) and raw["when"]:
                 compile_when(out, ("rows", i, "when"), raw["when"], vocabulary)
@@ -176,6 +236,8 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
 
 def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
     """The family's vocabulary from its well-formed ``axes`` declarations, if any."""
+    from pydantic import ValidationError
+
     from astrai.dispatch.models import AxisModel
 
     axes: dict[str, Axis] = {}
@@ -198,7 +260,13 @@ def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
 
 def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
     """The model class that validates the mapping at ``path`` (for listing valid keys)."""
-    from astrai.dispatch.models import AxisModel, FamilyOverlayModel
+    from astrai.dispatch.models import (
+        AxisModel,
+        FamilyOverlayModel,
+        ProfileFile,
+        RowModel,
+        TableFile,
+    )
 
     top: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
     if not path:
@@ -216,24 +284,39 @@ def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
 
 
 def _column_of_expression(out: ParsedFile, path: PathT) -> tuple[int, int]:
-    assert out.located is not None
-    line, col = out.located.where(path)
-    if out.located.styles.get(path) in ("'", '"'):
+    line, col = out.where(path)
+    if out.located is not None and out.located.styles.get(path) in ("'", '"'):
         col += 1
     return line, col
 
 
 def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
-    """Parse a row's expression; a syntax error is recorded with the file position."""
+    """Parse a row's expression; a syntax error is recorded with the file position.
+
+    With the core vocabulary the parsed form is kept in ``out.whens`` (what the
+    precompiled tables store), or taken from there on the fast path.
+    """
     try:
-        return Spec.parse(text, vocabulary)
+        if vocabulary is not CORE_VOCABULARY:
+            return Spec.parse(text, vocabulary)
+        plain = out.whens.get(path)
+        if plain is None:
+            plain = out.whens[path] = _core_plain(text)
+        return build_spec(plain, vocabulary, lambda: text)
     except SpecSyntaxError as exc:
         line, col = _column_of_expression(out, path)
         out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
         return None
 
 
-def bind_row(out: ParsedFile, path: PathT, family: str, row: RowModel, spec: Spec,
+@functools.lru_cache(maxsize=4096)
+def _core_plain(text: str) -> Plain:
+    from astrai.dispatch.grammar import parse_expression, to_plain
+
+    return to_plain(parse_expression(text, CORE_VOCABULARY))
+
+
+def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec,
              priority: int) -> ImplRecord | None:
     """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
     try:
@@ -259,7 +342,8 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: RowModel, spec: Spe
             return None
         else:
             probe = bound.obj
-    line, _ = out.located.where(path) if out.located else (0, 0)
+    out.lines[path] = out.where(path)
+    line = out.lines[path][0]
     kwargs: dict[str, Any] = {} if probe is None else {"available": probe}
     return ImplRecord(
         family=family,
@@ -279,7 +363,7 @@ def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
     return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
 
 
-def _build_table(out: ParsedFile, model: TableFile) -> FamilyTable | None:
+def _build_table(out: ParsedFile, model: TableData) -> FamilyTable | None:
     axes: dict[str, Axis] = {}
     for i, decl in enumerate(model.axes):
         if decl.name in CORE_VOCABULARY.axes or decl.name in CORE_VOCABULARY.predicates:
@@ -314,7 +398,7 @@ def _build_table(out: ParsedFile, model: TableFile) -> FamilyTable | None:
 
 
 def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
-                       rows: list[tuple[int, RowModel]],
+                       rows: list[tuple[int, RowData]],
                        vocabulary: Vocabulary) -> list[ImplRecord] | None:
     """Compile and bind rows given as ``(index, row)`` (a table's, or a profile's ``add``).
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 __all__ = ["FamilyOverlay", "Profile", "View", "build_profile", "make_view"]
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.filedata import OverlayData
 from astrai.dispatch.loader import ParsedFile, build_overlay_rows, compile_when, family_vocabulary
-from astrai.dispatch.models import FamilyOverlayModel
 from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.spec import Spec
 
@@ -156,7 +156,7 @@ def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Pr
 
 
 def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
-                   ov: FamilyOverlayModel, table: FamilyTable | None,
+                   ov: OverlayData, table: FamilyTable | None,
                    known: list[str]) -> FamilyOverlay:
     added: list[ImplRecord] = []
     if ov.add:
@@ -168,7 +168,7 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
                                        family_vocabulary(table.axes)) or []
     names = [*known, *(a.name for a in ov.add)]
 
-    def check(key: str, values: list[str], *, allow_fallback: bool = False) -> None:
+    def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
         for i, name in enumerate(values):
             if allow_fallback and name == FALLBACK:
                 continue

@@ -161,8 +161,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
             continue
         name = pf.table.name
         if name in seen:
-            problems.append(TableProblem(pf.file, *pf.located.where(("family",)) if pf.located
-                                         else (1, 1),
+            problems.append(TableProblem(pf.file, *pf.where(("family",)),
                                          f"family {name!r} is also defined in {seen[name]}"))
         seen[name] = pf.file
         families[name] = pf.table
@@ -180,8 +179,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
         if prof is None:
             continue
         if prof.name in seen_profiles:
-            problems.append(TableProblem(pf.file, *pf.located.where(("profile",)) if pf.located
-                                         else (1, 1),
+            problems.append(TableProblem(pf.file, *pf.where(("profile",)),
                                          f"profile {prof.name!r} is also defined in "
                                          f"{seen_profiles[prof.name]}"))
         seen_profiles[prof.name] = pf.file

@@ -1,0 +1,187 @@
+"""The precompiled shipped tables: same result as the full path, no pydantic at load.
+
+``tables/compiled.json`` lets the shipped tables load without YAML or pydantic
+(SPEC §11: importing astrai and loading every shipped table costs little beyond
+``import torch``). These tests check that the fast path builds exactly what the full
+path builds, that anything edited or broken takes the full path, and that the file
+is current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from astrai import dispatch
+from astrai.dispatch import filedata, loader, models, precompiled, registry
+from astrai.dispatch.registry import shipped_tables_dir
+
+SHIPPED = sorted(p for p in shipped_tables_dir().rglob("*.yaml"))
+
+
+def _table_view(pf: loader.ParsedFile) -> object:
+    """What matters of a parsed table: every row as the engine sees it."""
+    t = pf.table
+    assert t is not None
+    rows = [(r.name, r.spec.description, r.faithful, r.description, r.source, r.priority,
+             r.obj, r.available is None) for r in t.rows]
+    return (t.name, t.fallback, t.description, t.env_alias, dict(t.axes), t.revision, rows)
+
+
+class TestSameAsFullPath:
+    @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+    def test_file_is_precompiled(self, path: Path) -> None:
+        """Every shipped file has an entry (so loading it never needs pydantic)."""
+        assert precompiled.lookup(path.read_bytes()) is not None
+
+    @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+    def test_fast_equals_full(self, path: Path) -> None:
+        """The fast path builds the same table / profile data as the full path."""
+        fast = loader.parse_file(path)
+        full = loader.parse_text(path.read_bytes().decode("utf-8"), str(path))
+        assert fast.located is None and full.located is not None  # the fast path was taken
+        assert not fast.problems and not full.problems
+        assert (fast.kind, fast.revision) == (full.kind, full.revision)
+        if fast.kind == "table":
+            assert _table_view(fast) == _table_view(full)
+        else:
+            assert fast.profile == full.profile
+
+    def test_loaded_profiles_equal(self) -> None:
+        """Built profiles (overlays with their compiled specs) are the same both ways."""
+        def overlays(pf: loader.ParsedFile) -> object:
+            families = {t.name: t for t in dispatch.current().families.values()}
+            prof = dispatch.profiles.build_profile(pf, families)
+            assert prof is not None
+            return {f: (o.force, o.order, o.disable, o.enable, o.fallback,
+                        {n: s.description for n, s in o.when.items()},
+                        [a.name for a in o.add]) for f, o in prof.overlays.items()}
+
+        for path in (p for p in SHIPPED if p.parent.name == "profiles"):
+            full = loader.parse_text(path.read_bytes().decode("utf-8"), str(path))
+            assert overlays(loader.parse_file(path)) == overlays(full)
+
+
+class TestFallsBackToFullPath:
+    def test_edited_file_takes_full_path(self, tmp_path: Path) -> None:
+        """One changed byte: no entry, the full path runs, and the edit takes effect."""
+        src = shipped_tables_dir() / "linear.yaml"
+        edited = src.read_text().replace("description: torch.nn.functional.linear",
+                                         "description: edited torch linear")
+        path = tmp_path / "linear.yaml"
+        path.write_text(edited)
+        assert precompiled.lookup(path.read_bytes()) is None
+        pf = loader.parse_file(path)
+        assert pf.located is not None and pf.table is not None
+        assert pf.table.row("torch").description.startswith("edited torch linear")
+
+    def test_copy_of_shipped_file_is_fast(self, tmp_path: Path) -> None:
+        """The entry is keyed by content: a byte-identical copy elsewhere is precompiled,
+        and its rows' sources name the copy."""
+        path = tmp_path / "copy.yaml"
+        path.write_bytes((shipped_tables_dir() / "rotary.yaml").read_bytes())
+        pf = loader.parse_file(path)
+        assert pf.located is None and pf.table is not None
+        assert all(r.source.startswith(f"{path}:") for r in pf.table.rows)
+
+    def test_missing_artifact(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        """Without the artifact everything still loads, the full way."""
+        monkeypatch.setattr(precompiled, "_entries", None)
+        monkeypatch.setattr(precompiled, "_artifact_path", lambda: tmp_path / "none.json")
+        dispatch.reload_tables()
+        assert set(dispatch.list_families()) >= {"attention", "rotary", "rms_norm", "linear"}
+        assert precompiled._entries == {}
+
+    @pytest.mark.parametrize("content", ["not json", '{"format": 99, "files": {}}',
+                                         '{"format": 1, "files": {"x": {"kind": 1}}}', "[]"])
+    def test_corrupt_artifact(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                              content: str) -> None:
+        """A damaged or foreign artifact is ignored, never an error."""
+        bad = tmp_path / "compiled.json"
+        bad.write_text(content)
+        monkeypatch.setattr(precompiled, "_entries", None)
+        monkeypatch.setattr(precompiled, "_artifact_path", lambda: bad)
+        dispatch.reload_tables()
+        assert "attention" in dispatch.list_families()
+
+    def test_bad_entry_falls_back(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """An entry that does not build (here: a row's impl path broken) is not trusted:
+        the full path runs and the file loads as written."""
+        path = shipped_tables_dir() / "rms_norm.yaml"
+        entry = precompiled.lookup(path.read_bytes())
+        assert entry is not None
+        data = json.loads(json.dumps(entry.data))
+        data["rows"][0]["impl"] = "astrai.backends.rms_norm:no_such_thing"
+        monkeypatch.setattr(precompiled, "lookup",
+                            lambda _b: dataclasses.replace(entry, data=data))
+        pf = loader.parse_file(path)
+        assert pf.located is not None and not pf.problems and pf.table is not None
+
+    def test_problem_on_fast_path_has_exact_position(
+        self, write_yaml: Callable[[str, str], Path]
+    ) -> None:
+        """A shipped profile (precompiled) that no longer fits a replaced table reports
+        the exact line and column, read from its YAML on demand."""
+        linear = write_yaml("linear.yaml", """\
+            version: 1
+            family: linear
+            fallback: torch
+            rows:
+              - name: torch
+                impl: astrai.backends.linear:torch_linear
+            """)
+        profile = shipped_tables_dir() / "profiles" / "low-precision.yaml"
+        with pytest.raises(dispatch.TableError) as info:
+            dispatch.load_tables(linear, profile)
+        lines = profile.read_text().splitlines()
+        enable_line = next(i for i, line in enumerate(lines, 1) if "enable:" in line)
+        probs = [p for p in info.value.problems
+                 if p.file == str(profile) and p.message.startswith("enable:")]
+        assert probs and {p.line for p in probs} == {enable_line}
+        assert {lines[p.line - 1][p.column - 1:].split(",")[0].strip("] ") for p in probs} \
+            == {"fp8", "bf16"}
+
+
+class TestArtifact:
+    def test_artifact_is_current(self) -> None:
+        """``tables/compiled.json`` matches the shipped tables (else: run ``astrai-ops
+        schema``); ``astrai-ops schema --check`` fails CI on the same condition."""
+        tables = shipped_tables_dir()
+        current = (tables / precompiled.ARTIFACT).read_text(encoding="utf-8")
+        assert current == precompiled.render_artifact(tables)
+
+    def test_artifact_rejects_bad_tables(self, tmp_path: Path) -> None:
+        """It is only generated from tables that load cleanly."""
+        (tmp_path / "t.yaml").write_text("version: 1\nfamily: t\nfallback: x\nrows: []\n")
+        with pytest.raises(dispatch.TableError):
+            precompiled.build_artifact(tmp_path)
+
+    @pytest.mark.parametrize(("plain", "model"), [
+        (filedata.AxisData, models.AxisModel), (filedata.RowData, models.RowModel),
+        (filedata.TableData, models.TableFile), (filedata.OverlayData, models.FamilyOverlayModel),
+        (filedata.ProfileData, models.ProfileFile),
+    ])
+    def test_plain_forms_match_models(self, plain: type, model: type) -> None:
+        """The builders' plain dataclasses have exactly the models' fields."""
+        assert {f.name for f in dataclasses.fields(plain)} == set(model.model_fields)
+
+    def test_supported_version(self) -> None:
+        assert loader.SUPPORTED_VERSION == models.SUPPORTED_VERSION
+
+
+def test_load_imports_no_pydantic_or_yaml() -> None:
+    """Importing astrai and loading the shipped tables imports neither pydantic, PyYAML,
+    the expression parser nor the file models (the import-time budget of SPEC §11)."""
+    code = ("import sys, astrai.dispatch as d, astrai.ops; d.current(); "
+            "print(sorted(m for m in ('pydantic', 'yaml', 'astrai.dispatch.grammar', "
+            "'astrai.dispatch.models', 'astrai.dispatch._yaml') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**__import__("os").environ, "ASTR_TABLES": ""})
+    assert out.stdout.strip() == "[]"
+    assert registry.shipped_tables_dir().is_dir()
