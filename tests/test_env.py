@@ -130,6 +130,17 @@ class TestOpsEnv:
             f"known profiles: {', '.join(list_profiles())}"
         ]
 
+    def test_error_empty_profile_name(self, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+        """A stray ``+`` is an empty name: one plain warning, the named profile applies."""
+        monkeypatch.setenv("ASTR_OPS", "profile=toy-disable+")
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            got = [outcome("toy", ctx(3)) for _ in range(2)]
+        assert got == [("ref", "fallback")] * 2
+        assert warnings(caplog) == [
+            "ASTR_OPS: ignoring an empty profile name in 'profile=toy-disable+'"
+        ]
+
     def test_error_unknown_row_warns_once(self, monkeypatch: pytest.MonkeyPatch,
                                           caplog: pytest.LogCaptureFixture) -> None:
         """An entry naming no row warns once, says where it came from, and is ignored."""

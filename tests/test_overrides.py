@@ -236,7 +236,7 @@ class TestUseProfile:
             ran.append(True)
         assert ran == []
         assert str(err.value) == (
-            f"Unknown profile: 'toy-forse' (did you mean 'toy-force'?); known profiles: "
+            f"unknown profile 'toy-forse' (did you mean 'toy-force'?); known profiles: "
             f"{', '.join(list_profiles())}"
         )
         assert current_profiles() == ()

@@ -640,6 +640,11 @@ class TestResolvePlan:
             resolve_plan({"toy": ctx(3), "nofamily": CallContext("nofamily")})
         assert "Unknown family: 'nofamily'" in str(err.value)
 
+    def test_error_plan_family_mismatch(self) -> None:
+        """A context filed under another family's name is refused, not resolved."""
+        with pytest.raises(ValueError, match="the context under 'attention' is for 'toy'"):
+            resolve_plan({"attention": ctx(3)})
+
     def test_error_plan_strict_failure(self) -> None:
         """A strict failure for one family raises for the whole plan."""
         with pytest.raises(ExplicitSelectionError):

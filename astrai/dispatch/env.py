@@ -54,7 +54,9 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) ->
         if key == PROFILE_KEY:
             for name in value.split("+"):
                 name = name.strip()
-                if name in profiles:
+                if not name:
+                    warn_once(f"{OPS_ENV}: ignoring an empty profile name in {entry!r}")
+                elif name in profiles:
                     chosen.append(name)
                 else:
                     warn_once(f"{OPS_ENV}: ignoring unknown profile {name!r}"

@@ -173,7 +173,7 @@ def use_profile(*names: str) -> Iterator[None]:
     known = current().profiles
     for name in names:
         if name not in known:
-            raise ValueError(f"Unknown profile: {name!r}{did_you_mean(name, known)}; "
+            raise ValueError(f"unknown profile {name!r}{did_you_mean(name, known)}; "
                              f"known profiles: {', '.join(sorted(known)) or '(none)'}")
     scope = _scope.get()
     token = _enter(Scope(scope.handles, (*scope.profiles, *names)))

@@ -342,6 +342,9 @@ def resolve_plan(ctxs: Mapping[str, CallContext],
     """Resolve several families against one snapshot of tables, profiles and environment."""
     state = current()
     explicit = explicit or {}
+    for fam, ctx in ctxs.items():
+        if ctx.family != fam:
+            raise ValueError(f"resolve_plan: the context under {fam!r} is for {ctx.family!r}")
     return {fam: evaluate(fam, ctx, explicit.get(fam), state=state) for fam, ctx in ctxs.items()}
 
 
