@@ -5,13 +5,16 @@ from __future__ import annotations
 __all__ = [
     "AstraiError",
     "ExplicitSelectionError",
+    "PlanMismatchError",
     "SpecSyntaxError",
     "TableError",
     "TableProblem",
     "UnknownFamilyError",
 ]
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class AstraiError(Exception):
@@ -135,3 +138,20 @@ class UnknownFamilyError(AstraiError, KeyError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (UnknownFamilyError, (self.family, self.known))
+
+
+class PlanMismatchError(AstraiError, RuntimeError):
+    """Ranks of a ``torch.distributed`` job would not run the same dispatch plan.
+
+    Raised by ``astrai.dispatch.distributed.check_agreement`` on every rank alike.
+    ``differences`` holds one ``PlanDifference`` per item that differs (a table
+    revision, the active profiles, the row a call resolves to, or a family for
+    which consensus found no row every rank can run); the message lists them all.
+    """
+
+    def __init__(self, message: str, differences: Sequence[Any] = ()) -> None:
+        self.differences = tuple(differences)
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (PlanMismatchError, (str(self), self.differences))

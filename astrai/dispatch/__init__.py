@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.context import CallContext
+from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.overrides import (
     current_overrides,
@@ -47,6 +48,7 @@ from astrai.dispatch.stats import UsageStats, reset_stats, stats
 from astrai.errors import (
     AstraiError,
     ExplicitSelectionError,
+    PlanMismatchError,
     SpecSyntaxError,
     TableError,
     TableProblem,
@@ -57,12 +59,14 @@ __all__ = [
     "OPS_ENV",
     "PRECEDENCE",
     "TABLES_ENV",
+    "AgreedPlan",
     "AstraiError",
     "CallContext",
     "ExplicitSelectionError",
     "FamilyTable",
     "ImplRecord",
     "NoImplementationError",
+    "PlanMismatchError",
     "Resolution",
     "Source",
     "Spec",
@@ -72,6 +76,7 @@ __all__ = [
     "Unavailable",
     "UnknownFamilyError",
     "UsageStats",
+    "check_agreement",
     "current",
     "current_overrides",
     "current_profiles",

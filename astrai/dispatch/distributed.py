@@ -1,0 +1,440 @@
+"""Plan agreement across the ranks of a ``torch.distributed`` job (SPEC §12).
+
+``check_agreement(contexts)`` resolves the given calls on this rank exactly as
+``resolve`` would (tables, active profiles, ``ASTR_OPS``, ``op_backend`` scope),
+all-gathers a fingerprint of the result over the process group, and raises
+``PlanMismatchError`` on every rank when the ranks would not run the same rows.
+With ``consensus=True`` a family whose rows differ is instead pinned, on every
+rank, to the first row in table order that every rank can run for every one of
+that family's calls; apply it with ``with plan.apply(): ...``.
+
+Without an initialized process group the check runs as a world of one rank, so
+a script may call it unconditionally.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgreedPlan",
+    "CallPlan",
+    "Fingerprint",
+    "PlanDifference",
+    "call_key",
+    "check_agreement",
+    "differences",
+    "fingerprint",
+    "table_revision",
+]
+
+import dataclasses
+import hashlib
+import json
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from astrai import __version__
+from astrai.dispatch.axes import format_value
+from astrai.dispatch.context import CallContext
+from astrai.dispatch.env import env_settings
+from astrai.dispatch.overrides import op_backend
+from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable
+from astrai.dispatch.registry import current
+from astrai.dispatch.resolution import MATCH, active_profiles, evaluate, row_verdict
+from astrai.errors import PlanMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+#: Shape of the gathered payload; ranks whose payloads differ in shape cannot be compared.
+WIRE_FORMAT = 1
+NOT_LOADED = "(not loaded)"
+NOT_CHECKED = "(not checked)"
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+_DEFAULT_CTX = CallContext("-")
+_AXES = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
+         "grad_enabled")
+
+Contexts = Mapping[str, CallContext] | Iterable[CallContext]
+
+
+# -- this rank's fingerprint -------------------------------------------------------
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One call on one rank: the row it resolves to (or the error), and the rows it could use.
+
+    ``candidates`` are the rows, in table order, that the implicit chain accepts for
+    the call on this rank (available, faithful or enabled, not disabled, ``when``
+    matches): what consensus chooses from.
+    """
+
+    key: str
+    family: str
+    row: str | None
+    origin: str | None
+    error: str | None
+    candidates: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank would run: plain data, identical on ranks that agree (but ``host``).
+
+    ``tables`` maps each family the calls name to its revision (``table_revision``),
+    ``profiles`` lists the active profiles with their file revisions, ``calls`` the
+    decision per call. ``orders`` (rows in effective order) and ``unavailable``
+    (``(family, row, reason)``) explain and settle differences.
+    """
+
+    version: str
+    host: str
+    tables: tuple[tuple[str, str], ...]
+    profiles: tuple[tuple[str, str], ...]
+    calls: tuple[CallPlan, ...]
+    orders: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    unavailable: tuple[tuple[str, str, str], ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """Builtins only, so a rank with another astrai version can still unpickle it."""
+        return {"wire": WIRE_FORMAT, "version": self.version,
+                "fingerprint": dataclasses.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Fingerprint | None:
+        """The fingerprint in a gathered payload, or ``None`` if its format is not ours."""
+        try:
+            if data["wire"] != WIRE_FORMAT:
+                return None
+            fields = dict(data["fingerprint"])
+            fields["calls"] = tuple(CallPlan(**c) for c in fields["calls"])
+            return cls(**fields)
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def call_key(ctx: CallContext) -> str:
+    """A call's label, e.g. ``attention[fwd=decode dtype=bfloat16 ndim=3 has_cache=true]``.
+
+    Axes at their default value are left out; the label is the same in every process.
+    """
+    parts = [f"{name}={format_value(getattr(ctx, name))}" for name in _AXES
+             if getattr(ctx, name) != getattr(_DEFAULT_CTX, name)]
+    parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
+    return f"{ctx.family}[{' '.join(parts)}]"
+
+
+def _object_path(obj: Any) -> str:
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+
+
+def table_revision(table: FamilyTable) -> str:
+    """A revision of a table's content, equal in every process that loaded the same table.
+
+    A YAML table's is the SHA-256 of its file's text (whatever its path; rows whose
+    import fails keep the same revision). A ``register_family`` table's hashes its rows:
+    names, implementation and probe paths, ``when`` text, ``faithful``, the fallback.
+    """
+    if table.revision and table.source != "register_family":
+        return table.revision
+    rows = [[r.name, _object_path(r.obj), r.spec.description,
+             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful]
+            for r in table.rows]
+    text = json.dumps([table.name, table.fallback, table.env_alias, rows])
+    return "py-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _contexts(contexts: Contexts) -> dict[str, CallContext]:
+    if isinstance(contexts, Mapping):
+        for family, ctx in contexts.items():
+            if isinstance(ctx, CallContext) and ctx.family != family:
+                raise ValueError(f"contexts[{family!r}] is a context for {ctx.family!r}")
+        found = list(contexts.values())
+    else:
+        found = list(contexts)
+    unique: dict[str, CallContext] = {}
+    for ctx in found:
+        if not isinstance(ctx, CallContext):
+            raise TypeError(f"expected CallContext objects, got {type(ctx).__name__}: {ctx!r}")
+        unique.setdefault(call_key(ctx), ctx)
+    return unique
+
+
+def _local(contexts: Contexts) -> tuple[Fingerprint, dict[str, Exception]]:
+    calls = _contexts(contexts)
+    state = current()
+    names = active_profiles(state, env_settings(state.families, state.profiles, state.aliases,
+                                                state.epoch))
+    tables: dict[str, str] = {}
+    orders: dict[str, tuple[str, ...]] = {}
+    unavailable: list[tuple[str, str, str]] = []
+    plans: list[CallPlan] = []
+    errors: dict[str, Exception] = {}
+    for key, ctx in sorted(calls.items()):
+        family = ctx.family
+        table = state.families.get(family)
+        if family not in tables:
+            tables[family] = NOT_LOADED if table is None else table_revision(table)
+            if table is not None:
+                view = state.view(family, names)
+                orders[family] = tuple(view.row_names())
+                for rec in view.rows:
+                    ok, reason = state.availability(rec)
+                    if not ok:
+                        unavailable.append((family, rec.name, reason))
+        try:  # never leave before the collective: a failure is data like any decision
+            res = evaluate(family, ctx, state=state)
+            view = state.view(family, names)
+            candidates = tuple(r.name for r in view.rows
+                               if row_verdict(state, view, r, ctx)[0] == MATCH)
+        except Exception as exc:
+            errors[key] = exc
+            plans.append(CallPlan(key, family, None, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        plans.append(CallPlan(key, family, res.name, res.origin, None, candidates))
+    profiles = tuple((n, state.profiles[n].revision) for n in names)
+    return Fingerprint(__version__, socket.gethostname(), tuple(sorted(tables.items())),
+                       profiles, tuple(plans), tuple(sorted(orders.items())),
+                       tuple(unavailable)), errors
+
+
+def fingerprint(contexts: Contexts) -> Fingerprint:
+    """This rank's fingerprint for ``contexts`` (no communication)."""
+    return _local(contexts)[0]
+
+
+# -- comparing fingerprints ----------------------------------------------------------
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run))
+                    for run in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+@dataclass(frozen=True)
+class PlanDifference:
+    """One item on which ranks differ, with the ranks holding each value.
+
+    ``kind``: ``table`` (a family's revision), ``profiles`` (the active profiles),
+    ``row`` (ranks resolve a call to different rows; consensus can settle it),
+    ``call`` (a call failed, or was not checked, on some ranks), ``consensus`` (no row
+    of a family that every rank can run for all its calls; values are candidate rows),
+    ``format`` (a rank sent a fingerprint this version cannot read).
+    """
+
+    kind: str
+    item: str
+    values: tuple[tuple[str, tuple[int, ...]], ...]
+    notes: tuple[str, ...] = ()
+
+    def ranks_of(self, value: str) -> tuple[int, ...]:
+        """The ranks that hold ``value`` (empty if none)."""
+        return next((ranks for v, ranks in self.values if v == value), ())
+
+    def __str__(self) -> str:
+        shown = "; ".join(f"{_rank_list(ranks)} -> {value}" for value, ranks in self.values)
+        label = {
+            "table": f"table {self.item}",
+            "profiles": "active profiles",
+            "consensus": f"{self.item}: no row every rank can run for all its {self.item} "
+                         "calls (rows each rank can run)",
+            "format": "fingerprint format",
+        }.get(self.kind, self.item)
+        return "\n".join([f"{label}: {shown}", *(f"    {n}" for n in self.notes)])
+
+
+def _groups(values: Sequence[str], ranks: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]],
+                                                                   ...]:
+    out: dict[str, list[int]] = {}
+    for value, rank in zip(values, ranks, strict=True):
+        out.setdefault(value, []).append(rank)
+    return tuple((v, tuple(rs)) for v, rs in out.items())
+
+
+def _profile_values(prints: Sequence[Fingerprint]) -> list[str]:
+    names = [" + ".join(n for n, _ in p.profiles) or "(none)" for p in prints]
+    full = [" + ".join(f"{n}@{rev}" for n, rev in p.profiles) or "(none)" for p in prints]
+    return names if len(set(names)) == len(set(full)) else full
+
+
+def _unavailable_notes(prints: Sequence[Fingerprint], ranks: Sequence[int], family: str,
+                       rows: set[str]) -> tuple[str, ...]:
+    notes = []
+    for p, rank in zip(prints, ranks, strict=True):
+        for fam, row, reason in p.unavailable:
+            if fam == family and row in rows:
+                notes.append(f"rank {rank} ({p.host}): {row} is unavailable ({reason})")
+    return tuple(notes)
+
+
+def differences(prints: Sequence[Fingerprint], ranks: Sequence[int]) -> list[PlanDifference]:
+    """Every item on which the fingerprints (one per rank, in ``ranks`` order) differ."""
+    diffs: list[PlanDifference] = []
+    tables = [dict(p.tables) for p in prints]
+    for family in sorted(set().union(*tables)):
+        groups = _groups([t.get(family, NOT_CHECKED) for t in tables], ranks)
+        if len(groups) > 1:
+            diffs.append(PlanDifference("table", family,
+                                        tuple((v if v.startswith("(") else f"revision {v}", rs)
+                                              for v, rs in groups)))
+    groups = _groups(_profile_values(prints), ranks)
+    if len(groups) > 1:
+        diffs.append(PlanDifference("profiles", "profiles", groups))
+    calls = [{c.key: c for c in p.calls} for p in prints]
+    for key in sorted(set().union(*calls)):
+        got = [c.get(key) for c in calls]
+        values = [NOT_CHECKED if c is None else c.row if c.row is not None else f"error: {c.error}"
+                  for c in got]
+        groups = _groups(values, ranks)
+        if len(groups) == 1:
+            continue
+        if any(c is None or c.row is None for c in got):
+            diffs.append(PlanDifference("call", key, groups))
+            continue
+        family = next(c.family for c in got if c is not None)
+        notes = _unavailable_notes(prints, ranks, family, set(values))
+        diffs.append(PlanDifference("row", key, groups, notes))
+    return diffs
+
+
+def _failure(diffs: Sequence[PlanDifference], n: int, extra: str = "") -> PlanMismatchError:
+    head = (f"the {n} ranks of the process group would not run the same dispatch plan"
+            f"{extra}:")
+    return PlanMismatchError("\n".join([head, *(f"  {d}" for d in diffs)]), diffs)
+
+
+def _consensus(prints: Sequence[Fingerprint], ranks: Sequence[int],
+               diffs: Sequence[PlanDifference]) -> dict[str, str]:
+    """Per family with a ``row`` difference, the first row every rank can run for all of
+    that family's calls; raises when some family has none."""
+    family_of = {c.key: c.family for c in prints[0].calls}
+    families = list(dict.fromkeys(family_of[d.item] for d in diffs))
+    pinned: dict[str, str] = {}
+    stuck: list[PlanDifference] = []
+    for family in families:
+        order = dict(prints[0].orders).get(family, ())
+        usable = []
+        for p in prints:
+            sets = [set(c.candidates) for c in p.calls if c.family == family]
+            usable.append(tuple(r for r in order if all(r in s for s in sets)))
+        common = [r for r in order if all(r in u for u in usable)]
+        if common:
+            pinned[family] = common[0]
+        else:
+            stuck.append(PlanDifference("consensus", family, _groups(
+                [", ".join(u) or "(none)" for u in usable], ranks)))
+    if stuck:
+        raise _failure([*diffs, *stuck], len(ranks), ", and consensus found no common row")
+    return pinned
+
+
+# -- the result and the collective -------------------------------------------------------
+
+@dataclass(frozen=True)
+class AgreedPlan:
+    """What every rank of the group runs for the checked calls.
+
+    ``rows`` maps each call's label (``call_key``) to its row; ``overrides`` maps a
+    family to the row consensus pinned (empty when the ranks already agreed). The pin
+    takes effect only within ``with plan.apply():``.
+    """
+
+    ranks: tuple[int, ...]
+    rank: int
+    fingerprint: Fingerprint
+    rows: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    overrides: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks took part."""
+        return len(self.ranks)
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the agreed plan (tables, profiles, rows), equal on every rank."""
+        text = json.dumps([self.fingerprint.tables, self.fingerprint.profiles,
+                           sorted(self.rows.items())])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def apply(self) -> AbstractContextManager[None]:
+        """``op_backend(**overrides)``: the consensus rows, strictly, within the block."""
+        return op_backend(**self.overrides)
+
+    def summary(self) -> str:
+        """Lines for a log: the digest, the profiles, and each call's row."""
+        profiles = " + ".join(n for n, _ in self.fingerprint.profiles) or "(none)"
+        lines = [f"astrai plan {self.digest} agreed by {self.world_size} rank(s); "
+                 f"profiles: {profiles}"]
+        family_of = {c.key: c.family for c in self.fingerprint.calls}
+        for key, row in sorted(self.rows.items()):
+            pinned = " (consensus)" if family_of.get(key) in self.overrides else ""
+            lines.append(f"  {key} -> {row}{pinned}")
+        return "\n".join(lines)
+
+
+def _gather(payload: dict[str, Any], group: ProcessGroup | None) -> tuple[list[Any],
+                                                                           tuple[int, ...], int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [payload], (0,), 0
+    index = dist.get_rank(group)
+    if index < 0:
+        raise ValueError("check_agreement: this process is not a member of the given group")
+    n = dist.get_world_size(group)
+    gathered: list[Any] = [None] * n
+    dist.all_gather_object(gathered, payload, group=group)
+    ranks = tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
+    return gathered, ranks, index
+
+
+def check_agreement(contexts: Contexts, group: ProcessGroup | None = None, *,
+                    consensus: bool = False) -> AgreedPlan:
+    """Check that every rank of ``group`` (default: the whole job) would run the same rows.
+
+    ``contexts`` is ``{family: CallContext}`` or any iterable of contexts (several per
+    family allowed, e.g. prefill and decode). Each rank resolves them as ``resolve``
+    would there, and a fingerprint (table revisions, active profiles, the row per
+    call) is all-gathered; a collective, so call it on every rank of the group. Raises
+    ``PlanMismatchError`` on every rank when they differ. With ``consensus=True``, rows
+    that differ are settled instead: each such family gets the first row, in table
+    order, that every rank can run for all its calls (``AgreedPlan.overrides``; apply
+    with ``with plan.apply():``). Differing tables or profiles, a call that fails on
+    some rank, or a family without a common row still raise. A call that fails alike
+    on every rank re-raises its error. Without a process group this is a world of one.
+    With NCCL, set each rank's CUDA device first (``all_gather_object`` needs it).
+    """
+    mine, errors = _local(contexts)
+    gathered, ranks, index = _gather(mine.to_wire(), group)
+    prints = [Fingerprint.from_wire(g) for g in gathered]
+    if any(p is None for p in prints):
+        versions = [str(g.get("version", "?")) if isinstance(g, dict) else "?" for g in gathered]
+        values = [f"{'readable' if p is not None else 'unreadable'} (astrai {v})"
+                  for p, v in zip(prints, versions, strict=True)]
+        raise _failure([PlanDifference("format", "format", _groups(values, ranks))], len(ranks))
+    readable = [p for p in prints if p is not None]
+    diffs = differences(readable, ranks)
+    pinned: dict[str, str] = {}
+    if diffs:
+        if not consensus:
+            raise _failure(diffs, len(ranks))
+        if any(d.kind != "row" for d in diffs):
+            raise _failure(diffs, len(ranks), ", and consensus cannot settle differing tables, "
+                                              "profiles or failed calls")
+        pinned = _consensus(readable, ranks, diffs)
+    for exc in errors.values():
+        raise exc  # the same failure on every rank: the caller's own error is clearer
+    rows = {c.key: pinned.get(c.family, c.row) for c in mine.calls if c.row is not None}
+    return AgreedPlan(ranks, ranks[index], mine, MappingProxyType(rows),
+                      MappingProxyType(pinned))

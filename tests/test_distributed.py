@@ -1,0 +1,433 @@
+"""Plan agreement across ranks (``astrai.dispatch.distributed``, SPEC §12).
+
+The multi-rank tests start 2 and 4 gloo processes on CPU (rendezvous through a
+``file://`` store in ``tmp_path``, no ports). Each child runs every scenario in sequence
+and writes what it saw to ``result-<rank>.json``; the parent asserts on those files.
+Children are fresh processes from a ``forkserver`` that imported torch once (set
+``ASTRAI_TEST_START_METHOD=spawn`` to start each one with ``spawn`` instead).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import astrai.dispatch as dispatch
+from astrai.dispatch import (
+    AgreedPlan,
+    CallContext,
+    ImplRecord,
+    PlanMismatchError,
+    Spec,
+    Unavailable,
+    UnknownFamilyError,
+    check_agreement,
+    current,
+    load_tables,
+    op_backend,
+    refresh,
+    register_family,
+    resolve,
+    use_profile,
+)
+from astrai.dispatch.distributed import (
+    CallPlan,
+    Fingerprint,
+    PlanDifference,
+    call_key,
+    differences,
+    fingerprint,
+    table_revision,
+)
+from tests import _impls
+
+#: ``fast`` serves ndim 3, ``medium`` ndim 3 and 4, ``ref`` (the fallback) only ndim 4.
+#: A rank "lacks a backend" when ``LACKING`` names the row (its probe says unavailable).
+DIST_TABLE = """\
+version: 1
+family: dist
+fallback: ref
+rows:
+  - name: fast
+    impl: tests._impls:fast
+    when: ndim == 3
+    available: tests.test_distributed:fast_probe
+  - name: medium
+    impl: tests._impls:medium
+    when: ndim in {3, 4}
+    available: tests.test_distributed:medium_probe
+  - name: ref
+    impl: tests._impls:ref
+    when: ndim == 4
+"""
+NOFAST_PROFILE = "version: 1\nprofile: dist-nofast\nfamilies:\n  dist:\n    disable: [fast]\n"
+C3 = CallContext("dist", ndim=3)
+C4 = CallContext("dist", ndim=4)
+K3, K4 = "dist[ndim=3]", "dist[ndim=4]"
+
+LACKING: set[str] = set()
+
+
+def fast_probe() -> bool | Unavailable:
+    """``fast`` is available unless this rank lacks it."""
+    return Unavailable("no fast kernel on this rank") if "fast" in LACKING else True
+
+
+def medium_probe() -> bool | Unavailable:
+    """``medium`` is available unless this rank lacks it."""
+    return Unavailable("no medium kernel on this rank") if "medium" in LACKING else True
+
+
+def _write_tables(root: Path) -> dict[str, str]:
+    paths = {"table": root / "dist.yaml", "variant": root / "variant" / "dist.yaml",
+             "profile": root / "dist-nofast.yaml"}
+    paths["variant"].parent.mkdir(parents=True, exist_ok=True)
+    paths["table"].write_text(DIST_TABLE)
+    paths["variant"].write_text(DIST_TABLE.replace("ndim in {3, 4}", "ndim in {3, 4, 5}"))
+    paths["profile"].write_text(NOFAST_PROFILE)
+    return {k: str(v) for k, v in paths.items()}
+
+
+# -- what each spawned rank runs -------------------------------------------------------
+
+def _lacking(which: set[str]) -> None:
+    LACKING.clear()
+    LACKING.update(which)
+    refresh()  # forget cached probe results
+
+
+def _error(exc: PlanMismatchError) -> dict[str, Any]:
+    return {"error": str(exc), "kinds": [d.kind for d in exc.differences]}
+
+
+def _plan(plan: AgreedPlan) -> dict[str, Any]:
+    return {"rows": dict(plan.rows), "overrides": dict(plan.overrides), "digest": plan.digest,
+            "world": plan.world_size, "rank": plan.rank}
+
+
+def _scenarios(rank: int, world: int, paths: dict[str, str]) -> dict[str, Callable[[], Any]]:
+    last = world - 1
+
+    def agree() -> Any:
+        _lacking(set())
+        return _plan(check_agreement([C3, C4]))
+
+    def lacks() -> Any:  # rank 1 lacks fast: it resolves ndim 3 to medium
+        _lacking({"fast"} if rank == 1 else set())
+        return check_agreement({"dist": C3})
+
+    def consensus() -> Any:
+        _lacking({"fast"} if rank == 1 else set())
+        plan = check_agreement([C3, C4], consensus=True)
+        out = _plan(plan)
+        with plan.apply():
+            out["inside"] = [resolve("dist", C3).name, resolve("dist", C4).name]
+            out["again"] = _plan(check_agreement([C3, C4]))
+        out["after"] = resolve("dist", C3).name
+        return out
+
+    def scope_error() -> Any:  # only rank 1 cannot honour the strict scope
+        _lacking({"fast"} if rank == 1 else set())
+        with op_backend(dist="fast"):
+            return check_agreement([C3])
+
+    def no_common() -> Any:
+        _lacking({"medium"} if rank == 0 else {"fast"} if rank == 1 else set())
+        return check_agreement([C3], consensus=True)
+
+    def profiles() -> Any:
+        _lacking(set())
+        if rank == 0:
+            with use_profile("dist-nofast"):
+                return check_agreement([C3], consensus=True)
+        return check_agreement([C3], consensus=True)
+
+    def same_error() -> Any:
+        return check_agreement([CallContext("no_such_family")])
+
+    def table() -> Any:  # the last rank has another revision of the table
+        _lacking(set())
+        if rank == last:
+            load_tables(paths["variant"])
+        return check_agreement([C3], consensus=True)
+
+    def subgroup() -> Any:  # global ranks 1 and 3 only; every rank must create the group
+        import torch.distributed as dist
+
+        _lacking({"fast"} if rank == 1 else set())
+        group = dist.new_group([1, 3]) if world == 4 else None
+        if rank not in (1, 3) or group is None:
+            return {"skipped": True}
+        return check_agreement([C3], group)
+
+    return {f.__name__: f for f in (agree, lacks, consensus, scope_error, no_common,
+                                    profiles, same_error, subgroup, table)}
+
+
+def _child(rank: int, world: int, root: str, paths: dict[str, str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    try:
+        load_tables(paths["table"], paths["profile"])
+        for name, run in _scenarios(rank, world, paths).items():
+            try:
+                got = run()
+                results[name] = got if isinstance(got, dict) else {"returned": repr(got)}
+            except PlanMismatchError as exc:
+                results[name] = _error(exc)
+            except Exception as exc:
+                results[name] = {"raised": type(exc).__name__, "detail": traceback.format_exc()}
+    finally:
+        Path(root, f"result-{rank}.json").write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    from torch.multiprocessing.spawn import start_processes
+
+    paths = _write_tables(tmp_path)
+    method = os.environ.get("ASTRAI_TEST_START_METHOD", "forkserver")
+    if method == "forkserver" and method in multiprocessing.get_all_start_methods():
+        # A clean server imports torch once and forks each rank from that: fresh processes
+        # like spawn's, without paying torch's import per rank (2 cores in CI).
+        multiprocessing.get_context(method).set_forkserver_preload([__name__])
+    else:
+        method = "spawn"
+    ctx = start_processes(  # type: ignore[no-untyped-call]
+        _child, args=(world, str(tmp_path), paths), nprocs=world, join=False,
+        start_method=method)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"the {world} spawned ranks did not finish in time")
+    return [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_agree_or_say_why(world: int, tmp_path: Path) -> None:
+    """2 and 4 gloo ranks on CPU; rank 1 lacks a backend in most scenarios."""
+    results = _spawn(world, tmp_path)
+    others = "rank 0" if world == 2 else "ranks 0,2,3"
+    for rank, got in enumerate(results):
+        unexpected = {k: v["detail"] for k, v in got.items() if "detail" in v
+                      and k != "same_error"}
+        assert not unexpected, f"rank {rank}: {unexpected}"
+
+        # Everything agrees: a plan, the same on every rank.
+        agree = got["agree"]
+        assert agree["rows"] == {K3: "fast", K4: "medium"}
+        assert agree["overrides"] == {}
+        assert (agree["world"], agree["rank"]) == (world, rank)
+        assert agree["digest"] == results[0]["agree"]["digest"]
+
+        # Rank 1 lacks fast: every rank raises, naming the ranks, both rows and the reason.
+        lacks = got["lacks"]
+        assert lacks["kinds"] == ["row"]
+        assert f"{K3}: {others} -> fast; rank 1 -> medium" in lacks["error"]
+        assert "fast is unavailable (no fast kernel on this rank)" in lacks["error"]
+        assert lacks["error"] == results[0]["lacks"]["error"]
+
+        # Consensus: the first row every rank can run for both calls, pinned by apply().
+        cons = got["consensus"]
+        assert cons["overrides"] == {"dist": "medium"}
+        assert cons["rows"] == {K3: "medium", K4: "medium"}
+        assert cons["inside"] == ["medium", "medium"]
+        assert cons["again"]["overrides"] == {}
+        assert cons["again"]["rows"] == {K3: "medium", K4: "medium"}
+        assert cons["after"] == ("medium" if rank == 1 else "fast")
+        assert cons["digest"] == results[0]["consensus"]["digest"]
+
+        # A strict scope that fails on rank 1 alone is reported, not a hang.
+        scope = got["scope_error"]
+        assert scope["kinds"] == ["call"]
+        assert "rank 1 -> error: ExplicitSelectionError" in scope["error"]
+
+        # No row that every rank can run for ndim 3: consensus gives up and says so.
+        none = got["no_common"]
+        assert none["kinds"] == ["row", "consensus"]
+        assert "consensus found no common row" in none["error"]
+        expected = "rank 0 -> fast; rank 1 -> medium"
+        if world == 4:
+            expected += "; ranks 2,3 -> fast, medium"
+        assert f"dist: no row every rank can run for all its dist calls (rows each rank can " \
+               f"run): {expected}" in none["error"]
+
+        # Different active profiles: consensus cannot settle that.
+        prof = got["profiles"]
+        assert prof["kinds"] == ["profiles", "row"]
+        rest = "rank 1" if world == 2 else "ranks 1-3"
+        assert f"active profiles: rank 0 -> dist-nofast; {rest} -> (none)" in prof["error"]
+        assert "consensus cannot settle differing tables, profiles" in prof["error"]
+
+        # A subgroup names global ranks.
+        if world == 4 and rank in (1, 3):
+            assert got["subgroup"]["kinds"] == ["row"]
+            assert f"{K3}: rank 1 -> medium; rank 3 -> fast" in got["subgroup"]["error"]
+
+        # The same failure everywhere is the caller's own error, raised on every rank.
+        assert got["same_error"]["raised"] == "UnknownFamilyError"
+
+        # Another table revision on the last rank: named, and not settled by consensus.
+        table = got["table"]
+        assert table["kinds"] == ["table"]
+        assert f"rank {world - 1} -> revision" in table["error"]
+        first = "rank 0" if world == 2 else "ranks 0-2"
+        assert f"table dist: {first} -> revision" in table["error"]
+
+
+# -- single process ----------------------------------------------------------------------
+
+@pytest.fixture
+def dist_table(tmp_path: Path) -> Iterator[dict[str, str]]:
+    paths = _write_tables(tmp_path)
+    load_tables(paths["table"], paths["profile"])
+    LACKING.clear()
+    refresh()
+    yield paths
+    LACKING.clear()
+
+
+def test_revision_is_content_not_path(tmp_path: Path, dist_table: dict[str, str]) -> None:
+    """The same table text loaded from another path has the same revision; a changed
+    ``when`` gives another."""
+    first = table_revision(current().family("dist"))
+    copy = tmp_path / "elsewhere" / "copy.yaml"
+    copy.parent.mkdir()
+    copy.write_text(DIST_TABLE)
+    load_tables(copy)
+    assert table_revision(current().family("dist")) == first
+    load_tables(dist_table["variant"])
+    assert table_revision(current().family("dist")) != first
+
+
+def test_revision_of_programmatic_family() -> None:
+    """A ``register_family`` table's revision hashes its rows, not object identities."""
+    def rows(when: str) -> list[ImplRecord]:
+        return [ImplRecord("prog", "fast", _impls.fast, Spec.parse(when)),
+                ImplRecord("prog", "ref", _impls.ref, available=_impls.always_available)]
+
+    register_family("prog", rows("ndim == 3"), "ref")
+    first = table_revision(current().family("prog"))
+    register_family("prog", rows("ndim == 3"), "ref")
+    assert table_revision(current().family("prog")) == first
+    register_family("prog", rows("ndim == 4"), "ref")
+    assert table_revision(current().family("prog")) != first
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_without_process_group_is_a_world_of_one() -> None:
+    """No initialized process group: the check runs locally and returns the plan."""
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    plan = check_agreement({"dist": C3}, consensus=True)
+    assert (plan.ranks, plan.rank, plan.world_size) == ((0,), 0, 1)
+    assert dict(plan.rows) == {K3: "fast"}
+    assert dict(plan.overrides) == {}
+    with plan.apply():
+        assert resolve("dist", C3).name == "fast"
+    assert "dist[ndim=3] -> fast" in plan.summary()
+    assert plan.digest == check_agreement([C3]).digest
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_fingerprint_follows_what_resolve_would_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scope, ``ASTR_OPS`` and profiles all show in the fingerprint, as they would in resolve."""
+    assert fingerprint([C3]).calls[0] == CallPlan(K3, "dist", "fast", "chain", None,
+                                                  ("fast", "medium"))
+    with op_backend(dist="medium"):
+        assert (fingerprint([C3]).calls[0].row, fingerprint([C3]).calls[0].origin) == \
+            ("medium", "context")
+    monkeypatch.setenv("ASTR_OPS", "dist=medium,profile=dist-nofast")
+    got = fingerprint([C3])
+    assert (got.calls[0].row, got.calls[0].origin) == ("medium", "env")
+    assert [name for name, _ in got.profiles] == ["dist-nofast"]
+    assert got.calls[0].candidates == ("medium",)  # fast is disabled by the profile
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_contexts_argument() -> None:
+    """A mapping or an iterable; duplicates count once; mistakes are reported up front."""
+    assert [c.key for c in fingerprint([C3, C4, C3.evolve()]).calls] == [K3, K4]
+    assert [c.key for c in fingerprint({"dist": C4}).calls] == [K4]
+    with pytest.raises(ValueError, match="is a context for 'dist'"):
+        check_agreement({"attention": C3})
+    with pytest.raises(TypeError, match="expected CallContext"):
+        check_agreement(["dist"])  # type: ignore[list-item]
+    key = call_key(CallContext("attention", fwd="decode", dtype=torch.bfloat16, ndim=3,
+                               has_cache=True, grad_enabled=False))
+    assert key == "attention[fwd=decode dtype=bfloat16 ndim=3 has_cache=true grad_enabled=false]"
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_same_error_everywhere_is_reraised() -> None:
+    """A call that fails on every rank alike raises the caller's own error."""
+    with pytest.raises(UnknownFamilyError):
+        check_agreement([CallContext("no_such_family")])
+
+
+def _print(rows: dict[str, tuple[str, tuple[str, ...]]], *, revision: str = "r1",
+           profiles: tuple[tuple[str, str], ...] = ()) -> Fingerprint:
+    calls = tuple(CallPlan(key, "dist", row, "chain", None, cands)
+                  for key, (row, cands) in sorted(rows.items()))
+    return Fingerprint("0.1.0", "host", (("dist", revision),), profiles, calls,
+                       (("dist", ("fast", "medium", "ref")),))
+
+
+def test_differences_group_ranks() -> None:
+    """Ranks holding the same value are grouped, runs of ranks shortened."""
+    prints = [_print({K3: ("fast", ("fast",))}) for _ in range(8)]
+    prints[4] = _print({K3: ("medium", ("medium",))}, revision="r2")
+    diffs = differences(prints, range(8))
+    assert [d.kind for d in diffs] == ["table", "row"]
+    assert str(diffs[0]) == "table dist: ranks 0-3,5-7 -> revision r1; rank 4 -> revision r2"
+    assert str(diffs[1]) == f"{K3}: ranks 0-3,5-7 -> fast; rank 4 -> medium"
+    assert diffs[1].ranks_of("medium") == (4,)
+
+
+def test_consensus_needs_one_row_for_every_call_of_the_family() -> None:
+    """``op_backend`` pins a family, not a call: the row must serve all its calls on all ranks.
+
+    ``medium`` would settle ndim 3, but it cannot serve the other call on rank 1, so
+    consensus takes ``ref``, the first row that serves everything everywhere.
+    """
+    from astrai.dispatch.distributed import _consensus
+
+    prints = [_print({K3: ("fast", ("fast", "medium", "ref")), K4: ("medium", ("medium", "ref"))}),
+              _print({K3: ("medium", ("medium", "ref")), K4: ("ref", ("ref",))})]
+    diffs = differences(prints, [0, 1])
+    assert [d.item for d in diffs] == [K3, K4]
+    assert _consensus(prints, [0, 1], diffs) == {"dist": "ref"}
+
+
+def test_error_carries_differences_and_pickles() -> None:
+    """``PlanMismatchError`` is an ``AstraiError`` and ``RuntimeError`` and survives pickling."""
+    diff = PlanDifference("row", K3, (("fast", (0,)), ("medium", (1,))))
+    exc = PlanMismatchError("ranks differ", [diff])
+    assert isinstance(exc, dispatch.AstraiError) and isinstance(exc, RuntimeError)
+    back = pickle.loads(pickle.dumps(exc))
+    assert str(back) == "ranks differ"
+    assert back.differences == (diff,)
+
+
+def test_wire_format_round_trip() -> None:
+    """What is gathered is builtins only; an unreadable payload is recognised."""
+    fp = _print({K3: ("fast", ("fast",))})
+    assert Fingerprint.from_wire(pickle.loads(pickle.dumps(fp.to_wire()))) == fp
+    assert Fingerprint.from_wire({"wire": 999}) is None
+    assert Fingerprint.from_wire("garbage") is None
+
