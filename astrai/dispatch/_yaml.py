@@ -2,7 +2,9 @@
 
 Only the standard YAML tags are accepted; anything else (``!!python/object``...)
 is an error, so a table can never run code. Duplicate mapping keys are errors too
-(plain ``yaml.safe_load`` silently keeps the last one).
+(plain ``yaml.safe_load`` silently keeps the last one). Nesting depth and the number
+of values (aliases count each time they are used) are bounded, so a self-referencing
+alias or an alias bomb is an error too, not a hang or a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _SAFE_SCALAR_TAGS = frozenset(
 )
 _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
+MAX_DEPTH = 64  # a table is 4-5 levels deep
+MAX_VALUES = 100_000  # a shipped table has under 100
 
 
 @dataclass
@@ -59,48 +63,74 @@ def _pos(node: yaml.Node) -> tuple[int, int]:
 
 def load_located(text: str) -> Located:
     """Parse one YAML document; raises ``YamlProblem`` (never a yaml or other error)."""
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
-        try:
-            node = loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            raise YamlProblem(line, col, f"invalid YAML: {exc.problem or exc}") from None
-        except yaml.YAMLError as exc:
-            raise YamlProblem(1, 1, f"invalid YAML: {exc}") from None
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
         out = Located(data=None)
-        if node is None:
-            return out
-        out.data = _convert(loader, node, (), out)
+        if node is not None:
+            out.data = _Converter(loader, out).convert(node, ())
         return out
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise YamlProblem(line, col, f"invalid YAML: {exc.problem or exc}") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow
+        line, col = _line_col(text, exc.position)
+        raise YamlProblem(line, col, f"invalid YAML: {exc.reason} "
+                                     f"(character {exc.character!r})") from None
+    except yaml.YAMLError as exc:
+        raise YamlProblem(1, 1, f"invalid YAML: {exc}") from None
+    except RecursionError:  # the composer recurses once per nesting level
+        raise YamlProblem(1, 1, f"YAML nested too deeply (the limit is {MAX_DEPTH} "
+                                "levels)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
-def _convert(loader: yaml.SafeLoader, node: yaml.Node, path: Path, out: Located) -> Any:
-    out.values[path] = _pos(node)
-    if isinstance(node, yaml.MappingNode):
-        if node.tag != _MAP_TAG:
-            raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
-        result: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise YamlProblem(*_pos(key_node), "mapping keys must be plain scalars")
-            key = _scalar(loader, key_node)
-            if key in result:
-                raise YamlProblem(*_pos(key_node), f"duplicate key {key!r}")
-            if isinstance(key, (list, dict)):  # pragma: no cover - excluded above
-                raise YamlProblem(*_pos(key_node), "mapping keys must be plain scalars")
-            out.keys[path + (key,)] = _pos(key_node)  # noqa: RUF005 (py3.10 syntax)
-            result[key] = _convert(loader, value_node, (*path, key), out)
-        return result
-    if isinstance(node, yaml.SequenceNode):
-        if node.tag != _SEQ_TAG:
-            raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
-        return [_convert(loader, item, (*path, i), out) for i, item in enumerate(node.value)]
-    out.styles[path] = getattr(node, "style", None)
-    return _scalar(loader, node)
+def _line_col(text: str, position: int) -> tuple[int, int]:
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
+
+
+class _Converter:
+    """Turns the composed node graph into plain data, recording every position."""
+
+    def __init__(self, loader: yaml.SafeLoader, out: Located) -> None:
+        self.loader = loader
+        self.out = out
+        self.count = 0
+
+    def convert(self, node: yaml.Node, path: Path) -> Any:
+        self.count += 1
+        if self.count > MAX_VALUES:
+            raise YamlProblem(*_pos(node), f"more than {MAX_VALUES} values (after expanding "
+                                           "aliases); a table is far smaller")
+        if len(path) > MAX_DEPTH:
+            raise YamlProblem(*_pos(node), f"nested deeper than {MAX_DEPTH} levels (a "
+                                           "self-referencing alias?)")
+        out = self.out
+        out.values[path] = _pos(node)
+        if isinstance(node, yaml.MappingNode):
+            if node.tag != _MAP_TAG:
+                raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
+            result: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise YamlProblem(*_pos(key_node), "mapping keys must be plain scalars")
+                key = _scalar(self.loader, key_node)
+                if key in result:
+                    raise YamlProblem(*_pos(key_node), f"duplicate key {key!r}")
+                out.keys[path + (key,)] = _pos(key_node)  # noqa: RUF005 (py3.10 syntax)
+                result[key] = self.convert(value_node, (*path, key))
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            if node.tag != _SEQ_TAG:
+                raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
+            return [self.convert(item, (*path, i)) for i, item in enumerate(node.value)]
+        out.styles[path] = getattr(node, "style", None)
+        return _scalar(self.loader, node)
 
 
 def _scalar(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
@@ -108,5 +138,6 @@ def _scalar(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
         raise YamlProblem(*_pos(node), f"unsupported YAML tag {node.tag!r}")
     try:
         return loader.construct_object(node, deep=True)
-    except (yaml.YAMLError, ValueError, TypeError) as exc:
-        raise YamlProblem(*_pos(node), f"invalid value: {exc}") from None
+    except Exception:  # a standard tag on a value it cannot convert (KeyError, ...)
+        raise YamlProblem(*_pos(node), f"invalid {node.tag.rsplit(':', 1)[-1]} value "
+                                       f"{node.value!r}") from None

@@ -116,18 +116,32 @@ def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[Ta
     problems: list[TableProblem] = []
     for p in paths:
         path = Path(p)
-        if path.is_dir():
-            try:
-                found = sorted(q for q in path.rglob("*") if q.suffix in _YAML_SUFFIXES)
-            except OSError as exc:
-                problems.append(TableProblem(str(path), 1, 1, f"cannot list directory: {exc}"))
-                continue
-            files.extend(str(q) for q in found)
-        elif path.exists():
+        try:
+            is_dir, exists = path.is_dir(), path.exists()
+        except OSError as exc:  # a name too long, a parent that cannot be entered, ...
+            problems.append(TableProblem(str(path), 1, 1, f"cannot access: "
+                                                          f"{exc.strerror or exc}"))
+            continue
+        if is_dir:
+            found, errors = _yaml_files(path)
+            problems.extend(TableProblem(e.filename or str(path), 1, 1, f"cannot list "
+                                         f"directory: {e.strerror or e}") for e in errors)
+            files.extend(found)
+        elif exists:
             files.append(str(path))
         else:
             problems.append(TableProblem(str(path), 1, 1, "no such file or directory"))
     return files, problems
+
+
+def _yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
+    """Every ``.yaml``/``.yml`` file under ``directory`` (symlinked directories are not
+    entered), and the errors met: an unreadable directory is an error, not an empty one."""
+    errors: list[OSError] = []
+    found = [os.path.join(root, name)
+             for root, _dirs, names in os.walk(directory, onerror=errors.append)
+             for name in names if os.path.splitext(name)[1] in _YAML_SUFFIXES]
+    return [str(q) for q in sorted(Path(f) for f in found)], errors
 
 
 def _env_table_paths() -> list[str]:
