@@ -81,6 +81,10 @@ def load_located(text: str) -> Located:
                                      f"(character {exc.character!r})") from None
     except yaml.YAMLError as exc:
         raise YamlProblem(1, 1, f"invalid YAML: {exc}") from None
+    except (ValueError, OverflowError) as exc:  # the scanner: chr() of an out-of-range \U escape
+        mark = loader.get_mark() if loader is not None else None
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise YamlProblem(line, col, f"invalid YAML: {exc}") from None
     except RecursionError:  # the composer recurses once per nesting level
         raise YamlProblem(1, 1, f"YAML nested too deeply (the limit is {MAX_DEPTH} "
                                 "levels)") from None

@@ -138,9 +138,10 @@ def _yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
     """Every ``.yaml``/``.yml`` file under ``directory`` (symlinked directories are not
     entered), and the errors met: an unreadable directory is an error, not an empty one."""
     errors: list[OSError] = []
+    # A directory named like a table file is listed too: reading it is then an error.
     found = [os.path.join(root, name)
-             for root, _dirs, names in os.walk(directory, onerror=errors.append)
-             for name in names if os.path.splitext(name)[1] in _YAML_SUFFIXES]
+             for root, dirs, names in os.walk(directory, onerror=errors.append)
+             for name in (*names, *dirs) if os.path.splitext(name)[1] in _YAML_SUFFIXES]
     return [str(q) for q in sorted(Path(f) for f in found)], errors
 
 
