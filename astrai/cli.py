@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("schema", help="regenerate schemas/ and the precompiled shipped tables")
     s.add_argument("--check", action="store_true",
-                   help="exit 1 if schemas/ or tables/compiled.json is stale")
+                   help="exit 1 if schemas/ or tables/precompiled.json is stale")
 
     d = sub.add_parser("demo", help="run the demo model and show which rows served it")
     d.add_argument("--transformers", action="store_true",

@@ -1,6 +1,6 @@
 """The precompiled shipped tables: same result as the full path, no pydantic at load.
 
-``tables/compiled.json`` lets the shipped tables load without YAML or pydantic
+``tables/precompiled.json`` lets the shipped tables load without YAML or pydantic
 (SPEC §11: importing astrai and loading every shipped table costs little beyond
 ``import torch``). These tests check that the fast path builds exactly what the full
 path builds, that anything edited or broken takes the full path, and that the file
@@ -103,7 +103,7 @@ class TestFallsBackToFullPath:
     def test_corrupt_artifact(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                               content: str) -> None:
         """A damaged or foreign artifact is ignored, never an error."""
-        bad = tmp_path / "compiled.json"
+        bad = tmp_path / "precompiled.json"
         bad.write_text(content)
         monkeypatch.setattr(precompiled, "_entries", None)
         monkeypatch.setattr(precompiled, "_artifact_path", lambda: bad)
@@ -150,7 +150,7 @@ class TestFallsBackToFullPath:
 
 class TestArtifact:
     def test_artifact_is_current(self) -> None:
-        """``tables/compiled.json`` matches the shipped tables (else: run ``astrai-ops
+        """``tables/precompiled.json`` matches the shipped tables (else: run ``astrai-ops
         schema``); ``astrai-ops schema --check`` fails CI on the same condition."""
         tables = shipped_tables_dir()
         current = (tables / precompiled.ARTIFACT).read_text(encoding="utf-8")

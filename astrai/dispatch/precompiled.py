@@ -1,6 +1,6 @@
 """The shipped tables, validated ahead of time: loading them needs no pydantic or YAML.
 
-``tables/compiled.json`` holds, for every shipped table and profile file, keyed by the
+``tables/precompiled.json`` holds, for every shipped table and profile file, keyed by the
 SHA-256 of its bytes: the validated data (the pydantic model's dump), the line of
 every row, and every core-vocabulary ``when`` expression already parsed (the plain
 form of ``spec_data``). A file whose bytes match an entry is built from it by the
@@ -22,7 +22,7 @@ from typing import Any
 
 from astrai.dispatch.spec_data import Plain
 
-ARTIFACT = "compiled.json"
+ARTIFACT = "precompiled.json"
 FORMAT = 1
 
 PathT = tuple[Any, ...]
