@@ -1,7 +1,8 @@
 """``astrai-ops`` / ``python -m astrai``: inspect, explain, validate and lint the tables.
 
 Exit codes: 0 ok, 1 problems found, 2 usage error. Errors are one clear line on
-stderr, never a traceback.
+stderr, never a traceback. Output into a pipe that closes early (``astrai-ops list |
+head -1``) ends quietly with 141, the status of a command that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -11,110 +12,239 @@ __all__ = ["main"]
 import argparse
 import json
 import os
+import re
+import shlex
 import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import DTYPES, FWD_MODES
 from astrai.dispatch.context import CallContext
 from astrai.dispatch.env import OPS_ENV
+from astrai.dispatch.profiles import View
+from astrai.dispatch.records import FamilyTable
+from astrai.dispatch.registry import TABLES_ENV, Registry
 from astrai.errors import AstraiError
 
 OK, PROBLEMS, USAGE = 0, 1, 2
+#: Exit status after the reader of stdout went away: 128 + SIGPIPE, as a shell reports it.
+BROKEN_PIPE = 141
+#: Where ``init`` copies the shipped tables by default.
+INIT_DIR = "astrai-tables"
+_TABLE_SUFFIXES = (".yaml", ".yml")
+#: The options that describe a call to ``explain`` (without any, it shows the table).
+CALL_OPTIONS = ("--fwd", "--dtype", "--ndim", "--head-dim", "--cache", "--mask", "--no-grad",
+                "--cuda", "--axis")
 
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
 
 
+def _plain(text: str) -> str:
+    """Docstring text for ``--help``: reStructuredText's double backticks removed."""
+    return text.replace("``", "")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="astrai-ops", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="astrai-ops", description=_plain((__doc__ or "").splitlines()[0]),
+        epilog="Exit codes: 0 ok, 1 problems found, 2 usage error.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("list", help="families, rows, availability on this machine")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text[:1].upper() + text[1:] + ".")
 
-    e = sub.add_parser("explain", help="why each row wins or loses for a described call")
+    command("list", "families, rows, availability on this machine, and each family's file")
+
+    e = command("explain", "why each row wins or loses for a described call (without call "
+                           "options: the family's table, rows in effective order)")
     e.add_argument("family")
-    e.add_argument("--fwd", choices=["none", *FWD_MODES], default="none")
+    e.add_argument("--fwd", choices=["none", *FWD_MODES], default=None,
+                   help="forward mode of the call (none: training / plain forward)")
     e.add_argument("--dtype", default=None, help="a torch dtype name, e.g. bfloat16")
-    e.add_argument("--ndim", type=int, default=None)
-    e.add_argument("--head-dim", type=int, default=None)
+    e.add_argument("--ndim", default=None, metavar="N", help="number of dimensions (>= 0)")
+    e.add_argument("--head-dim", default=None, metavar="N", help="head dimension (>= 1)")
     e.add_argument("--cache", action="store_true", help="a KV cache is passed")
     e.add_argument("--mask", action="store_true", help="an attention mask is passed")
     e.add_argument("--no-grad", action="store_true", help="autograd is not recording")
     e.add_argument("--cuda", action="store_true", help="tensors on a CUDA device")
     e.add_argument("--axis", action="append", default=[], metavar="NAME=VALUE",
                    help="a value for one of the family's extra axes")
-    e.add_argument("--backend", default=None, help="explicit row selection")
-    e.add_argument("--profile", action="append", default=[], help="activate a profile")
+    e.add_argument("--backend", default=None, metavar="ROW", help="explicit row selection")
+    e.add_argument("--profile", action="append", default=[], metavar="P[+P...]",
+                   help="activate profiles, applied in order (repeatable)")
     e.add_argument("--json", action="store_true", help="machine-readable output")
 
-    v = sub.add_parser("validate", help="check table and profile files")
-    v.add_argument("paths", nargs="*", help="files or directories (default: shipped tables)")
+    v = command("validate", "check table and profile files")
+    v.add_argument("paths", nargs="*",
+                   help=f"files or directories (default: shipped tables and {TABLES_ENV})")
 
-    lint = sub.add_parser("lint", help="find rows that can never win")
+    lint = command("lint", "find rows that can never win")
     lint.add_argument("paths", nargs="*", help="extra files or directories to load first")
-    lint.add_argument("--profile", action="append", default=[], help="lint under a profile")
+    lint.add_argument("--profile", action="append", default=[], metavar="P[+P...]",
+                      help="lint under profiles, applied in order (repeatable)")
     lint.add_argument("--no-coverage", action="store_true", help="omit the coverage matrix")
 
-    s = sub.add_parser("schema", help="regenerate schemas/ and the precompiled shipped tables")
+    s = command("schema", "regenerate schemas/ and the precompiled shipped tables")
     s.add_argument("--check", action="store_true",
                    help="exit 1 if schemas/ or tables/precompiled.json is stale")
 
-    d = sub.add_parser("demo", help="run the demo model and show which rows served it")
+    i = command("init", f"copy the shipped tables and profiles into a directory to edit, and "
+                        f"print the {TABLES_ENV} line that uses them")
+    i.add_argument("dir", nargs="?", default=INIT_DIR, metavar="DIR",
+                   help=f"where to copy them (default: ./{INIT_DIR})")
+    i.add_argument("--force", action="store_true", help="overwrite files that already exist")
+
+    d = command("demo", "run the demo model and show which rows served it")
     d.add_argument("--transformers", action="store_true",
                    help="run a tiny random Hugging Face Llama through astrai instead")
     return p
 
 
+# -- families as tables (list, and explain without a call) ---------------------
+
+def _rows_of(view: View) -> list[Any]:
+    """The view's rows in effective order, and a fallback kept outside the chain last."""
+    rows = list(view.rows)
+    if view.fallback not in rows:
+        rows.append(view.fallback)
+    return rows
+
+
+def _row_flags(view: View, rec: Any) -> list[str]:
+    flags = []
+    if not rec.faithful:
+        flags.append("not faithful")
+        if rec.name in view.enabled:
+            flags.append(f"enabled by profile {view.enabled[rec.name]}")
+    if rec.name in view.disabled:
+        flags.append(f"disabled by profile {view.disabled[rec.name]}")
+    if rec is view.fallback:
+        flags.append("fallback" if rec in view.rows else "fallback, outside the chain")
+    return flags
+
+
+def _family_lines(state: Registry, view: View) -> list[str]:
+    """A family's block: header, file, profiles, and per row availability and ``when``."""
+    name, table = view.table.name, view.table
+    alias = f"  (env alias {state.aliases[name]})" if name in state.aliases else ""
+    lines = [f"[{name}] {table.description}{alias}", f"  from: {_source(table)}"]
+    if view.profiles:
+        lines.append(f"  active profiles: {' + '.join(view.profiles)}")
+    for rec in _rows_of(view):
+        ok, reason = state.availability(rec)
+        flags = _row_flags(view, rec)
+        flag = f" [{', '.join(flags)}]" if flags else ""
+        status = "available" if ok else f"unavailable: {reason}"
+        lines.append(f"  {rec.name:<14} {status}{flag}")
+        lines.append(f"  {'':<14} when: {rec.spec.description}")
+    return lines
+
+
+def _family_dict(state: Registry, view: View) -> dict[str, Any]:
+    """The JSON form of ``_family_lines``."""
+    table = view.table
+    rows = []
+    for rec in _rows_of(view):
+        ok, reason = state.availability(rec)
+        rows.append({
+            "name": rec.name,
+            "when": rec.spec.description,
+            "available": ok,
+            "reason": None if ok else reason,
+            "faithful": rec.faithful,
+            "fallback": rec is view.fallback,
+            "in_chain": rec in view.rows,
+            "enabled_by": view.enabled.get(rec.name),
+            "disabled_by": view.disabled.get(rec.name),
+            "description": rec.description,
+        })
+    return {
+        "family": table.name,
+        "description": table.description,
+        "source": table.source,
+        "env_alias": state.aliases.get(table.name),
+        "profiles": list(view.profiles),
+        "fallback": view.fallback.name,
+        "rows": rows,
+        "notes": list(view.notes),
+        "call": None,
+    }
+
+
+def _source(table: FamilyTable) -> str:
+    return table.source or "(unknown)"
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
+    from astrai.dispatch.resolution import active_view
+
     state = registry.current()
     print(f"{OPS_ENV}={os.environ.get(OPS_ENV, '')!r}")
     print(f"profiles: {', '.join(sorted(state.profiles)) or '(none)'}")
-    from astrai.dispatch.resolution import active_view
-
     for name in sorted(state.families):
-        view = active_view(state, name)
-        table = view.table
-        alias = f"  (env alias {state.aliases[name]})" if name in state.aliases else ""
-        print(f"\n[{name}] {table.description}{alias}")
-        if view.profiles:
-            print(f"  active profiles: {' + '.join(view.profiles)}")
-        for rec in view.rows:
-            ok, reason = state.availability(rec)
-            flags = [] if rec.faithful else ["not faithful"]
-            if rec is view.fallback:
-                flags.append("fallback")
-            flag = f" [{', '.join(flags)}]" if flags else ""
-            status = "available" if ok else f"unavailable: {reason}"
-            print(f"  {rec.name:<14} {status}{flag}")
-            print(f"  {'':<14} when: {rec.spec.description}")
+        print()
+        print("\n".join(_family_lines(state, active_view(state, name))))
     return OK
 
 
-def _context(args: argparse.Namespace) -> CallContext:
-    state = registry.current()
-    if args.family not in state.families:
-        raise UsageError(f"unknown family {args.family!r}"
-                         f"{did_you_mean(args.family, state.families)}; known families: "
+# -- explain ---------------------------------------------------------------------
+
+def _profiles(values: Sequence[str], state: Registry) -> tuple[str, ...]:
+    """``--profile`` values, each ``a`` or ``a+b+...`` as in ``ASTR_OPS``, in order."""
+    names: list[str] = []
+    for value in values:
+        for name in value.split("+"):
+            name = name.strip()
+            if not name:
+                raise UsageError(f"--profile {value!r}: empty profile name; expected "
+                                 f"NAME or NAME+NAME...")
+            if name not in state.profiles:
+                raise UsageError(f"unknown profile {name!r}{did_you_mean(name, state.profiles)}"
+                                 f"; known profiles: "
+                                 f"{', '.join(sorted(state.profiles)) or '(none)'}")
+            names.append(name)
+    return tuple(names)
+
+
+def _check_family(family: str, state: Registry) -> None:
+    if family not in state.families:
+        raise UsageError(f"unknown family {family!r}"
+                         f"{did_you_mean(family, state.families)}; known families: "
                          f"{', '.join(sorted(state.families))}")
-    dtype = None
-    if args.dtype is not None:
-        if args.dtype not in DTYPES:
-            raise UsageError(f"unknown dtype {args.dtype!r}{did_you_mean(args.dtype, DTYPES)}")
-        dtype = DTYPES[args.dtype]
-    extra = {}
-    axes = state.families[args.family].axes
+
+
+def _count(option: str, raw: str | None, minimum: int) -> int | None:
+    """An integer option that must be at least ``minimum``."""
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UsageError(f"{option} {raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _extra_axes(args: argparse.Namespace, table: FamilyTable) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    axes = table.axes
     for item in args.axis:
         name, sep, raw = item.partition("=")
         if not sep or name not in axes:
             raise UsageError(f"--axis {item!r}: expected NAME=VALUE with NAME one of: "
                              f"{', '.join(axes) or '(this family has no extra axes)'}")
         axis = axes[name]
-        value: object = raw
+        value: Any = raw
         if raw == "none":
+            if not axis.nullable:
+                raise UsageError(f"--axis {item!r}: {name} cannot be none")
             value = None
         elif axis.kind == "int":
             try:
@@ -125,32 +255,90 @@ def _context(args: argparse.Namespace) -> CallContext:
             if raw not in ("true", "false"):
                 raise UsageError(f"--axis {item!r}: expected true or false")
             value = raw == "true"
+        elif axis.kind == "dtype":
+            if raw not in DTYPES:
+                raise UsageError(f"--axis {item!r}: unknown dtype {raw!r}"
+                                 f"{did_you_mean(raw, DTYPES)}")
+            value = DTYPES[raw]
+        elif axis.kind == "enum" and raw not in axis.values:
+            raise UsageError(f"--axis {item!r}: expected one of: {', '.join(axis.values)}")
         extra[name] = value
+    return extra
+
+
+def _context(args: argparse.Namespace, state: Registry) -> CallContext:
+    dtype = None
+    if args.dtype is not None:
+        if args.dtype not in DTYPES:
+            raise UsageError(f"unknown dtype {args.dtype!r}{did_you_mean(args.dtype, DTYPES)}")
+        dtype = DTYPES[args.dtype]
+    ndim = _count("--ndim", args.ndim, 0)
+    head_dim = _count("--head-dim", args.head_dim, 1)
     return CallContext(
         args.family,
-        fwd=None if args.fwd == "none" else args.fwd,
+        fwd=None if args.fwd in (None, "none") else args.fwd,
         dtype=dtype,
         device_cuda=args.cuda,
-        ndim=args.ndim,
-        head_dim=args.head_dim,
+        ndim=ndim,
+        head_dim=head_dim,
         has_cache=args.cache,
         has_mask=args.mask,
         grad_enabled=not args.no_grad,
-        extra=extra,
+        extra=_extra_axes(args, state.families[args.family]),
     )
+
+
+def _describes_call(args: argparse.Namespace) -> bool:
+    return (args.fwd is not None or args.dtype is not None or args.ndim is not None
+            or args.head_dim is not None or args.cache or args.mask or args.no_grad
+            or args.cuda or bool(args.axis))
+
+
+def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[str, ...]) -> int:
+    """``explain FAMILY`` with no call: the table as resolution sees it, and no verdict."""
+    from astrai.dispatch.env import env_settings
+    from astrai.dispatch.overrides import use_profile
+    from astrai.dispatch.resolution import active_view
+
+    if args.backend is not None:
+        raise UsageError(f"--backend needs a described call; give at least one of "
+                         f"{', '.join(CALL_OPTIONS)}")
+    with use_profile(*profiles):
+        view = active_view(state, args.family)
+    env = env_settings(state.families, state.profiles, state.aliases, state.epoch)
+    notes = list(view.notes)
+    if args.family in env.backends:
+        notes.append(f"{env.source_of(args.family)} selects {env.backends[args.family]} "
+                     f"(used for a call it can serve)")
+    if view.forced is not None:
+        row, prof = view.forced
+        notes.append(f"profile {prof} forces {row} (for a call it can serve)")
+    if args.json:
+        doc = _family_dict(state, view)
+        doc["notes"] = notes
+        print(json.dumps(doc, indent=2))
+        return OK
+    lines = _family_lines(state, view)
+    lines += [f"  note: {n}" for n in notes]
+    lines.append(f"(no call described, so no verdict: describe one with "
+                 f"{', '.join(CALL_OPTIONS)})")
+    print("\n".join(lines))
+    return OK
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     from astrai.dispatch.overrides import use_profile
     from astrai.dispatch.resolution import explanation
 
-    ctx = _context(args)
+    state = registry.current()
+    _check_family(args.family, state)
+    profiles = _profiles(args.profile, state)
+    if not _describes_call(args):
+        return _explain_table(args, state, profiles)
+    ctx = _context(args, state)
     with ExitStack() as stack:
-        if args.profile:
-            try:
-                stack.enter_context(use_profile(*args.profile))
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
+        if profiles:
+            stack.enter_context(use_profile(*profiles))
         result = explanation(args.family, ctx, args.backend)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
@@ -159,15 +347,56 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return PROBLEMS if result.error is not None else OK
 
 
+# -- validate, lint, schema, init, demo -------------------------------------------
+
+def _table_files(path: Path) -> list[Path]:
+    """The files the loader would read for ``path`` (a file is read whatever its name)."""
+    if not path.is_dir():
+        return [path] if path.exists() else []
+    return [Path(root) / name for root, dirs, names in os.walk(path)
+            for name in (*names, *dirs) if os.path.splitext(name)[1] in _TABLE_SUFFIXES]
+
+
+def _env_table_paths() -> list[str]:
+    return [p for p in os.environ.get(TABLES_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def _names(items: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
-    problems = registry.validate(*args.paths)
-    for p in problems:
-        print(p, file=sys.stderr)
-    what = ", ".join(args.paths) if args.paths else "shipped tables"
+    paths: list[str] = list(args.paths)
+    env_paths = [] if paths else _env_table_paths()
+    if paths:
+        what = ", ".join(paths)
+    else:
+        what = "shipped tables" + (f" and {TABLES_ENV} ({', '.join(env_paths)})"
+                                   if env_paths else "")
+    found = registry.validate(*paths)
+    problems = [(p.file, str(p)) for p in found]
+    # A path that holds no table or profile file was surely meant to hold some: say so.
+    count = 0 if paths else len(_table_files(registry.shipped_tables_dir()))
+    here = "here" if paths else f"in this {TABLES_ENV} entry"
+    for raw in paths or env_paths:
+        try:
+            files, is_dir = _table_files(Path(raw)), Path(raw).is_dir()
+        except OSError:
+            continue  # validate reported it
+        count += len(files)
+        if not files and is_dir:
+            problems.append((raw, f"{raw}: no table or profile file (*.yaml, *.yml) {here}"))
+    for _, text in problems:
+        print(text, file=sys.stderr)
     if problems:
-        print(f"{len(problems)} problem(s) in {what}", file=sys.stderr)
+        located = list(dict.fromkeys(file for file, _ in problems))
+        summary = f"{len(problems)} problem(s) in {_names(located)}"
+        if ", ".join(located) != what:
+            summary += f" (validated: {what})"
+        print(summary, file=sys.stderr)
         return PROBLEMS
-    print(f"ok: {what}")
+    print(f"ok: {what} ({count} file(s))")
     return OK
 
 
@@ -176,12 +405,8 @@ def _cmd_lint(args: argparse.Namespace) -> int:
 
     if args.paths:
         registry.load_tables(*args.paths)
-    state = registry.current()
-    for name in args.profile:
-        if name not in state.profiles:
-            raise UsageError(f"unknown profile {name!r}{did_you_mean(name, state.profiles)}; "
-                             f"known profiles: {', '.join(sorted(state.profiles))}")
-    reports = lint_all(tuple(args.profile))
+    profiles = _profiles(args.profile, registry.current())
+    reports = lint_all(profiles)
     for report in reports:
         print(report.render(coverage=not args.no_coverage))
         print()
@@ -209,6 +434,75 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return OK
 
 
+_SCHEMA_LINE = re.compile(r"^(#\s*yaml-language-server:\s*\$schema=)(\S+)", re.M)
+
+
+def _schema_ref(path: Path) -> str:
+    """How a copied file's modeline names a schema: an absolute path (a URI if it has spaces)."""
+    text = path.as_posix()
+    return path.as_uri() if any(c.isspace() for c in text) else text
+
+
+def _repoint_schema(text: str, origin: Path) -> str:
+    """``text`` of the shipped file ``origin`` with its ``$schema=`` modeline made absolute,
+    so that editors still find the shipped schema from wherever the copy lives."""
+    from astrai.dispatch.schemas import schemas_dir
+
+    def fix(m: re.Match[str]) -> str:
+        ref = m.group(2)
+        if "://" in ref:
+            return m.group(0)
+        target = (origin.parent / ref).resolve()
+        if not target.is_file():
+            target = (schemas_dir() / Path(ref).name).resolve()
+            if not target.is_file():
+                return m.group(0)
+        return m.group(1) + _schema_ref(target)
+
+    return _SCHEMA_LINE.sub(fix, text)
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    src = registry.shipped_tables_dir()
+    dest = Path(args.dir).expanduser().absolute()
+    if dest.resolve() == src.resolve():
+        raise UsageError(f"{dest} is the shipped tables directory itself; choose another DIR")
+    if dest.exists() and not dest.is_dir():
+        print(f"astrai-ops init: error: {dest} exists and is not a directory", file=sys.stderr)
+        return PROBLEMS
+    sources = sorted(p for p in _table_files(src) if p.is_file())
+    pairs = [(p, dest / p.relative_to(src)) for p in sources]
+    existing = [target for _, target in pairs if target.exists() or target.is_symlink()]
+    if existing and not args.force:
+        print(f"astrai-ops init: error: {len(existing)} file(s) already exist in {dest}; "
+              f"nothing was copied (use --force to overwrite them):", file=sys.stderr)
+        for target in existing:
+            print(f"  {target}", file=sys.stderr)
+        return PROBLEMS
+    for origin, target in pairs:
+        with open(origin, encoding="utf-8", newline="") as f:
+            text = f.read()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():
+            target.unlink()  # --force replaces the link, never writes through it
+        with open(target, "w", encoding="utf-8", newline="") as f:
+            f.write(_repoint_schema(text, origin))
+    print(f"copied {len(pairs)} table and profile file(s) from {src} to {dest}:")
+    for _, target in pairs:
+        print(f"  {target.relative_to(dest).as_posix()}")
+    print("A family or profile defined there replaces the shipped one of the same name. "
+          "Use them with:")
+    current = os.environ.get(TABLES_ENV, "")
+    if current:
+        print(f"({TABLES_ENV} is set to {current!r} now; the line below replaces it: join "
+              f"both with {os.pathsep!r} to keep those too)")
+    if os.name == "nt":
+        print(f"set {TABLES_ENV}={dest}")
+    else:
+        print(f"export {TABLES_ENV}={shlex.quote(str(dest))}")
+    return OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.transformers:
         from astrai.integrations.transformers import run_transformers_demo
@@ -227,13 +521,16 @@ _COMMANDS = {
     "validate": _cmd_validate,
     "lint": _cmd_lint,
     "schema": _cmd_schema,
+    "init": _cmd_init,
     "demo": _cmd_demo,
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
+def _run(argv: Sequence[str] | None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse's own usage error
+        return exc.code if isinstance(exc.code, int) else USAGE
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:
@@ -245,6 +542,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in rest:
             print(line, file=sys.stderr)
         return PROBLEMS
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at the null device, so that flushing it at exit cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (an embedding, a test)
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    try:
+        code = _run(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # inside the try: a closed pipe shows up here at the latest
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE
     except KeyboardInterrupt:
         return 130
 

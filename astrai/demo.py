@@ -58,8 +58,8 @@ def run_demo(seed: int = 0) -> str:
         "",
         usage.table(),
         "",
-        "origin: chain = first matching row of the table, fallback = the family's "
-        "reference row, env/context/explicit/profile = an override",
+        "origin: chain = first matching row of the table (the fallback row included), "
+        "fallback = no row of the chain matched, env/context/explicit/profile = an override",
     ]
     state = current()
     unavailable = []

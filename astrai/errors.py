@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AstraiError",
     "ExplicitSelectionError",
+    "NoImplementationError",
     "PlanMismatchError",
     "SpecSyntaxError",
     "TableError",
@@ -118,6 +119,28 @@ class ExplicitSelectionError(AstraiError, RuntimeError):
 
 def _rebuild_selection_error(message: str, family: str, row: str) -> ExplicitSelectionError:
     return ExplicitSelectionError(message, family=family, row=row)
+
+
+class NoImplementationError(AstraiError, RuntimeError):
+    """No row, not even the fallback, can serve a call.
+
+    ``family`` names the family and ``reasons`` holds ``(row, reason)`` for every row
+    considered, in order; the message lists them all.
+    """
+
+    def __init__(self, message: str, *, family: str = "",
+                 reasons: Sequence[tuple[str, str]] = ()) -> None:
+        self.family = family
+        self.reasons = tuple(reasons)
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_no_implementation, (str(self), self.family, self.reasons))
+
+
+def _rebuild_no_implementation(message: str, family: str,
+                               reasons: tuple[tuple[str, str], ...]) -> NoImplementationError:
+    return NoImplementationError(message, family=family, reasons=reasons)
 
 
 class UnknownFamilyError(AstraiError, KeyError):

@@ -433,8 +433,8 @@ class TestRegisterFamily:
         register_family(
             "prog",
             [
-                ImplRecord("prog", "a", _impls.fast, priority=2),
-                ImplRecord("prog", "b", _impls.ref, priority=1),
+                ImplRecord("prog", "a", _impls.fast, priority=1),
+                ImplRecord("prog", "b", _impls.ref, priority=2),
             ],
             "b",
         )
@@ -444,8 +444,8 @@ class TestRegisterFamily:
         register_family(
             "prog",
             [
-                ImplRecord("prog", "a", _impls.fast, priority=1),
-                ImplRecord("prog", "b", _impls.ref, priority=2),
+                ImplRecord("prog", "a", _impls.fast, priority=2),
+                ImplRecord("prog", "b", _impls.ref, priority=1),
             ],
             "b",
         )

@@ -72,7 +72,7 @@ class TestOpsEnv:
     def test_profile_only(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A profile entry alone changes the chain without selecting a row."""
         monkeypatch.setenv("ASTR_OPS", "profile=toy-disable")
-        assert outcome() == ("ref", "fallback")
+        assert outcome() == ("ref", "chain")
 
     def test_whitespace_and_empty_entries(self, monkeypatch: pytest.MonkeyPatch,
                                           caplog: pytest.LogCaptureFixture) -> None:
@@ -124,7 +124,7 @@ class TestOpsEnv:
         monkeypatch.setenv("ASTR_OPS", "profile=toy-forse+toy-disable")
         with caplog.at_level(logging.WARNING, logger="astrai"):
             got = [outcome("toy", ctx(n)) for n in (3, 2, 3)]
-        assert got == [("ref", "fallback")] * 3
+        assert got == [("ref", "chain")] * 3
         assert warnings(caplog) == [
             f"ASTR_OPS: ignoring unknown profile 'toy-forse' (did you mean 'toy-force'?); "
             f"known profiles: {', '.join(list_profiles())}"
@@ -136,7 +136,7 @@ class TestOpsEnv:
         monkeypatch.setenv("ASTR_OPS", "profile=toy-disable+")
         with caplog.at_level(logging.WARNING, logger="astrai"):
             got = [outcome("toy", ctx(3)) for _ in range(2)]
-        assert got == [("ref", "fallback")] * 2
+        assert got == [("ref", "chain")] * 2
         assert warnings(caplog) == [
             "ASTR_OPS: ignoring an empty profile name in 'profile=toy-disable+'"
         ]
@@ -148,7 +148,7 @@ class TestOpsEnv:
         with caplog.at_level(logging.WARNING, logger="astrai"):
             got = [outcome("toy", ctx(n)) for n in (3, 3, 2)]
             explain("toy", ctx(3))
-        assert got == [("fast", "chain"), ("fast", "chain"), ("ref", "fallback")]
+        assert got == [("fast", "chain"), ("fast", "chain"), ("ref", "chain")]
         assert warnings(caplog) == [
             f"Unknown toy implementation: 'fsat' from ASTR_OPS (toy=fsat) "
             f"(did you mean 'fast'?); ignored; rows: {TOY_ROWS}"
@@ -251,7 +251,7 @@ class TestLegacyAlias:
         monkeypatch.setenv("ASTR_TEST_TOY", "fsat")
         with caplog.at_level(logging.WARNING, logger="astrai"):
             got = [outcome("toy", ctx(n)) for n in (3, 2, 3)]
-        assert got == [("fast", "chain"), ("ref", "fallback"), ("fast", "chain")]
+        assert got == [("fast", "chain"), ("ref", "chain"), ("fast", "chain")]
         assert warnings(caplog) == [
             f"Unknown toy implementation: 'fsat' from ASTR_TEST_TOY (toy=fsat) "
             f"(did you mean 'fast'?); ignored; rows: {TOY_ROWS}"

@@ -45,22 +45,24 @@ DECISION = re.compile(r"^=> (?:(?P<row>\S+) \(origin=(?P<origin>\w+)\)|ERROR: (?
 class TestExplain:
     """``explain``: one line per row in priority order, then the decision."""
 
-    def test_chain_decision(self) -> None:
-        """A call the first row accepts: its MATCH line and the chain decision."""
+    def test_chain_decision(self, toy: Path) -> None:
+        """A call the first row accepts: its MATCH line, the table's file, the decision."""
         assert explain("toy", ctx(3)).splitlines() == [
             HEADER.format(ndim=3),
             "  fast: MATCH (ndim == 3)",
             *REST,
+            f"  table: {toy}",
             "=> fast (origin=chain)",
         ]
 
     def test_reject_names_clause_and_value(self) -> None:
         """A rejecting row names the failed clause and the value the call had."""
-        assert explain("toy", ctx(2)).splitlines() == [
+        assert [line for line in explain("toy", ctx(2)).splitlines()
+                if not line.startswith("  table: ")] == [
             HEADER.format(ndim=2),
             "  fast: reject (ndim == 3 (call has 2))",
             *REST,
-            "=> ref (origin=fallback)",
+            "=> ref (origin=chain)",
         ]
 
     def test_reject_first_failing_clause(self, write_yaml: Callable[[str, str], Path]) -> None:
@@ -114,7 +116,7 @@ class TestExplain:
                 when: causal
             """))
         call = CallContext("ax", extra={"window": 128, "causal": False})
-        assert explain("ax", call).splitlines() == [
+        assert explain("ax", call).splitlines()[:-2] + explain("ax", call).splitlines()[-1:] == [
             "[ax] fwd=none dtype=none device_cuda=false ndim=none head_dim=none "
             "has_cache=false has_mask=false grad_enabled=true causal=false window=128",
             "  windowed: MATCH (window >= 64)",
@@ -123,9 +125,12 @@ class TestExplain:
         ]
         lines = explain("ax", call.evolve(extra={"window": None, "causal": False})).splitlines()
         assert lines[1] == "  windowed: reject (window >= 64 (call has none))"
-        assert lines[-2:] == [
-            "  note: no row matched; using the fallback ref as a last resort",
-            "=> ref (origin=fallback)",
+        assert lines[-3:] == [
+            "=> ERROR: no ax row can serve this call, not even the fallback 'ref'; call: "
+            "fwd=none dtype=none device_cuda=false ndim=none head_dim=none has_cache=false "
+            "has_mask=false grad_enabled=true causal=false window=none",
+            "  windowed: requires window >= 64 (call has none)",
+            "  ref (fallback): requires causal (call has causal=false)",
         ]
 
     def test_disabled_by_profile(self) -> None:
@@ -137,7 +142,7 @@ class TestExplain:
             "  profiles: toy-disable",
             "  fast: SKIP disabled by profile toy-disable",
         ]
-        assert lines[-1] == "=> ref (origin=fallback)"
+        assert lines[-1] == "=> ref (origin=chain)"
 
     def test_enabled_by_profile(self) -> None:
         """A non-faithful row a profile enables matches, saying which profile enabled it."""
@@ -156,7 +161,7 @@ class TestExplain:
     def test_explicit(self) -> None:
         """An explicit row's decision shows as origin 'explicit'; row lines are unchanged."""
         lines = explain("toy", ctx(2), "for_explicit").splitlines()
-        assert lines[1:-1] == ["  fast: reject (ndim == 3 (call has 2))", *REST]
+        assert lines[1:-2] == ["  fast: reject (ndim == 3 (call has 2))", *REST]
         assert lines[-1] == "=> for_explicit (origin=explicit)"
 
     def test_context(self) -> None:

@@ -36,7 +36,10 @@ from astrai.errors import SpecSyntaxError
 
 WINDOW = Axis("window", "int", nullable=True, core=False)
 WINDOWED = CORE_VOCABULARY.with_extras({"window": WINDOW})
-ALL_DTYPES = ", ".join([*DTYPES, "none"])
+#: Error messages list the common dtypes (every torch dtype name is accepted).
+COMMON = ("float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2, int8, int16, "
+          "int32, int64, uint8, bool, complex64, complex128")
+ALL_DTYPES = f"{COMMON}, none"
 CORE_AXES = "device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, ndim"
 CORE_NAMES = (
     "cuda_device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, "
@@ -334,12 +337,18 @@ class TestParseExpression:
         )
 
     def test_error_unknown_dtype(self) -> None:
-        """An unknown dtype suggests the close one and lists every dtype."""
+        """An unknown dtype suggests the close one and lists the common dtypes."""
         assert rendered("dtype == bfloat61") == error(
-            f"unknown dtype 'bfloat61' (did you mean 'bfloat16'?); expected one of: {ALL_DTYPES}",
+            f"unknown dtype 'bfloat61' (did you mean 'bfloat16'?); expected a torch dtype "
+            f"name such as {ALL_DTYPES}",
             "dtype == bfloat61",
             "         ^~~~~~~~",
         )
+
+    def test_every_torch_dtype_name_parses(self) -> None:
+        """The error lists only common dtypes, but every torch dtype name is accepted."""
+        for name, dtype in DTYPES.items():
+            assert Spec.parse(f"dtype == {name}").matches(CallContext("f", dtype=dtype))
 
     def test_error_unknown_enum_value(self) -> None:
         """An unknown forward mode suggests the close one and lists the modes."""

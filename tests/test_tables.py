@@ -185,10 +185,10 @@ class TestLoadTables:
                 whne: always
             """)
         assert got == [
-            f"{path}:3:1: unknown key 'colour'; expected one of: axes, description, env_alias, "
-            f"fallback, family, rows, version",
+            f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, description, "
+            f"env_alias, fallback, family, rows, version",
             f"{path}:8:5: unknown key 'whne' (did you mean 'when'?); expected one of: "
-            f"available, description, faithful, impl, name, when",
+            f"available, description, faithful, impl, name, requires, when",
         ]
 
     def test_error_unknown_profile_key(self, toy: Path, write_yaml: Write) -> None:
@@ -357,14 +357,21 @@ class TestLoadTables:
         assert got == [f"{path}:1:1: expected a top-level 'family:' (a table) or 'profile:' "
                        f"(a profile)"]
 
-    def test_error_family_in_two_files(self, write_yaml: Write) -> None:
-        """One family defined by two files of one load is an error at the second file."""
-        first = write_yaml("one.yaml", ONE_ROW.format(family="fam_a"))
-        second = write_yaml("two.yaml", ONE_ROW.format(family="fam_a"))
+    def test_error_family_in_two_files(self, write_yaml: Write, tmp_path: Path) -> None:
+        """One family defined twice within one source (a directory) is an error there."""
+        first = write_yaml("dir/one.yaml", ONE_ROW.format(family="fam_a"))
+        second = write_yaml("dir/two.yaml", ONE_ROW.format(family="fam_a"))
         with pytest.raises(TableError) as err:
-            load_tables(first, second)
+            load_tables(tmp_path / "dir")
         assert problems(err) == [f"{second}:2:9: family 'fam_a' is also defined in {first}"]
         assert "fam_a" not in list_families()
+
+    def test_later_source_replaces_family(self, write_yaml: Write) -> None:
+        """Of two paths given to one load, the later one's family wins (later source wins)."""
+        first = write_yaml("one.yaml", ONE_ROW.format(family="fam_a"))
+        second = write_yaml("two.yaml", ONE_ROW.format(family="fam_a"))
+        assert load_tables(first, second) == ["fam_a"]
+        assert current().families["fam_a"].source == str(second)
 
     def test_error_missing_file(self, tmp_path: Path) -> None:
         """A path that does not exist is reported, not ignored."""
@@ -427,7 +434,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:9:5: unknown key 'speed'; expected one of: available, description, "
-            f"faithful, impl, name, when"
+            f"faithful, impl, name, requires, when"
         ]
 
     def test_error_structural_problem_keeps_declared_axes(self, write_yaml: Write) -> None:
@@ -535,7 +542,7 @@ class TestLoadTables:
     # -- binding and availability ----------------------------------------------------------
 
     def test_missing_third_party_module(self, write_yaml: Write) -> None:
-        """A missing third-party module makes the row unavailable, with the import error."""
+        """A missing package the row declares in ``requires`` makes it unavailable."""
         load_tables(write_yaml("tp.yaml", """\
             version: 1
             family: tp
@@ -543,20 +550,47 @@ class TestLoadTables:
             rows:
               - name: accel
                 impl: astrai_test_missing_pkg.kernels:run
+                requires: [astrai_test_missing_pkg]
               - name: probe_missing
                 impl: tests._impls:fast
                 available: astrai_test_missing_pkg:available
+                requires: [astrai_test_missing_pkg]
+              - name: needs_pkg
+                impl: tests._impls:fast
+                requires: [astrai_test_missing_pkg.sub]
               - name: ref
                 impl: tests._impls:ref
             """))
         lines = explain("tp", CallContext("tp")).splitlines()
-        reason = "cannot import {!r}: No module named 'astrai_test_missing_pkg'"
-        assert lines[1:4] == [
-            f"  accel: SKIP unavailable ({reason.format('astrai_test_missing_pkg.kernels')})",
-            f"  probe_missing: SKIP unavailable ({reason.format('astrai_test_missing_pkg')})",
+        reason = "astrai_test_missing_pkg is not installed (pip install astrai-test-missing-pkg)"
+        assert lines[1:5] == [
+            f"  accel: SKIP unavailable ({reason})",
+            f"  probe_missing: SKIP unavailable ({reason})",
+            f"  needs_pkg: SKIP unavailable ({reason})",
             "  ref: MATCH (always)  (fallback)",
         ]
         assert resolve("tp", CallContext("tp")).name == "ref"
+
+    def test_error_undeclared_missing_module(self, write_yaml: Write) -> None:
+        """A module that is missing but not declared in ``requires`` is a located load error."""
+        path = write_yaml("tp.yaml", """\
+            version: 1
+            family: tp
+            fallback: ref
+            rows:
+              - name: accel
+                impl: astrai_test_missing_pkg.kernels:run
+              - name: ref
+                impl: tests._impls:ref
+            """)
+        with pytest.raises(TableError) as err:
+            load_tables(path)
+        assert problems(err) == [
+            f"{path}:6:11: cannot import 'astrai_test_missing_pkg.kernels': No module named "
+            f"'astrai_test_missing_pkg'; if 'astrai_test_missing_pkg' is an optional dependency, "
+            f"declare it on the row: requires: [astrai_test_missing_pkg]"
+        ]
+        assert "tp" not in list_families()
 
     @pytest.mark.parametrize(
         ("probe", "reason"),
@@ -699,35 +733,57 @@ class TestRegisterFamily:
     """``register_family``: families defined in Python beside the YAML ones."""
 
     def test_priority_order(self) -> None:
-        """Rows are tried by descending priority, whatever order the provider gives."""
+        """Rows are tried by ascending priority (the seed's order), whatever the provider's."""
         register_family("prog", lambda: [
             ImplRecord("prog", "low", _impls.slow, priority=1),
             ImplRecord("prog", "high", _impls.fast, Spec.ndim(3), priority=5),
-            ImplRecord("prog", "mid", _impls.medium, priority=3),
+            ImplRecord("prog", "mid", _impls.medium, Spec.ndim(2), priority=3),
         ], "low")
-        assert [r.name for r in current().families["prog"].rows] == ["high", "mid", "low"]
+        assert [r.name for r in current().families["prog"].rows] == ["low", "mid", "high"]
+        assert resolve("prog", CallContext("prog", ndim=3)).name == "low"
+        register_family("prog", lambda: [
+            ImplRecord("prog", "low", _impls.slow, Spec.ndim(1), priority=1),
+            ImplRecord("prog", "high", _impls.fast, Spec.ndim(3), priority=5),
+            ImplRecord("prog", "mid", _impls.medium, Spec.ndim(2), priority=3),
+        ], "low")
         assert resolve("prog", CallContext("prog", ndim=3)).name == "high"
         assert resolve("prog", CallContext("prog", ndim=2)).name == "mid"
 
     def test_fallback_by_record(self) -> None:
-        """A fallback record not among the provider's rows is added last."""
+        """A fallback record not among the provider's rows stays outside the chain."""
         fallback = ImplRecord("prog", "ref", _impls.ref, priority=100)
         register_family("prog", [ImplRecord("prog", "fast", _impls.fast, Spec.ndim(3))],
                         fallback)
-        assert [r.name for r in current().families["prog"].rows] == ["fast", "ref"]
+        assert [r.name for r in current().families["prog"].rows] == ["fast"]
         res = resolve("prog", CallContext("prog", ndim=2))
         assert (res.name, res.origin) == ("ref", "fallback")
 
+    def test_fallback_by_callable(self) -> None:
+        """The seed's form: a zero-argument callable that returns the fallback record."""
+        fallback = ImplRecord("prog", "ref", _impls.ref)
+        register_family("prog", [ImplRecord("prog", "fast", _impls.fast, Spec.ndim(3))],
+                        lambda: fallback)
+        res = resolve("prog", CallContext("prog", ndim=2))
+        assert (res.name, res.origin, res.record.obj) == ("ref", "fallback", _impls.ref)
+        assert resolve("prog", CallContext("prog", ndim=3)).name == "fast"
+
     def test_fallback_by_name(self) -> None:
-        """A fallback given by name is one of the rows; explain marks it."""
+        """A fallback given by name is one of the rows; the chain reaching it says chain."""
         register_family("prog", [ImplRecord("prog", "fast", _impls.fast, Spec.ndim(3)),
                                  ImplRecord("prog", "ref", _impls.ref)], "ref")
         lines = explain("prog", CallContext("prog", ndim=2)).splitlines()
         assert lines[1:] == [
             "  fast: reject (ndim == 3 (call has 2))",
             "  ref: MATCH (always)  (fallback)",
-            "=> ref (origin=fallback)",
+            "  table: register_family",
+            "=> ref (origin=chain)",
         ]
+
+    def test_error_fallback_callable_returns_other(self) -> None:
+        """A fallback callable that returns no ImplRecord is a TypeError naming what it gave."""
+        with pytest.raises(TypeError, match="the fallback callable returned 'ref'"):
+            register_family("prog", [ImplRecord("prog", "ref", _impls.ref)], lambda: "ref")
+        assert "prog" not in list_families()
 
     def test_unavailable_and_unfaithful_rows(self) -> None:
         """Programmatic rows honour ``available`` and ``faithful`` like YAML rows."""

@@ -1,17 +1,21 @@
 """``attn_implementation="astrai"`` on real transformers models with tiny random weights.
 
 Nothing is downloaded: every model is built from a config (hidden 64, 2 layers, 4
-heads, vocab 128). Llama covers GQA (2 key/value heads), Mistral a sliding window
-of 4 over 12 tokens (small enough that it changes the logits), Gemma 2 a feature
-the facade must refuse (logit soft-capping).
+heads, vocab 128). Llama covers GQA (2 key/value heads) and, for the attention
+weights, full multi-head attention too; Mistral a sliding window of 4 over 12
+tokens (small enough that it changes the logits), Gemma 2 a feature the facade
+must refuse (logit soft-capping). ``output_attentions=True`` is served by a row
+that returns the weights (``math``), and compared with transformers' eager.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,6 +51,11 @@ def llama_config() -> PretrainedConfig:
     return LlamaConfig(**TINY, num_key_value_heads=2)
 
 
+def llama_mha_config() -> PretrainedConfig:
+    """Llama with full multi-head attention: 4 query heads, 4 key/value heads."""
+    return LlamaConfig(**TINY, num_key_value_heads=4)
+
+
 def mistral_config() -> PretrainedConfig:
     """Mistral with full multi-head attention and a sliding window of 4 tokens."""
     return MistralConfig(**TINY, num_key_value_heads=4, sliding_window=WINDOW)
@@ -56,6 +65,22 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-gqa": llama_config,
     "mistral-window": mistral_config,
 }
+#: The architectures whose attention weights are compared with eager's.
+WEIGHT_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    **CONFIGS, "llama-mha": llama_mha_config,
+}
+
+#: An attention table whose rows cannot return weights (``torch_native`` only).
+NO_WEIGHTS_TABLE = """\
+version: 1
+family: attention
+description: sdpa only
+fallback: torch_native
+rows:
+  - name: torch_native
+    impl: astrai.backends.attention.sdpa:sdpa_attention
+    when: dtype in {float16, bfloat16, float32, float64} and not has_cache and ndim == 4
+"""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,6 +147,42 @@ class _Attention(torch.nn.Module):
     num_key_value_groups = 2
 
 
+def gqa_call(q_len: int = 6, kv_len: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``(query, key, value)`` in transformers' layout: 4 query heads, 2 kv heads."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, q_len, 16, generator=gen)
+    k, v = (torch.randn(2, 2, kv_len, 16, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def padding_mask(kv_len: int = 6, pad: int = 2) -> torch.Tensor:
+    """Boolean ``[2, 1, kv_len, kv_len]`` causal mask; the first row has ``pad`` left pads."""
+    keep = torch.ones(kv_len, kv_len).tril().bool().expand(2, 1, kv_len, kv_len).clone()
+    keep[0, :, :, :pad] = False
+    return keep
+
+
+def eager(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' own eager attention (Llama's), the reference for the weights."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(query.dtype).min)
+    out, weights = eager_attention_forward(
+        _Attention(), query, key, value, additive, scaling=query.shape[-1] ** -0.5
+    )
+    return out, weights
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The messages logged as warnings on the ``astrai`` logger."""
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("astrai") and r.levelno == logging.WARNING]
+
+
 class TestRegister:
     """``register`` / ``is_registered``."""
 
@@ -186,8 +247,8 @@ class TestAstraiAttentionForward:
             ({"softcap": 30.0}, "soft-capping"),
             ({"s_aux": torch.zeros(4)}, "attention sinks"),
             ({"position_bias": torch.zeros(1, 4, 6, 6)}, "position bias"),
-            ({"output_attentions": True}, "attention weights"),
             ({"sliding_window": 2}, "sliding window"),
+            ({"dropout": 0.1, "output_attentions": True}, "attention dropout"),
         ],
     )
     def test_error_unsupported_feature(self, kwargs: dict[str, object], feature: str) -> None:
@@ -204,6 +265,165 @@ class TestAstraiAttentionForward:
         q = torch.zeros(1, 4, 6, 16)
         with pytest.raises(hf.UnsupportedFeatureError, match="mask that is not a tensor"):
             hf.astrai_attention_forward(None, q, q, q, object())  # type: ignore[arg-type]
+
+
+class TestOutputAttentions:
+    """``output_attentions=True`` through the adapter: weights from a row that computes them."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_weights_equal_eager(self, dtype: torch.dtype) -> None:
+        """GQA with a padding mask: output and per-query-head weights equal eager's."""
+        q, k, v = (t.to(dtype) for t in gqa_call())
+        mask = padding_mask()
+        out, weights = hf.astrai_attention_forward(
+            _Attention(), q, k, v, mask, scaling=16**-0.5, output_attentions=True
+        )
+        expected_out, expected = eager(q, k, v, mask)
+        assert weights is not None
+        assert weights.shape == (2, 4, 6, 6) and weights.dtype == dtype
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        real = mask[:, 0].any(-1)  # query rows that may see a key: [batch, q_len]
+        torch.testing.assert_close(weights.transpose(1, 2)[real], expected.transpose(1, 2)[real],
+                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(out[real], expected_out[real], atol=tol, rtol=tol)
+        assert torch.equal(weights.transpose(1, 2)[~real], torch.zeros(2, 4, 6, dtype=dtype))
+
+    def test_counted_under_the_serving_row(self) -> None:
+        """The call is dispatched: counted under ``math``, selected explicitly by the adapter."""
+        q, k, v = gqa_call()
+        for _ in range(3):
+            hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+        usage = dispatch.stats()
+        assert usage.served("attention") == 3
+        assert usage.served("attention", "math", "explicit") == 3
+
+    def test_without_output_attentions_unchanged(self) -> None:
+        """Without the flag (or with it false) the chain's row serves and no weights come back."""
+        q, k, v = gqa_call()
+        for flag in ({}, {"output_attentions": False}):
+            _, weights = hf.astrai_attention_forward(_Attention(), q, k, v, None, **flag)
+            assert weights is None
+        assert dispatch.stats().served("attention", "torch_native", "chain") == 2
+
+    def test_cut_cache_slots_get_zero_weight(self) -> None:
+        """Causal prefill into a longer static cache: weights span every slot, unwritten ones 0."""
+        q, k, v = gqa_call(q_len=6, kv_len=9)
+        _, weights = hf.astrai_attention_forward(_Attention(), q, k, v, None,
+                                                 output_attentions=True)
+        _, expected = eager(q, k[:, :, :6], v[:, :, :6], padding_mask(6, pad=0))
+        assert weights is not None and weights.shape == (2, 4, 6, 9)
+        torch.testing.assert_close(weights[..., :6], expected, atol=FP32_TOL, rtol=FP32_TOL)
+        assert not weights[..., 6:].any()
+
+    def test_scope_selecting_math(self) -> None:
+        """A scope that selects a row returning weights is honoured, with its origin."""
+        q, k, v = gqa_call()
+        with dispatch.op_backend(attention="math"):
+            hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+        assert dispatch.stats().served("attention", "math", "context") == 1
+
+    def test_error_strict_scope_without_weights(self) -> None:
+        """A strict scope forcing ``torch_native`` is an error naming the row and the reason."""
+        q, k, v = gqa_call()
+        with dispatch.op_backend(attention="torch_native"), \
+                pytest.raises(dispatch.ExplicitSelectionError) as info:
+            hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+        assert str(info.value) == (
+            "attention implementation 'torch_native' selected by an op_backend scope cannot "
+            "serve this call: it does not return attention weights, which output_attentions=True "
+            "needs (rows that do: math); select one of those in the scope, or leave "
+            "output_attentions off"
+        )
+        assert (info.value.family, info.value.row) == ("attention", "torch_native")
+        assert dispatch.stats().served("attention") == 0
+
+    def test_soft_env_choice_warns_once(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """``ASTR_OPS=attention=torch_native`` is set aside for weight calls, said once."""
+        q, k, v = gqa_call()
+        monkeypatch.setenv("ASTR_OPS", "attention=torch_native")
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            for _ in range(2):
+                hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+            hf.astrai_attention_forward(_Attention(), q, k, v, None)
+        assert warnings(caplog) == [
+            "attention=torch_native from the environment (ASTR_OPS or ASTR_BACKEND) is not "
+            "honoured for output_attentions=True calls: torch_native does not return attention "
+            "weights; math serves them instead"
+        ]
+        usage = dispatch.stats()
+        assert usage.served("attention", "math", "explicit") == 2
+        assert usage.served("attention", "torch_native", "env") == 1
+
+    def test_reference_profile(self) -> None:
+        """The ``reference`` profile forces ``math``, which returns weights: origin ``profile``."""
+        q, k, v = gqa_call()
+        with dispatch.use_profile("reference"):
+            hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+        assert dispatch.stats().served("attention", "math", "profile") == 1
+
+    def test_error_no_row_returns_weights(
+        self, write_yaml: Callable[[str, str], Path]
+    ) -> None:
+        """With a table whose rows cannot return weights, the call is refused by name."""
+        dispatch.load_tables(write_yaml("attention.yaml", NO_WEIGHTS_TABLE))
+        q, k, v = gqa_call()
+        with pytest.raises(hf.UnsupportedFeatureError, match="output_attentions=True") as info:
+            hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
+        assert "no row of the attention table has a with_weights() method" in str(info.value)
+        assert dispatch.stats().served("attention") == 0
+        out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, None)
+        assert out.shape == (2, 6, 4, 16)  # ordinary calls are unaffected
+
+
+class TestMathWithWeights:
+    """``math_attention.with_weights``, the row method behind ``output_attentions``."""
+
+    def test_same_output_as_the_row(self) -> None:
+        """Its output is exactly the row's; its weights are the probabilities, rows summing to 1."""
+        from astrai.backends.attention.math import math_attention
+
+        q, k, v = (t.transpose(1, 2) for t in gqa_call())  # the facade's [B, S, H, D]
+        out, weights = math_attention.with_weights(q, k, v, is_causal=True)
+        assert torch.equal(out, math_attention(q, k, v, is_causal=True))
+        assert weights.shape == (2, 4, 6, 6)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 6))
+        assert not weights.triu(1).any()  # causal
+
+    def test_error_paged_call(self) -> None:
+        """A paged call has no single weight matrix: refused before anything runs."""
+        from astrai.backends.attention.math import math_attention
+
+        q = torch.zeros(3, 4, 16)
+        with pytest.raises(ValueError, match=r"dense .* calls only"):
+            math_attention.with_weights(q, q, q, kv_cache=object(), fwd="prefill")
+
+
+class TestExplainCall:
+    """``explain_call``."""
+
+    def test_plain_call(self) -> None:
+        """Without ``output_attentions`` it is ``explain`` of ``call_context``."""
+        q, k, v = gqa_call()
+        assert hf.explain_call(q, k, v) == dispatch.explain("attention", hf.call_context(q, k, v))
+
+    def test_output_attentions(self) -> None:
+        """With it, the decision is ``math`` selected explicitly, and a note says why."""
+        q, k, v = gqa_call()
+        text = hf.explain_call(q, k, v, output_attentions=True)
+        assert ("  note: output_attentions=True: torch_native does not return attention "
+                "weights; math, the first row that does, serves (selected explicitly)") in text
+        assert text.endswith("=> math (origin=explicit)")
+        assert dispatch.stats().served("attention") == 0
+
+    def test_error_strict_scope(self) -> None:
+        """Under a strict scope without weights it ends in the adapter's error."""
+        q, k, v = gqa_call()
+        with dispatch.op_backend(attention="torch_native"):
+            text = hf.explain_call(q, k, v, output_attentions=True)
+        assert text.splitlines()[-1].startswith(
+            "=> ERROR: attention implementation 'torch_native' selected by an op_backend scope")
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -327,11 +547,72 @@ class TestModelFeatures:
         with pytest.raises(hf.UnsupportedFeatureError, match=r"soft-capping.*50\.0"):
             logits(model, tokens())
 
-    def test_error_output_attentions(self) -> None:
-        """Asking the model for attention weights is refused (the facade returns none)."""
+    @pytest.mark.parametrize("arch", sorted(WEIGHT_CONFIGS))
+    def test_output_attentions_equal_eager(self, arch: str) -> None:
+        """With padding in the batch, ``attentions`` equal eager's; sdpa returns none."""
+        models = build(WEIGHT_CONFIGS[arch]())
+        ids, mask = left_padded()
+        out = {}
+        for impl, model in models.items():
+            dispatch.reset_stats()
+            with torch.no_grad():
+                out[impl] = model(ids, attention_mask=mask, output_attentions=True)
+            if impl == "astrai":
+                usage = dispatch.stats()
+        assert out["sdpa"].attentions == ()
+        got, expected = out["astrai"].attentions, out["eager"].attentions
+        assert len(got) == len(expected) == 2
+        real = mask.bool()  # query positions that are not padding
+        for layer, ref in zip(got, expected, strict=True):
+            assert layer.shape == ref.shape == (2, 4, SEQ, SEQ)
+            torch.testing.assert_close(layer.transpose(1, 2)[real], ref.transpose(1, 2)[real],
+                                       atol=FP32_TOL, rtol=FP32_TOL)
+        torch.testing.assert_close(out["astrai"].logits[real], out["eager"].logits[real],
+                                   atol=FP32_TOL, rtol=FP32_TOL)
+        assert usage.served("attention") == usage.served("attention", "math", "explicit") == 2
+
+    def test_output_attentions_generate(self) -> None:
+        """Generating with ``output_attentions``: eager's tokens, and its weights at every step."""
+        models = build(llama_config(), ("astrai", "eager"))
+        ids, mask = left_padded()
+        runs = {}
+        for impl, model in models.items():
+            generate: Any = model.generate
+            with torch.no_grad():
+                runs[impl] = generate(
+                    ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                    do_sample=False, pad_token_id=0, output_attentions=True,
+                    return_dict_in_generate=True,
+                )
+        assert torch.equal(runs["astrai"].sequences, runs["eager"].sequences)
+        for step, ref_step in zip(runs["astrai"].attentions, runs["eager"].attentions,
+                                  strict=True):
+            for layer, ref in zip(step, ref_step, strict=True):
+                assert layer.shape == ref.shape
+                # the last query row of each step is a real token in both sequences
+                torch.testing.assert_close(layer[:, :, -1], ref[:, :, -1],
+                                           atol=FP32_TOL, rtol=FP32_TOL)
+
+    def test_output_attentions_bf16(self) -> None:
+        """bf16 weights come back in bf16 and match eager's within bf16 tolerance."""
+        models = build(llama_config(), ("astrai", "eager"), dtype=torch.bfloat16)
+        ids = tokens()
+        with torch.no_grad():
+            got = models["astrai"](ids, output_attentions=True).attentions
+            expected = models["eager"](ids, output_attentions=True).attentions
+        for layer, ref in zip(got, expected, strict=True):
+            assert layer.dtype == ref.dtype == torch.bfloat16
+            torch.testing.assert_close(layer, ref, atol=BF16_TOL, rtol=BF16_TOL)
+
+    def test_error_output_attentions_strict_scope(self) -> None:
+        """A strict scope forcing a row without weights refuses ``output_attentions`` clearly."""
         model = build(llama_config(), ("astrai",))["astrai"]
-        with pytest.raises(hf.UnsupportedFeatureError, match="output_attentions"):
-            logits(model, tokens(), output_attentions=True)
+        with dispatch.op_backend(attention="torch_native"):
+            with pytest.raises(dispatch.ExplicitSelectionError,
+                               match=r"'torch_native' selected by an op_backend scope cannot "
+                                     r"serve this call: it does not return attention weights"):
+                logits(model, tokens(), output_attentions=True)
+            assert logits(model, tokens()).shape == (2, SEQ, 128)  # without weights, it serves
 
 
 class TestRunTransformersDemo:

@@ -18,6 +18,7 @@ __all__ = [
     "ComplexRotary",
     "ReferenceRotary",
     "TorchRotary",
+    "check_rotary_call",
     "complex_rotary",
     "reference_rotary",
     "rotary_freqs",
@@ -50,20 +51,16 @@ def rotary_freqs(
     return torch.stack((angles.cos(), angles.sin()), dim=-1).to(torch.float32)
 
 
-def _cos_sin(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a call; ``cos``/``sin`` shaped to broadcast against ``x``'s pair halves.
-
-    The results are ``[b|1, seq, 1, head_dim/2]`` (dense) or ``[tokens, 1, head_dim/2]``
-    (packed), in ``freqs_cis``'s dtype.
-    """
+def check_rotary_call(x: torch.Tensor, freqs_cis: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``x`` and ``freqs_cis`` form a valid rotary call."""
     if x.dim() not in (3, 4):
         raise ValueError(
             "rotary expects x as [batch, seq, heads, head_dim] or [tokens, heads, head_dim]; "
             f"got shape {tuple(x.shape)}"
         )
     dim = x.shape[-1]
-    if dim % 2:
-        raise ValueError(f"rotary needs an even head_dim to form pairs; x has {dim}")
+    if dim % 2 or dim < 2:
+        raise ValueError(f"rotary needs an even head_dim >= 2 to form pairs; x has {dim}")
     table = freqs_cis
     if x.dim() == 4 and table.dim() == 3:
         table = table.unsqueeze(0)
@@ -80,6 +77,18 @@ def _cos_sin(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, to
         )
     if not table.is_floating_point():
         raise ValueError(f"freqs_cis must be floating point, got {table.dtype}")
+
+
+def _cos_sin(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a call; ``cos``/``sin`` shaped to broadcast against ``x``'s pair halves.
+
+    The results are ``[b|1, seq, 1, head_dim/2]`` (dense) or ``[tokens, 1, head_dim/2]``
+    (packed), in ``freqs_cis``'s dtype.
+    """
+    check_rotary_call(x, freqs_cis)
+    table = freqs_cis
+    if x.dim() == 4 and table.dim() == 3:
+        table = table.unsqueeze(0)
     table = table.unsqueeze(-3)  # a broadcast axis for the heads
     return table[..., 0], table[..., 1]
 

@@ -205,11 +205,12 @@ class Parser:
                 )
             return int(text)
         names = axis.value_names()
-        hint = did_you_mean(text, names) if rule == "NAME" else ""
+        hint = did_you_mean(text, DTYPES if kind == "dtype" else names) if rule == "NAME" else ""
         if rule == "NAME" and kind == "dtype":
             if text in DTYPES:
                 return DTYPES[text]
-            message = f"unknown dtype {text!r}{hint}; expected one of: {', '.join(names)}"
+            message = (f"unknown dtype {text!r}{hint}; expected a torch dtype name such as "
+                       f"{', '.join(names)}")
         elif rule == "NAME" and kind == "enum":
             if text in axis.values:
                 return text

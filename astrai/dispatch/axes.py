@@ -17,6 +17,7 @@ __all__ = [
     "AxisKind",
     "Vocabulary",
     "dtype_name",
+    "format_context",
     "format_value",
 ]
 
@@ -36,6 +37,12 @@ DTYPES: Mapping[str, torch.dtype] = {
     if isinstance(value := getattr(torch, name), torch.dtype)
 }
 
+#: The dtypes error messages list (any name in ``DTYPES`` is accepted).
+COMMON_DTYPES: tuple[str, ...] = (
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+    "int8", "int16", "int32", "int64", "uint8", "bool", "complex64", "complex128",
+)
+
 #: The forward modes a call can be in; ``None`` is training / a plain forward.
 FWD_MODES: tuple[str, ...] = ("prefill", "decode")
 
@@ -43,6 +50,13 @@ FWD_MODES: tuple[str, ...] = ("prefill", "decode")
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical name of a dtype: ``torch.float16`` -> ``float16``."""
     return str(dtype).removeprefix("torch.")
+
+
+def format_context(ctx: Any) -> str:
+    """A call's axes as ``explain`` writes them: ``fwd=none dtype=int64 ndim=4 ...``."""
+    parts = [f"{name}={format_value(axis.getter(ctx))}" for name, axis in AXES.items()]
+    parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
+    return " ".join(parts)
 
 
 def format_value(value: Any) -> str:
@@ -95,7 +109,7 @@ class Axis:
         if self.kind == "bool":
             names = ["true", "false"]
         elif self.kind == "dtype":
-            names = list(DTYPES)
+            names = [n for n in COMMON_DTYPES if n in DTYPES]
         elif self.kind == "enum":
             names = list(self.values)
         else:

@@ -1,21 +1,25 @@
 """Binding ``module:attribute`` paths to objects when a table loads.
 
-A missing *optional third-party* module makes the row unavailable (the import
-error becomes the reason ``explain`` shows). A malformed path, a missing
-attribute, or a failing import of astrai's own code is a load error.
+Optional dependencies are declared on the row (``requires: [flash_attn]``). Only a
+missing *declared* package makes the row unavailable (with the reason ``explain``
+shows, e.g. ``flash_attn is not installed (pip install flash-attn)``). Every other
+failure - a malformed path, a missing module or submodule that is not declared, a
+``SyntaxError`` or any exception raised while importing, a missing attribute - is a
+load error, for astrai's own modules and a user's alike: a typo must never quietly
+turn a fast row into a slow fallback.
 """
 
 from __future__ import annotations
 
-__all__ = ["BindError", "Bound", "bind"]
+__all__ = ["BindError", "Bound", "bind", "missing_requirement"]
 
 import importlib
+import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
-
-_OWN_PACKAGE = "astrai"
 
 
 class BindError(Exception):
@@ -30,28 +34,47 @@ class Bound:
     missing: str | None = None
 
 
-def _is_own(module_name: str | None) -> bool:
-    root = (module_name or "").split(".")[0]
-    return root == _OWN_PACKAGE
+def _root(module: str) -> str:
+    return module.split(".")[0]
 
 
-def bind(path: str) -> Bound:
+def _not_installed(package: str) -> str:
+    return f"{package} is not installed (pip install {package.replace('_', '-')})"
+
+
+def missing_requirement(requires: Sequence[str]) -> str | None:
+    """The reason a row is unavailable because a declared package is missing, or ``None``."""
+    for package in requires:
+        try:
+            found = importlib.util.find_spec(_root(package)) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return _not_installed(_root(package))
+    return None
+
+
+def bind(path: str, requires: Sequence[str] = ()) -> Bound:
     """Import ``module:attr`` (attr may be dotted); see the module docstring for failures."""
     if path.count(":") != 1:
         raise BindError(f"import path {path!r} must be 'module:attribute' with exactly one ':'")
     module_name, attr = path.split(":")
+    declared = {_root(r) for r in requires}
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if _is_own(exc.name) or (_is_own(module_name) and exc.name is None):
-            raise BindError(f"cannot import {module_name!r}: {exc}") from None
-        return Bound(None, f"cannot import {module_name!r}: {exc}")
-    except Exception as exc:
-        if _is_own(module_name):
-            raise BindError(
-                f"importing {module_name!r} failed: {type(exc).__name__}: {exc}"
-            ) from None
-        return Bound(None, f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
+        missing = exc.name or module_name
+        if _root(missing) in declared:
+            return Bound(None, _not_installed(_root(missing)))
+        hint = (f"; if {_root(missing)!r} is an optional dependency, declare it on the row: "
+                f"requires: [{_root(missing)}]" if "." not in missing else "")
+        raise BindError(f"cannot import {module_name!r}: {exc}{hint}") from None
+    except BaseException as exc:  # SyntaxError, an error or even SystemExit at import
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise BindError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     obj: Any = module
     walked = module_name
     for part in attr.split("."):

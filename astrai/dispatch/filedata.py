@@ -44,12 +44,14 @@ class RowData:
     available: str | None = None
     faithful: bool = True
     description: str = ""
+    requires: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RowData:
         """From a validated ``RowModel`` dump."""
         return cls(d["name"], d["impl"], d.get("when", "always"), d.get("available"),
-                   d.get("faithful", True), d.get("description", ""))
+                   d.get("faithful", True), d.get("description", ""),
+                   tuple(d.get("requires", ())))
 
 
 @dataclass(frozen=True)
@@ -63,13 +65,15 @@ class TableData:
     description: str = ""
     env_alias: str | None = None
     axes: tuple[AxisData, ...] = ()
+    context: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TableData:
         """From a validated ``TableFile`` dump."""
         return cls(d["version"], d["family"], d["fallback"],
                    tuple(RowData.from_dict(r) for r in d["rows"]), d.get("description", ""),
-                   d.get("env_alias"), tuple(AxisData.from_dict(a) for a in d.get("axes", ())))
+                   d.get("env_alias"), tuple(AxisData.from_dict(a) for a in d.get("axes", ())),
+                   d.get("context"))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from astrai.dispatch import precompiled
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
-from astrai.dispatch.binding import BindError, bind
+from astrai.dispatch.binding import BindError, bind, missing_requirement
 from astrai.dispatch.filedata import ProfileData, RowData, TableData
 from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.spec import Spec
@@ -40,6 +40,14 @@ if TYPE_CHECKING:
     from astrai.dispatch._yaml import Located
 
 PathT = tuple[Any, ...]
+#: What a value that fails a format pattern should look like, by key.
+_PATTERN_MEANS = {
+    "impl": "an import path 'module.path:attribute' (exactly one ':')",
+    "available": "an import path 'module.path:attribute' (exactly one ':')",
+    "env_alias": "an environment variable name (letters, digits, '_')",
+    "requires": "a module name such as flash_attn",
+}
+_NAME_MEANS = "a valid name (letters, digits, '_', '.', '-', starting with a letter or '_')"
 SUPPORTED_VERSION = 1  # == models.SUPPORTED_VERSION (a test keeps them equal)
 
 
@@ -204,6 +212,10 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
                               f"expected one of: {', '.join(valid)}", key=True)
         elif etype == "missing":
             out.problem(real[:-1] if real == loc else real, f"missing required key {dotted!r}")
+        elif etype == "string_pattern_mismatch":
+            key = next((p for p in reversed(loc) if isinstance(p, str)), "")
+            means = _PATTERN_MEANS.get(key, _NAME_MEANS)
+            out.problem(real, f"{dotted}: {err['input']!r} is not {means}")
         else:
             out.problem(real, f"{dotted}: {err['msg']}")
 
@@ -320,17 +332,18 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec
              priority: int) -> ImplRecord | None:
     """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
     try:
-        impl = bind(row.impl)
+        impl = bind(row.impl, row.requires)
     except BindError as exc:
         out.problem((*path, "impl"), str(exc))
         return None
     probe: Callable[[], Any] | None = None
-    if impl.missing is not None:
-        reason = impl.missing
+    missing = impl.missing or missing_requirement(row.requires)
+    if missing is not None:
+        reason = missing
         probe = lambda: Unavailable(reason)  # noqa: E731
     elif row.available is not None:
         try:
-            bound = bind(row.available)
+            bound = bind(row.available, row.requires)
         except BindError as exc:
             out.problem((*path, "available"), str(exc))
             return None
@@ -383,6 +396,15 @@ def _build_table(out: ParsedFile, model: TableData) -> FamilyTable | None:
     names = list(dict.fromkeys(r.name for r in model.rows))
     if model.fallback not in names:
         _no_fallback(out, model.fallback, names)
+    builder: Any = None
+    if model.context is not None:
+        try:
+            builder = bind(model.context).obj
+        except BindError as exc:
+            out.problem(("context",), str(exc))
+        else:
+            if not callable(builder):
+                out.problem(("context",), f"{model.context!r} is not callable")
     if out.problems or rows is None:
         return None
     return FamilyTable(
@@ -394,6 +416,7 @@ def _build_table(out: ParsedFile, model: TableData) -> FamilyTable | None:
         axes=MappingProxyType(axes),
         source=out.file,
         revision=out.revision,
+        context=builder,
     )
 
 
@@ -414,7 +437,7 @@ def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
             ok = False
         seen.add(row.name)
         spec = compile_when(out, (*rpath, "when"), row.when, vocabulary)
-        rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=len(rows) - i)
+        rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=i)
         if spec is None or rec is None:
             ok = False
             continue

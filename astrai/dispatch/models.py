@@ -33,6 +33,10 @@ ImportPath = Annotated[
         description="'module.path:attribute' (exactly one ':')",
     ),
 ]
+ModuleName = Annotated[
+    StrictStr,
+    Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", description="an importable module name"),
+]
 Expression = Annotated[StrictStr, Field(min_length=1, description="a spec expression (SPEC §4)")]
 
 
@@ -63,6 +67,11 @@ class RowModel(_Model):
         default=True, description="false: changes numerics; never picked implicitly"
     )
     description: StrictStr = ""
+    requires: list[ModuleName] = Field(
+        default_factory=list,
+        description="optional packages this row needs: when one is not installed the row "
+                    "is unavailable (any other import failure is a load error)",
+    )
 
 
 class TableFile(_Model):
@@ -77,6 +86,11 @@ class TableFile(_Model):
     description: StrictStr = ""
     env_alias: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
     axes: list[AxisModel] = Field(default_factory=list)
+    context: ImportPath | None = Field(
+        default=None,
+        description="for astrai.ops.call: a callable taking the call's arguments and "
+                    "returning the family's axis values (default: read from the first tensor)",
+    )
     fallback: Name
     rows: list[RowModel] = Field(min_length=1)
 

@@ -113,10 +113,11 @@ def _validate(family: str, handle: Any) -> None:
     if family not in state.families:
         raise ValueError(f"Unknown family: {family!r}{did_you_mean(family, state.families)}; "
                          f"known families: {', '.join(sorted(state.families))}")
-    if isinstance(handle, str):
-        from astrai.dispatch.resolution import active_view
+    from astrai.dispatch.resolution import active_view, check_handle
 
-        names = active_view(state, family).row_names()
+    names = active_view(state, family).row_names()
+    check_handle(family, handle, names)
+    if isinstance(handle, str):
         if handle not in names:
             raise ValueError(f"Unknown {family} implementation: {handle!r}"
                              f"{did_you_mean(handle, names)}; rows: {', '.join(names)}")

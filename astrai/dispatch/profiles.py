@@ -74,6 +74,11 @@ class View:
                 return r
         return None
 
+    @property
+    def outside_fallback(self) -> bool:
+        """Whether the fallback row is outside the chain (a seed-style registration)."""
+        return self.fallback not in self.rows
+
     def row_names(self) -> list[str]:
         """Row names in effective order."""
         return [r.name for r in self.rows]
@@ -120,7 +125,7 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
     return View(
         table=table,
         rows=tuple(rows),
-        fallback=by_name[fallback],
+        fallback=by_name.get(fallback) or table.fallback_record,
         profiles=tuple(p.name for p in profiles),
         disabled=disabled,
         enabled=enabled,

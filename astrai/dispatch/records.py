@@ -27,8 +27,9 @@ class ImplRecord:
 
     ``obj`` is the implementation itself (called as-is, never instantiated).
     ``available`` is a zero-argument probe (see ``astrai.dispatch.availability``).
-    Higher ``priority`` wins when rows come from ``register_family``; YAML rows take
-    their priority from their position. ``faithful=False`` marks a row that changes
+    When rows come from ``register_family`` a *lower* ``priority`` is tried first (as in
+    the seed; ties keep the provider's order); YAML rows take their priority from their
+    position (0 for the first row). ``faithful=False`` marks a row that changes
     numerics: only explicit selection or a profile that enables it can pick it.
     ``source`` says where the row was defined (``file:line`` or ``register_family``).
     """
@@ -38,7 +39,7 @@ class ImplRecord:
     obj: Any
     spec: Spec = field(default_factory=Spec.always)
     available: Callable[[], Any] = _always_available
-    priority: int = 0
+    priority: int = 100
     faithful: bool = True
     description: str = ""
     source: str = ""
@@ -49,7 +50,12 @@ class ImplRecord:
 
 @dataclass(frozen=True, eq=False)
 class FamilyTable:
-    """A family: its rows in priority order, its fallback row, and where it came from."""
+    """A family: its rows in priority order, its fallback row, and where it came from.
+
+    ``fallback`` names the fallback row. It is one of ``rows``, except for a family
+    registered seed-style with a fallback record that the provider does not list: that
+    record is ``outside_fallback``, used only when nothing in the chain matched.
+    """
 
     name: str
     rows: tuple[ImplRecord, ...]
@@ -59,6 +65,8 @@ class FamilyTable:
     axes: Mapping[str, Axis] = field(default_factory=lambda: MappingProxyType({}))
     source: str = ""
     revision: str = ""
+    outside_fallback: ImplRecord | None = None
+    context: Callable[..., Any] | None = None  # the table's ``context:`` builder (ops.call)
 
     def row(self, name: str) -> ImplRecord | None:
         """The row called ``name``, if any."""
@@ -74,6 +82,6 @@ class FamilyTable:
     @property
     def fallback_record(self) -> ImplRecord:
         """The fallback row."""
-        rec = self.row(self.fallback)
+        rec = self.outside_fallback or self.row(self.fallback)
         assert rec is not None, f"family {self.name!r} has no fallback row {self.fallback!r}"
         return rec

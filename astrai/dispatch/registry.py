@@ -111,10 +111,13 @@ def shipped_tables_dir() -> Path:
     return here.parent / "tables"
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[TableProblem]]:
-    files: list[str] = []
+def _expand(paths: Iterable[str | os.PathLike[str]]
+            ) -> tuple[list[tuple[int, str]], list[TableProblem]]:
+    """The table files under ``paths``, each with the index of the path it came from (its
+    *source*: a later source replaces an earlier one's families and profiles)."""
+    files: list[tuple[int, str]] = []
     problems: list[TableProblem] = []
-    for p in paths:
+    for index, p in enumerate(paths):
         path = Path(p)
         try:
             is_dir, exists = path.is_dir(), path.exists()
@@ -126,9 +129,9 @@ def _expand(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[str], list[Ta
             found, errors = _yaml_files(path)
             problems.extend(TableProblem(e.filename or str(path), 1, 1, f"cannot list "
                                          f"directory: {e.strerror or e}") for e in errors)
-            files.extend(found)
+            files.extend((index, f) for f in found)
         elif exists:
-            files.append(str(path))
+            files.append((index, str(path)))
         else:
             problems.append(TableProblem(str(path), 1, 1, "no such file or directory"))
     return files, problems
@@ -152,7 +155,8 @@ def _env_table_paths() -> list[str]:
 
 def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Registry:
     files, problems = _expand(paths)
-    parsed: list[ParsedFile] = [parse_file(f) for f in files]
+    parsed: list[ParsedFile] = [parse_file(f) for _, f in files]
+    source_of = {f: index for index, f in files}
     for pf in parsed:
         problems.extend(pf.problems)
     families: dict[str, FamilyTable] = {}
@@ -170,12 +174,15 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
         else:
             for name, (provider, fallback) in programmatic.items():
                 families[name] = _programmatic_table(name, provider, fallback)
+    # A family or profile defined twice within one source is an error; a later source
+    # (shipped, then each ASTR_TABLES entry, then each load_tables path) replaces it.
     seen: dict[str, str] = {}
     for pf in parsed:
         if pf.table is None:
             continue
         name = pf.table.name
-        if name in seen:
+        if (name in seen and seen[name] != pf.file
+                and source_of[seen[name]] == source_of[pf.file]):
             problems.append(TableProblem(pf.file, *pf.where(("family",)),
                                          f"family {name!r} is also defined in {seen[name]}"))
         seen[name] = pf.file
@@ -188,17 +195,21 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
     for pf in parsed:
         if pf.profile is None:
             continue
+        name = pf.profile.profile
+        if (name in seen_profiles and seen_profiles[name] != pf.file
+                and source_of[seen_profiles[name]] == source_of[pf.file]):
+            problems.append(TableProblem(pf.file, *pf.where(("profile",)),
+                                         f"profile {name!r} is also defined in "
+                                         f"{seen_profiles[name]}"))
+        seen_profiles[name] = pf.file
+    for pf in parsed:
+        if pf.profile is None or seen_profiles[pf.profile.profile] != pf.file:
+            continue  # replaced by a later source: not built against the final tables
         already = len(pf.problems)
         prof = build_profile(pf, families)
         problems.extend(pf.problems[already:])
-        if prof is None:
-            continue
-        if prof.name in seen_profiles:
-            problems.append(TableProblem(pf.file, *pf.where(("profile",)),
-                                         f"profile {prof.name!r} is also defined in "
-                                         f"{seen_profiles[prof.name]}"))
-        seen_profiles[prof.name] = pf.file
-        profiles[prof.name] = prof
+        if prof is not None:
+            profiles[prof.name] = prof
     # Profiles loaded earlier must still make sense against replaced tables.
     if not replace_all and base is not None:
         for name, prof in list(profiles.items()):
@@ -232,27 +243,44 @@ def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
 
 
 def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
+    """A ``register_family`` family: rows by ascending ``priority`` (the seed's order).
+
+    ``fallback`` is, as in the seed, a zero-argument callable returning the fallback
+    ``ImplRecord``; a record or a row name is accepted too. A fallback record that the
+    provider does not list stays outside the chain, as in the seed: it serves only
+    calls that no row of the chain matched (origin ``fallback``).
+    """
     records = list(provider() if callable(provider) else provider)
     for r in records:
         if not isinstance(r, ImplRecord):
             raise TypeError(f"register_family({name!r}): provider gave {r!r}, not an ImplRecord")
-    if isinstance(fallback, ImplRecord):
-        fb_name = fallback.name
-        if all(r.name != fb_name for r in records):
-            records.append(replace(fallback, priority=min((r.priority for r in records),
-                                                          default=0) - 1))
-    else:
-        fb_name = str(fallback)
-    ordered = sorted(records, key=lambda r: -r.priority)  # stable: ties keep given order
+    if callable(fallback) and not isinstance(fallback, (str, ImplRecord)):
+        fallback = fallback()
+        if not isinstance(fallback, ImplRecord):
+            raise TypeError(f"register_family({name!r}): the fallback callable returned "
+                            f"{fallback!r}, not an ImplRecord")
+    ordered = sorted(records, key=lambda r: r.priority)  # stable: ties keep given order
     names = [r.name for r in ordered]
     if len(set(names)) != len(names):
         raise ValueError(f"register_family({name!r}): duplicate row names in {names}")
-    if fb_name not in names:
-        raise ValueError(f"register_family({name!r}): fallback {fb_name!r} is not one of "
-                         f"the rows {names}")
+    outside: ImplRecord | None = None
+    if isinstance(fallback, ImplRecord):
+        fb_name = fallback.name
+        if fb_name not in names:  # else the provider's row of that name is the fallback
+            outside = fallback if fallback.family == name else replace(fallback, family=name)
+    elif isinstance(fallback, str):
+        fb_name = fallback
+        if fb_name not in names:
+            raise ValueError(f"register_family({name!r}): fallback {fb_name!r} is not one of "
+                             f"the rows {names}")
+    else:
+        raise TypeError(f"register_family({name!r}): fallback must be a zero-argument callable "
+                        f"returning an ImplRecord, an ImplRecord, or a row name; got "
+                        f"{fallback!r}")
     rows = tuple(r if r.family == name else replace(r, family=name) for r in ordered)
+    revision = ",".join(names) + (f";fallback={fb_name}" if outside is not None else "")
     return FamilyTable(name, rows, fb_name, source="register_family",
-                       revision="python:" + ",".join(names))
+                       revision="python:" + revision, outside_fallback=outside)
 
 
 def _swap(new: Registry) -> None:
@@ -295,7 +323,8 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
         new = _build(base, [str(p) for p in paths], replace_all=False)
         files, _ = _expand(str(p) for p in paths)
         _swap(new)
-    defined = [n for n, t in new.families.items() if t.source in files]
+    loaded = {f for _, f in files}
+    defined = [n for n, t in new.families.items() if t.source in loaded]
     return defined
 
 
@@ -329,12 +358,15 @@ def refresh() -> None:
 
 
 def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
-                    | Iterable[ImplRecord], fallback: ImplRecord | str) -> None:
+                    | Iterable[ImplRecord],
+                    fallback: Callable[[], ImplRecord] | ImplRecord | str) -> None:
     """Register (or replace) a family in Python, beside the YAML families.
 
-    ``provider`` returns (or is) the family's ``ImplRecord``s; higher ``priority``
-    comes first. ``fallback`` is a record or the name of one of them. A callable
-    provider is called again on ``reload_tables()``.
+    ``provider`` returns (or is) the family's ``ImplRecord``s; a lower ``priority`` is
+    tried first, as in the seed. ``fallback`` is, as in the seed, a zero-argument callable
+    returning the fallback ``ImplRecord`` (a record, or the name of one of the rows, is
+    accepted too). A callable provider (and fallback) is called again on
+    ``reload_tables()``.
     """
     with _lock:
         base = current()

@@ -11,11 +11,14 @@ from __future__ import annotations
 __all__ = [
     "PRECEDENCE",
     "Decision",
+    "NoImplementationError",
     "Resolution",
     "Source",
     "active_view",
     "cache_key",
     "decide",
+    "env_overrides",
+    "env_selection",
     "explain",
     "explain_plan",
     "explanation",
@@ -32,9 +35,16 @@ from typing import Any
 from astrai.dispatch import registry as _registry
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import format_value
+from astrai.dispatch.axes import format_context, format_value
 from astrai.dispatch.context import CallContext
-from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY, EnvSettings, env_settings, raw_get
+from astrai.dispatch.env import (
+    ENVIRON_DATA,
+    OPS_KEY,
+    PROFILE_KEY,
+    EnvSettings,
+    env_settings,
+    raw_get,
+)
 from astrai.dispatch.overrides import (
     UNCACHEABLE,
     current_profiles,
@@ -47,7 +57,7 @@ from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.spec import Spec
 from astrai.dispatch.stats import HITS, MISSES, counter
-from astrai.errors import AstraiError, ExplicitSelectionError
+from astrai.errors import ExplicitSelectionError, NoImplementationError
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,6 @@ class Resolution:
         return self.record.obj
 
 
-class NoImplementationError(AstraiError, RuntimeError):
-    """No row, not even the fallback, can serve the call."""
-
-
 # -- the evaluator ---------------------------------------------------------
 
 MATCH, REJECT, UNAVAILABLE = "MATCH", "reject", "unavailable"
@@ -129,6 +135,23 @@ def _env(state: Registry) -> EnvSettings:
     return env_settings(state.families, state.profiles, state.aliases, state.epoch)
 
 
+def env_overrides() -> dict[str, str]:
+    """The parsed environment, as the seed returns it: ``{family: row}`` from ``ASTR_OPS``
+    and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
+    when profiles are active. Malformed entries and unknown names warn once and are
+    dropped, as everywhere."""
+    env = _env(current())
+    out = dict(env.backends)
+    if env.profiles:
+        out[PROFILE_KEY] = "+".join(env.profiles)
+    return out
+
+
+def env_selection(family: str) -> str | None:
+    """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
+    return _env(current()).backends.get(family)
+
+
 def active_view(state: Registry, family: str) -> View:
     """``family`` under the profiles active in this context."""
     return state.view(family, active_profiles(state, _env(state)))
@@ -145,12 +168,21 @@ def _adhoc(family: str, obj: Any) -> ImplRecord:
     return ImplRecord(family, str(name), obj, spec, source="ad hoc object")
 
 
+def check_handle(family: str, handle: Any, names: list[str]) -> None:
+    """A selection handle is a row name or a callable implementation object."""
+    if isinstance(handle, str) or callable(handle):
+        return
+    raise TypeError(f"a {family} backend must be a row name or a callable implementation "
+                    f"object, not {type(handle).__name__} {handle!r}; rows: {', '.join(names)}")
+
+
 def _lookup(view: View, handle: Any) -> ImplRecord | None:
     if isinstance(handle, str):
         return view.row(handle)
     for rec in view.rows:
         if rec.obj is handle:
             return rec
+    check_handle(view.table.name, handle, view.row_names())
     return _adhoc(view.table.name, handle)
 
 
@@ -166,6 +198,30 @@ def _describe_source(source: Source, family: str, env: EnvSettings) -> str:
     if source.origin == "env":
         return f"{env.source_of(family)} ({family}={env.backends.get(family)})"
     return source.label
+
+
+def _why(verdict: str, detail: str) -> str:
+    return f"unavailable ({detail})" if verdict == UNAVAILABLE else f"requires {detail}"
+
+
+def _no_row(state: Registry, view: View, ctx: CallContext) -> NoImplementationError:
+    """Every row of ``view`` and why it cannot serve ``ctx`` (the fallback last)."""
+    family = view.table.name
+    rows = view.rows if not view.outside_fallback else (*view.rows, view.fallback)
+    reasons: list[tuple[str, str]] = []
+    for rec in rows:
+        verdict, detail = row_verdict(state, view, rec, ctx, implicit=rec is not view.fallback)
+        if verdict == DISABLED:
+            why = f"disabled by profile {detail}"
+        elif verdict == UNFAITHFUL:
+            why = "not faithful (explicit or profile-enabled only)"
+        else:
+            why = _why(verdict, detail)
+        reasons.append((f"{rec.name} (fallback)" if rec is view.fallback else rec.name, why))
+    lines = [f"no {family} row can serve this call, not even the fallback "
+             f"{view.fallback.name!r}; call: {format_context(ctx)}"]
+    lines += [f"  {name}: {why}" for name, why in reasons]
+    return NoImplementationError("\n".join(lines), family=family, reasons=reasons)
 
 
 def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
@@ -202,12 +258,14 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
             if verdict == MATCH:
                 return Resolution(rec, origin)
-            why = (f"unavailable ({detail})" if verdict == UNAVAILABLE
-                   else f"requires {detail}")
+            why = _why(verdict, detail)
             if source.strict:
                 raise ExplicitSelectionError(
                     f"{family} implementation {rec.name!r} selected by {where} cannot serve "
                     f"this call: {why}", family=family, row=rec.name)
+            # Soft: not honoured for this call, and never silently (once per reason).
+            warn_once(f"{family}={rec.name} from {where} cannot serve this call: {why}; "
+                      f"using the table's choice instead")
             if notes is not None:
                 notes.append(f"{origin}: {rec.name} from {where} cannot serve this call: "
                              f"{why}; falling through")
@@ -215,7 +273,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             if handled or view.forced is None:
                 continue
             row, prof = view.forced
-            rec = view.row(row)
+            rec = view.fallback if row == view.fallback.name else view.row(row)
             assert rec is not None
             verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
             if verdict == MATCH:
@@ -224,20 +282,17 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                 return Resolution(rec, origin)
             if notes is not None:
                 notes.append(f"profile {prof} forces {row}, which cannot serve this call "
-                             f"({detail}); falling through")
+                             f"({_why(verdict, detail)}); falling through")
         elif origin == "chain":
             for rec in view.rows:
                 if row_verdict(state, view, rec, ctx)[0] == MATCH:
-                    return Resolution(rec, "fallback" if rec is view.fallback else "chain")
+                    return Resolution(rec, origin)  # the seed's origin, fallback row or not
         else:
             rec = view.fallback
-            ok, reason = state.availability(rec)
-            if not ok:
-                raise NoImplementationError(
-                    f"no {family} row can serve this call and the fallback {rec.name!r} is "
-                    f"unavailable ({reason})")
+            if row_verdict(state, view, rec, ctx, implicit=False)[0] != MATCH:
+                raise _no_row(state, view, ctx)
             if notes is not None:
-                notes.append(f"no row matched; using the fallback {rec.name} as a last resort")
+                notes.append(f"no row of the chain matched; the fallback {rec.name} serves")
             return Resolution(rec, origin)
     raise AssertionError("unreachable: PRECEDENCE ends with the fallback")  # pragma: no cover
 
@@ -365,30 +420,35 @@ class Explanation:
     """Structured ``explain`` output (the CLI's ``--json`` prints this)."""
 
     family: str
-    context: dict[str, str]
+    context: dict[str, Any]  # axis -> int, bool, None or str (a dtype as its name)
     profiles: tuple[str, ...]
     rows: tuple[RowVerdict, ...]
     notes: tuple[str, ...]
     row: str | None
     origin: str | None
     error: str | None
+    source: str = ""  # the file (or registration) the family's table came from
 
     def render(self) -> str:
         """The SPEC §8 text."""
-        lines = [f"[{self.family}] " + " ".join(f"{k}={v}" for k, v in self.context.items())]
+        lines = [f"[{self.family}] " + " ".join(f"{k}={format_value(v)}"
+                                                for k, v in self.context.items())]
         if self.profiles:
             lines.append(f"  profiles: {' + '.join(self.profiles)}")
         lines += [_row_text(r) for r in self.rows]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.source:
+            lines.append(f"  table: {self.source}")
         lines.append(f"=> ERROR: {self.error}" if self.error is not None
                      else f"=> {self.row} (origin={self.origin})")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
+        """A JSON-ready dict; context values keep their types (int, bool, null, str)."""
         return {
             "family": self.family,
-            "context": self.context,
+            "source": self.source,
+            "context": dict(self.context),
             "profiles": list(self.profiles),
             "rows": [{"name": r.name, "verdict": r.verdict, "detail": r.detail,
                       "fallback": r.fallback} for r in self.rows],
@@ -398,11 +458,19 @@ class Explanation:
         }
 
 
-def _context_fields(ctx: CallContext) -> dict[str, str]:
-    fields = {name: format_value(getattr(ctx, name)) for name in (
+def _context_fields(ctx: CallContext) -> dict[str, Any]:
+    """The call's axes, typed for JSON: ints, bools, None and strings as they are, a dtype
+    (or any other value) as the name the grammar writes; ``render`` formats them as text."""
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        return format_value(value)
+
+    fields = {name: plain(getattr(ctx, name)) for name in (
         "fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
         "grad_enabled")}
-    fields.update({k: format_value(v) for k, v in sorted(ctx.extra.items())})
+    fields.update({k: plain(v) for k, v in sorted(ctx.extra.items())})
     return fields
 
 
@@ -437,7 +505,7 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
     return Explanation(family, _context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
-                       row, origin, error)
+                       row, origin, error, source=view.table.source)
 
 
 def explain(family: str, ctx: CallContext, explicit: Any = None) -> str:

@@ -27,8 +27,35 @@ dense layout (``[batch, seq, heads, head_dim]``) and back, following the
 semantics of transformers' own ``sdpa_attention_forward`` exactly. What the
 facade cannot express is refused with ``UnsupportedFeatureError`` - never
 computed differently: a softmax scale other than ``head_dim ** -0.5``, attention
-dropout, logit soft-capping, attention sinks, position biases, returning the
-attention weights, ``BlockMask`` masks, and a sliding window without a mask.
+dropout, logit soft-capping, attention sinks, position biases, ``BlockMask``
+masks, and a sliding window without a mask.
+
+``output_attentions=True`` (where transformers' sdpa warns and returns no
+weights) is served by a row that really computes them: one whose implementation
+object has a ``with_weights`` method (in the shipped table, ``math``; see
+``astrai.backends.attention.math``). The adapter then returns
+``(attn_output, attn_weights)`` like transformers' eager attention:
+``attn_weights`` is ``[batch, heads, q_len, kv_len]`` (one matrix per query head
+under GQA) in the query's dtype, the softmax taken in float32, so the model's
+``attentions`` equal eager's. One difference: a query row that may see no key at
+all (a left-padding position) gets zero weights, where eager's additive mask
+spreads them evenly over every key. The call still goes through the dispatch
+engine - resolved, cached, counted in ``stats()`` under the row that served it:
+
+- if the row that resolution picks (an ``op_backend`` scope, ``ASTR_OPS``, a
+  profile, the chain) returns weights, it serves, with its usual origin;
+- if the chain picked a row without weights, the first row in table order that
+  returns weights and can serve the call (disabled and non-faithful rows skipped,
+  as in the chain; then the fallback) is selected by name, as ``backend="math"``
+  would: counted with origin ``explicit``; ``explain_call(...,
+  output_attentions=True)`` shows the decision and why;
+- a row without weights forced by a *strict* source (an ``op_backend`` scope) is
+  an ``ExplicitSelectionError`` naming the row and the reason;
+- a row without weights asked for by a *soft* source (``ASTR_OPS`` /
+  ``ASTR_BACKEND``, a profile's ``force``) is not honoured for these calls - the
+  row chosen as above serves them - and a warning is logged once;
+- when no row that returns weights can serve the call, it is refused with
+  ``UnsupportedFeatureError``.
 """
 
 from __future__ import annotations
@@ -38,20 +65,42 @@ __all__ = [
     "UnsupportedFeatureError",
     "astrai_attention_forward",
     "call_context",
+    "explain_call",
     "is_registered",
     "register",
     "run_transformers_demo",
 ]
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from astrai.dispatch.context import CallContext
-from astrai.errors import AstraiError
+from astrai.backends.attention.math import WEIGHTS_METHOD
+from astrai.dispatch import (
+    OPS_ENV,
+    PRECEDENCE,
+    CallContext,
+    ImplRecord,
+    Resolution,
+    current,
+)
+from astrai.dispatch._log import warn_once
+from astrai.dispatch.registry import Registry
+from astrai.dispatch.resolution import (
+    MATCH,
+    Decision,
+    active_view,
+    decide,
+    evaluate,
+    explanation,
+    row_verdict,
+)
+from astrai.dispatch.stats import SLOW
+from astrai.errors import AstraiError, ExplicitSelectionError
 from astrai.ops import attention
 from astrai.ops._contexts import attention_context
 
@@ -124,11 +173,6 @@ def _check_supported(
     for name, feature in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise _refuse(feature, _summary(kwargs[name]))
-    if kwargs.get("output_attentions"):
-        raise _refuse(
-            "returning attention weights (output_attentions=True)", True,
-            "the facade returns only the attention output; use attn_implementation='eager'",
-        )
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise _refuse(
             "an attention mask that is not a tensor", type(attention_mask).__name__,
@@ -187,6 +231,138 @@ def _facade_arguments(
     )
 
 
+_FAMILY = "attention"
+_WEIGHTS_FEATURE = "returning attention weights (output_attentions=True)"
+_STRICT = frozenset(source.origin for source in PRECEDENCE if source.strict)
+
+
+def _returns_weights(obj: Any) -> bool:
+    """Whether an implementation object can hand back the attention probabilities."""
+    return callable(getattr(obj, WEIGHTS_METHOD, None))
+
+
+def _weights_rows(state: Registry) -> list[ImplRecord]:
+    """The rows of the active view that return weights, in table order (fallback last)."""
+    view = active_view(state, _FAMILY)
+    rows = [rec for rec in view.rows if _returns_weights(rec.obj)]
+    if view.fallback not in view.rows and _returns_weights(view.fallback.obj):
+        rows.append(view.fallback)
+    return rows
+
+
+def _weights_row(state: Registry, ctx: CallContext) -> ImplRecord:
+    """The row an ``output_attentions`` call goes to when resolution picked one without weights.
+
+    Chain semantics restricted to the rows that return weights: the first in table
+    order that is enabled, available, faithful (or enabled by a profile) and whose
+    ``when`` matches; then the fallback row, if it returns weights and can serve.
+    Refused (``UnsupportedFeatureError``) when none can, with every reason.
+    """
+    view = active_view(state, _FAMILY)
+    reasons: list[str] = []
+    for rec in view.rows:
+        if not _returns_weights(rec.obj):
+            continue
+        verdict, detail = row_verdict(state, view, rec, ctx)
+        if verdict == MATCH:
+            return rec
+        reasons.append(f"{rec.name}: {verdict} ({detail})" if detail else f"{rec.name}: {verdict}")
+    fallback = view.fallback
+    if _returns_weights(fallback.obj):
+        verdict, detail = row_verdict(state, view, fallback, ctx, implicit=False)
+        if verdict == MATCH:
+            return fallback
+        if fallback not in view.rows:
+            reasons.append(f"{fallback.name}: {verdict} ({detail})")
+    if not reasons:
+        reasons.append(f"no row of the {_FAMILY} table has a {WEIGHTS_METHOD}() method")
+    raise _refuse(
+        _WEIGHTS_FEATURE, True,
+        f"no {_FAMILY} row that returns them can serve this call ({'; '.join(reasons)}); "
+        "use attn_implementation='eager' for this model",
+    )
+
+
+def _source(state: Registry, res: Resolution) -> str:
+    """Who asked for ``res``'s row, for a message."""
+    if res.origin == "context":
+        return "an op_backend scope"
+    if res.origin == "env":
+        alias = state.aliases.get(_FAMILY)
+        names = f"{OPS_ENV} or {alias}" if alias else OPS_ENV
+        return f"the environment ({names})"
+    if res.origin == "profile":
+        forced = active_view(state, _FAMILY).forced
+        return f"profile {forced[1]}" if forced else "a profile"
+    return next((s.label for s in PRECEDENCE if s.origin == res.origin), res.origin)
+
+
+def _weights_handle(state: Registry, res: Resolution, ctx: CallContext) -> tuple[Any, str]:
+    """What to select for an ``output_attentions`` call that ordinary resolution gave ``res``.
+
+    Returns ``(None, "")`` when ``res``'s row returns weights; else the handle (a
+    row name, or the object of a fallback outside the chain) of the row that will,
+    and a sentence saying why. Raises when a strict source forced a row without
+    weights (``ExplicitSelectionError``) or when no row can (``UnsupportedFeatureError``).
+    """
+    if _returns_weights(res.obj):
+        return None, ""
+    if res.origin in _STRICT:
+        raise ExplicitSelectionError(
+            f"{_FAMILY} implementation {res.name!r} selected by {_source(state, res)} cannot "
+            f"serve this call: it does not return attention weights, which "
+            f"output_attentions=True needs (rows that do: "
+            f"{', '.join(r.name for r in _weights_rows(state)) or 'none'}); "
+            "select one of those in the scope, or leave output_attentions off",
+            family=_FAMILY, row=res.name)
+    rec = _weights_row(state, ctx)
+    handle: Any = rec.name if active_view(state, _FAMILY).row(rec.name) is rec else rec.obj
+    if res.origin in ("chain", "fallback"):
+        return handle, (f"output_attentions=True: {res.name} does not return attention "
+                        f"weights; {rec.name}, the first row that does, serves (selected "
+                        "explicitly)")
+    return handle, (f"{_FAMILY}={res.name} from {_source(state, res)} is not honoured for "
+                    f"output_attentions=True calls: {res.name} does not return attention "
+                    f"weights; {rec.name} serves them instead")
+
+
+def _same(ctx: CallContext) -> CallContext:
+    return ctx
+
+
+def _weights_decision(ctx: CallContext) -> Decision:
+    """The cached decision for an ``output_attentions`` call: a row that returns weights."""
+    sig = ctx.signature()
+    decision = decide(_FAMILY, sig, None, _same, (ctx,))
+    if _returns_weights(decision.obj):
+        return decision
+    handle, why = _weights_handle(current(), decision.resolution, ctx)
+    if decision.resolution.origin not in ("chain", "fallback"):
+        warn_once(why)  # a soft choice of the user's is set aside for this call: say so
+    return decide(_FAMILY, sig, handle, _same, (ctx,))
+
+
+def _attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, weights)`` of a facade-layout call, through the dispatch engine.
+
+    Resolved, cached and counted like a facade call (``stats()`` shows the row
+    that served it); the row's ``with_weights`` computes both.
+    """
+    ctx = attention_context(q, k, v, attn_mask=mask, is_causal=causal)
+    decision = _weights_decision(ctx)
+    next(SLOW)  # a facade call that went through ``decide`` (see astrai.dispatch.stats)
+    next(decision.counter)
+    with_weights = getattr(decision.obj, WEIGHTS_METHOD)
+    out, weights = with_weights(q, k, v, attn_mask=mask, is_causal=causal)
+    return out, weights
+
+
 def astrai_attention_forward(
     module: torch.nn.Module | None,
     query: torch.Tensor,
@@ -197,21 +373,30 @@ def astrai_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function protocol, served by ``astrai.ops.attention``.
 
     ``query`` is ``[batch, heads, q_len, head_dim]``, ``key``/``value``
     ``[batch, kv_heads, kv_len, head_dim]`` (GQA when ``kv_heads < heads``),
     ``attention_mask`` a 4-d mask broadcastable to ``[batch, heads, q_len, kv_len]``
     (boolean, ``True`` = may attend, or additive float) or ``None``. Returns
-    ``(attn_output [batch, q_len, heads, head_dim], None)`` like transformers' sdpa.
+    ``(attn_output [batch, q_len, heads, head_dim], None)`` like transformers' sdpa;
+    with ``output_attentions=True``, ``(attn_output, attn_weights)`` like its eager
+    attention, ``attn_weights`` ``[batch, heads, q_len, kv_len]`` in the query's
+    dtype, computed by a row that returns weights (see the module docstring).
     Unsupported features raise ``UnsupportedFeatureError``.
     """
     _check_supported(query, key, attention_mask, dropout, scaling, kwargs)
     q, k, v, mask, causal = _facade_arguments(module, query, key, value, attention_mask, is_causal)
-    out = attention(q, k, v, attn_mask=mask, is_causal=causal)
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
-    return out.view(batch, q_len, heads, -1), None
+    if not kwargs.get("output_attentions"):
+        out = attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return out.view(batch, q_len, heads, -1), None
+    out, weights = _attention_with_weights(q, k, v, mask, causal)
+    cut = key.shape[2] - k.shape[1]
+    if cut:  # static-cache prefill: the unwritten slots that were cut off get zero weight
+        weights = torch.nn.functional.pad(weights, (0, cut))
+    return out.view(batch, q_len, heads, -1), weights
 
 
 def call_context(
@@ -224,10 +409,41 @@ def call_context(
     """The ``CallContext`` the facade sees for this transformers-layout call.
 
     Feed it to ``astrai.dispatch.explain("attention", ...)`` to see which row
-    would serve the call and why the others would not.
+    would serve the call and why the others would not (``explain_call`` does
+    both, and knows about ``output_attentions``).
     """
     q, k, v, mask, causal = _facade_arguments(None, query, key, value, attention_mask, is_causal)
     return attention_context(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def explain_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    is_causal: bool | None = True,
+    output_attentions: bool = False,
+) -> str:
+    """``explain`` of the decision the adapter takes for this transformers-layout call.
+
+    Without ``output_attentions`` this is ``explain("attention", call_context(...))``.
+    With it, the decision is the one the adapter takes for a call that must return
+    the attention weights; a note says when that differs from ordinary resolution,
+    and a call the adapter would refuse ends in ``=> ERROR: ...``.
+    """
+    ctx = call_context(query, key, value, attention_mask, is_causal)
+    if not output_attentions:
+        return explanation(_FAMILY, ctx).render()
+    state = current()
+    try:
+        handle, why = _weights_handle(state, evaluate(_FAMILY, ctx, state=state), ctx)
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        plain = explanation(_FAMILY, ctx)
+        return dataclasses.replace(plain, row=None, origin=None, error=str(exc)).render()
+    explained = explanation(_FAMILY, ctx, handle)
+    if why:
+        explained = dataclasses.replace(explained, notes=(*explained.notes, why))
+    return explained.render()
 
 
 def _interfaces() -> tuple[Any, Any, Callable[..., Any] | None]:

@@ -9,7 +9,7 @@ implementation object): strict, it raises rather than fall back.
 
 from __future__ import annotations
 
-__all__ = ["apply_rotary", "attention", "linear", "rms_norm"]
+__all__ = ["apply_rotary", "attention", "call", "linear", "rms_norm"]
 
 from typing import Any
 
@@ -20,16 +20,18 @@ from astrai.dispatch import registry as _registry
 from astrai.dispatch.compiled import IMPLS, decision_name
 from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY, raw_get
 from astrai.dispatch.overrides import _scope
+from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.stats import SLOW
+from astrai.ops._checks import check_attention, check_linear, check_rms_norm, check_rotary
 from astrai.ops._contexts import (
     attention_context,
+    generic_context,
     linear_context,
     rms_norm_context,
     rotary_context,
 )
 
-_FWD_MODES = ("prefill", "decode")
 _NO_EXTRA = ()
 _grad = torch.is_grad_enabled
 # Dynamo folds this to True while tracing (it cannot trace the ContextVar read below);
@@ -45,18 +47,6 @@ _env = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
 _SIG = 10  # the signature's length within the key
 # A cache hit counts only the row's usage counter; ``stats`` derives the hit count
 # from those and ``SLOW`` (facade calls that went through ``decide``, which counts them).
-
-
-def _check_fwd(fwd: str | None) -> None:
-    if fwd is not None and fwd not in _FWD_MODES:
-        raise ValueError(f"fwd must be one of None, 'prefill', 'decode'; got {fwd!r}")
-
-
-def _attention_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
-                       layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                       fwd: str | None) -> Any:
-    _check_fwd(fwd)  # an invalid fwd never reaches the cache: it is part of the key
-    return attention_context(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd)
 
 
 def attention(
@@ -76,8 +66,8 @@ def attention(
     ``[tokens, heads, head_dim]`` with a paged ``kv_cache`` for ``fwd="prefill"`` /
     ``"decode"``. K/V may have fewer heads (GQA). Returns ``[..., heads*head_dim]``.
     """
+    check_attention(q, k, v, kv_cache, layer_id, attn_mask, fwd)
     if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
-        _check_fwd(fwd)
         sig = ("attention", fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1],
                kv_cache is not None, attn_mask is not None, _grad(), _NO_EXTRA)
         return IMPLS[decision_name("attention", sig, backend, compiled.KEY)](  # type: ignore[no-any-return]
@@ -91,7 +81,7 @@ def attention(
     d = (state.decisions.get(key)
          if state is not None and (backend is None or backend.__class__ is str) else None)
     if d is None:
-        d = decide("attention", key[:_SIG], backend, _attention_context,
+        d = decide("attention", key[:_SIG], backend, attention_context,
                    (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd))
         next(SLOW)
     next(d.counter)
@@ -102,6 +92,7 @@ def attention(
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x`` by ``freqs_cis`` (cos, sin) per pair."""
+    check_rotary(x, freqs_cis)
     if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
         sig = ("rotary", None, x.dtype, x.is_cuda, x.dim(), x.shape[-1], False, False, _grad(),
                _NO_EXTRA)
@@ -123,6 +114,7 @@ def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              backend: Any = None) -> torch.Tensor:
     """RMS normalisation over the last dimension, scaled by ``weight``."""
+    check_rms_norm(x, weight, eps)
     if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
         sig = ("rms_norm", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
                _NO_EXTRA)
@@ -144,6 +136,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            backend: Any = None) -> torch.Tensor:
     """``x @ weight.T + bias`` through the ``linear`` table."""
+    check_linear(x, weight, bias)
     if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
         sig = ("linear", None, x.dtype, x.is_cuda, x.dim(), None, False, False, _grad(),
                _NO_EXTRA)
@@ -160,3 +153,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         next(SLOW)
     next(d.counter)
     return d.call(x, weight, bias)  # type: ignore[no-any-return]
+
+
+#: The families with a facade of their own; ``call`` hands their calls to it.
+_FACADES: dict[str, Any] = {
+    "attention": attention,
+    "rotary": apply_rotary,
+    "rms_norm": rms_norm,
+    "linear": linear,
+}
+
+
+def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
+    """Call ``family`` (any loaded family, a user's own included) through its table.
+
+    The chosen row is called as ``row(*args, **kwargs)``. Same decision cache, counters,
+    ``explain`` and ``torch.compile`` behaviour as the built-in facades (a built-in
+    family goes through its own facade, input checks included). The call's axes come
+    from the first tensor argument (dtype, ndim, device, grad mode), or from the
+    callable the table names as ``context:``, called with the same arguments.
+    ``backend=`` selects a row (or an implementation object) strictly.
+    """
+    facade = _FACADES.get(family)
+    if facade is not None:
+        return facade(*args, backend=backend, **kwargs)
+    state = _registry._state or current()
+    table = state.family(family)  # UnknownFamilyError names the known families
+    build = (family, table.context, tuple(table.axes), args, kwargs)
+    if _compiling():
+        sig = generic_context(*build).signature()
+        return IMPLS[decision_name(family, sig, backend, compiled.KEY)](*args, **kwargs)
+    ctx = generic_context(*build)
+    key = (*ctx.signature(), backend, _scope_get().cache_token, _env(OPS_KEY),
+           _env(state.alias_keys.get(family)))
+    d = (state.decisions.get(key)
+         if backend is None or backend.__class__ is str else None)
+    if d is None:
+        d = decide(family, key[:_SIG], backend, _same, (ctx,))
+        next(SLOW)
+    next(d.counter)
+    return d.call(*args, **kwargs)
+
+
+def _same(ctx: Any) -> Any:
+    return ctx

@@ -6,8 +6,15 @@ the axes a row's ``when`` sees are exactly the ones computed here.
 
 from __future__ import annotations
 
-__all__ = ["attention_context", "linear_context", "rms_norm_context", "rotary_context"]
+__all__ = [
+    "attention_context",
+    "generic_context",
+    "linear_context",
+    "rms_norm_context",
+    "rotary_context",
+]
 
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -91,3 +98,48 @@ def linear_context(
         raw=(x, weight, bias),
         raw_kwargs=kwargs,
     )
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def generic_context(family: str, builder: Callable[..., Any] | None, axes: Collection[str],
+                    args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallContext:
+    """Context of an ``ops.call`` for a family without a facade of its own.
+
+    With a ``context:`` builder named by the family's table, the builder is called with
+    the call's arguments and returns the axis values (a mapping of axis name to value:
+    core axes and the family's declared ones). Without one, the axes come from the first
+    tensor argument: ``dtype``, ``ndim``, ``device_cuda``, and the grad mode.
+    """
+    if builder is None:
+        t = _first_tensor(args, kwargs)
+        if t is None:
+            return CallContext(family, grad_enabled=torch.is_grad_enabled(), raw=args,
+                               raw_kwargs=dict(kwargs))
+        return CallContext(family, dtype=t.dtype, device_cuda=t.is_cuda, ndim=t.dim(),
+                           grad_enabled=torch.is_grad_enabled(), raw=args,
+                           raw_kwargs=dict(kwargs))
+    values = builder(*args, **kwargs)
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{family}: the table's context builder must return a mapping of axis "
+                        f"values, got {type(values).__name__}")
+    core: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled()}
+    extra: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in _CORE_FIELDS:
+            core[name] = value
+        elif name in axes:
+            extra[name] = value
+        else:
+            raise ValueError(f"{family}: the context builder gave unknown axis {name!r}; axes: "
+                             f"{', '.join([*_CORE_FIELDS, *axes])}")
+    return CallContext(family, **core, extra=extra, raw=args, raw_kwargs=dict(kwargs))
+
+
+_CORE_FIELDS = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
+                "grad_enabled")

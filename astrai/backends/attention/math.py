@@ -6,11 +6,19 @@ heads, and the paged path handled one request at a time. It runs anywhere and
 is the fallback every other row is checked against. Conventions (causal
 alignment, masks, GQA, empty rows) are those of ``_dense``; the paged path is
 described in ``_paged``.
+
+Because it materialises the softmax, this row can also hand the attention
+probabilities back: ``MathAttention.with_weights`` returns ``(output, weights)``
+for a dense call, ``weights`` being ``[batch, heads, q_len, k_len]`` (one per
+*query* head under GQA) in ``q``'s dtype - the softmax taken in float32 and cast,
+as transformers' eager attention does. A row object with a ``with_weights``
+method of this signature is what ``output_attentions=True`` needs (see
+``astrai.integrations.transformers``); the other rows have none.
 """
 
 from __future__ import annotations
 
-__all__ = ["MathAttention", "math_attention"]
+__all__ = ["WEIGHTS_METHOD", "MathAttention", "math_attention"]
 
 import math
 from typing import Any
@@ -26,6 +34,9 @@ from astrai.backends.attention._dense import (
 )
 from astrai.backends.attention._paged import check_paged, context_kv, store_kv
 
+#: The method through which a row returns the attention probabilities with its output.
+WEIGHTS_METHOD = "with_weights"
+
 
 def _attend(
     q: torch.Tensor,
@@ -33,10 +44,12 @@ def _attend(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
     is_causal: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention of ``q`` ``[B, Sq, H, D]`` over ``k``/``v`` ``[B, Sk, Hkv, D]``.
 
-    Returns ``[B, Sq, H, Dv]`` in float32 (float64 for float64 input).
+    Returns ``(output [B, Sq, H, Dv], weights [B, H, Sq, Sk])`` in float32
+    (float64 for float64 input); ``weights`` are the softmax probabilities, zero
+    on a row that may see no key.
     """
     heads, kv_heads = q.shape[2], k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -60,7 +73,7 @@ def _attend(
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.masked_fill(empty, 0.0)
-    return torch.matmul(weights, v32).transpose(1, 2)
+    return torch.matmul(weights, v32).transpose(1, 2), weights
 
 
 class MathAttention:
@@ -98,7 +111,7 @@ class MathAttention:
         """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
         if kv_cache is None:
             check_dense(q, k, v, attn_mask)
-            return merge_heads(_attend(q, k, v, attn_mask, is_causal)).to(q.dtype)
+            return merge_heads(_attend(q, k, v, attn_mask, is_causal)[0]).to(q.dtype)
 
         batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
         store_kv(batch, layer_id, k, v)
@@ -107,10 +120,38 @@ class MathAttention:
         for i, n in enumerate(batch.extend_lens_host):
             k_ctx, v_ctx = context_kv(batch, layer_id, i)
             q_i = q[start : start + n].unsqueeze(0)
-            out = _attend(q_i, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), None, is_causal=True)
+            out, _ = _attend(q_i, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), None, is_causal=True)
             outputs.append(out[0])
             start += n
         return merge_heads(torch.cat(outputs, dim=0)).to(q.dtype)
+
+    def with_weights(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: Any = None,
+        layer_id: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        fwd: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, weights)`` of a dense call: the same output as calling the row.
+
+        ``output`` is ``[batch, q_len, heads * head_dim]`` and ``weights`` the
+        softmax probabilities ``[batch, heads, q_len, k_len]`` (per query head under
+        GQA; zero on a query row that may see no key), both in ``q``'s dtype.
+        The arguments are the facade's; a paged call (``kv_cache``) has no single
+        weight matrix and is a ``ValueError``.
+        """
+        if kv_cache is not None:
+            raise ValueError(
+                "math: attention weights are returned for dense [batch, seq, heads, head_dim] "
+                "calls only, not for the paged (kv_cache) path"
+            )
+        check_dense(q, k, v, attn_mask)
+        out, weights = _attend(q, k, v, attn_mask, is_causal)
+        return merge_heads(out).to(q.dtype), weights.to(q.dtype)
 
     def __repr__(self) -> str:
         return "MathAttention()"
