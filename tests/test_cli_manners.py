@@ -27,6 +27,7 @@ import torch
 from astrai.dispatch import CallContext
 from astrai.dispatch.registry import shipped_tables_dir
 from astrai.dispatch.resolution import explanation
+from tests.test_cli import astrai_stderr
 
 ASTR_VARS = ("ASTR_OPS", "ASTR_TABLES", "ASTR_BACKEND")
 LINEAR_IMPL = "astrai.backends.linear:torch_linear"
@@ -67,9 +68,12 @@ def _cmd(args: tuple[str, ...]) -> list[str]:
 
 
 def run(args: tuple[str, ...], cwd: Path, extra: dict[str, str] | None = None) -> Proc:
-    """One command to completion, its output captured."""
-    return subprocess.run(_cmd(args), cwd=cwd, env=_env(extra or {}), capture_output=True,
+    """One command to completion, its output captured (stderr less torch's own NumPy
+    warning on an install without numpy: see ``tests.test_cli.astrai_stderr``)."""
+    proc = subprocess.run(_cmd(args), cwd=cwd, env=_env(extra or {}), capture_output=True,
                           text=True, timeout=180, check=False)
+    proc.stderr = astrai_stderr(proc.stderr)
+    return proc
 
 
 @dataclass
@@ -89,7 +93,7 @@ def piped(args: tuple[str, ...], cwd: Path, *, lines: int, unbuffered: bool) -> 
     assert proc.stdout is not None and proc.stderr is not None
     first = "".join(proc.stdout.readline() for _ in range(lines))
     proc.stdout.close()
-    err = proc.stderr.read()
+    err = astrai_stderr(proc.stderr.read())
     proc.stderr.close()
     return Piped(first, proc.wait(timeout=180), err)
 

@@ -4,7 +4,9 @@ The multi-rank tests start 2 and 4 gloo processes on CPU (rendezvous through a
 ``file://`` store in ``tmp_path``, no ports). Each child runs every scenario in sequence
 and writes what it saw to ``result-<rank>.json``; the parent asserts on those files.
 Children are fresh processes from a ``forkserver`` that imported torch once (set
-``ASTRAI_TEST_START_METHOD=spawn`` to start each one with ``spawn`` instead).
+``ASTRAI_TEST_START_METHOD=spawn`` to start each one with ``spawn`` instead). Once more,
+2 ranks run as plain interpreters in which NumPy cannot be imported, as on a machine with
+only ``pip install torch``: the gather must not need it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -24,6 +28,7 @@ import pytest
 import torch
 
 import astrai.dispatch as dispatch
+import astrai.dispatch.distributed as distributed
 from astrai.dispatch import (
     AgreedPlan,
     CallContext,
@@ -52,6 +57,7 @@ from astrai.dispatch.distributed import (
 )
 from tests import _impls
 
+REPO = Path(__file__).resolve().parent.parent
 #: ``fast`` serves ndim 3, ``medium`` ndim 3 and 4, ``ref`` (the fallback) only ndim 4.
 #: A rank "lacks a backend" when ``LACKING`` names the row (its probe says unavailable).
 DIST_TABLE = """\
@@ -219,10 +225,74 @@ def _spawn(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
 
 
+#: A rank on a machine without NumPy (a plain ``pip install torch`` does not install it):
+#: ``numpy`` is made unimportable before torch is imported, in a fresh interpreter, so
+#: torch itself starts without it (``Tensor.numpy()`` then raises "Numpy is not
+#: available", which is what ``all_gather_object`` calls). Arguments: rank, world, root,
+#: the table paths as JSON.
+NO_NUMPY_RANK = """\
+import sys
+sys.modules["numpy"] = None  # "import numpy" now raises ImportError, as if not installed
+import json, pathlib, torch
+try:
+    torch.zeros(1).numpy()
+    state = "numpy is available"
+except RuntimeError as exc:
+    state = str(exc)
+rank, world, root, paths = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pathlib.Path(root, f"numpy-{rank}.txt").write_text(state)
+from tests.test_distributed import _child
+_child(rank, world, root, json.loads(paths))
+"""
+
+
+def _spawn_without_numpy(world: int, tmp_path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Like ``_spawn``, each rank a fresh interpreter in which NumPy cannot be imported;
+    also returns what each rank saw when it asked torch for NumPy."""
+    paths = _write_tables(tmp_path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    procs = [subprocess.Popen([sys.executable, "-c", NO_NUMPY_RANK, str(rank), str(world),
+                               str(tmp_path), json.dumps(paths)],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+             for rank in range(world)]
+    deadline = time.monotonic() + 240
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {world} ranks without NumPy did not finish in time")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{out}"
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
+    return results, [(tmp_path / f"numpy-{r}.txt").read_text() for r in range(world)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_agree_or_say_why(world: int, tmp_path: Path) -> None:
     """2 and 4 gloo ranks on CPU; rank 1 lacks a backend in most scenarios."""
-    results = _spawn(world, tmp_path)
+    _assert_scenarios(world, _spawn(world, tmp_path))
+
+
+def test_ranks_agree_without_numpy(tmp_path: Path) -> None:
+    """Two gloo ranks on machines without NumPy run every scenario as with it: the
+    fingerprints are gathered as bytes in tensors, not with ``all_gather_object``, which
+    needs NumPy to turn the received tensor back into bytes."""
+    results, numpy = _spawn_without_numpy(2, tmp_path)
+    assert numpy == ["Numpy is not available"] * 2  # the ranks really ran without it
+    _assert_scenarios(2, results)
+
+
+def _assert_scenarios(world: int, results: list[dict[str, Any]]) -> None:
+    """What every rank of ``_scenarios`` must have seen."""
     others = "rank 0" if world == 2 else "ranks 0,2,3"
     for rank, got in enumerate(results):
         unexpected = {k: v["detail"] for k, v in got.items() if "detail" in v
@@ -424,10 +494,73 @@ def test_error_carries_differences_and_pickles() -> None:
     assert back.differences == (diff,)
 
 
+def _full_print() -> Fingerprint:
+    """A fingerprint with every field filled: profiles, a failed call, unavailable rows."""
+    calls = (CallPlan(K3, "dist", "fast", "chain", None, ("fast", "medium")),
+             CallPlan(K4, "dist", None, None, "UnknownFamilyError: no \udcff family"))
+    return Fingerprint("0.1.0", "höst", (("dist", "r1"), ("toy", "py-0f")),
+                       (("dist-nofast", "abc"),), calls,
+                       (("dist", ("fast", "medium", "ref")),),
+                       (("dist", "fast", "no fast kernel on this rank"),))
+
+
 def test_wire_format_round_trip() -> None:
-    """What is gathered is builtins only; an unreadable payload is recognised."""
-    fp = _print({K3: ("fast", ("fast",))})
+    """What is gathered is builtins only and survives JSON, which turns tuples into lists:
+    the fingerprint read back equals (and hashes like) the one sent."""
+    fp = _full_print()
     assert Fingerprint.from_wire(pickle.loads(pickle.dumps(fp.to_wire()))) == fp
-    assert Fingerprint.from_wire({"wire": 999}) is None
+    raw = distributed._encode(fp.to_wire())
+    assert raw.isascii()
+    back = Fingerprint.from_wire(distributed._decode(raw))
+    assert back == fp and hash(back) == hash(fp)
+    assert Fingerprint.from_wire(json.loads(json.dumps(_print({K3: ("fast", ())}).to_wire()))) \
+        == _print({K3: ("fast", ())})
+
+
+@pytest.mark.parametrize("damage", [
+    lambda w: w.update(wire=999),
+    lambda w: w.pop("fingerprint"),
+    lambda w: w["fingerprint"].pop("orders"),
+    lambda w: w["fingerprint"].update(extra=1),
+    lambda w: w["fingerprint"].update(host=7),
+    lambda w: w["fingerprint"].update(tables=[["dist", "r1", "extra"]]),
+    lambda w: w["fingerprint"].update(tables="dist"),
+    lambda w: w["fingerprint"]["calls"][0].update(row=["fast"]),
+    lambda w: w["fingerprint"]["calls"][0].update(candidates=[1, 2]),
+    lambda w: w["fingerprint"]["calls"][0].pop("origin"),
+    lambda w: w["fingerprint"].update(orders=[["dist"]]),
+    lambda w: w["fingerprint"].update(unavailable=[["dist", "fast"]]),
+])
+def test_wire_format_rejects_other_shapes(damage: Callable[[dict[str, Any]], Any]) -> None:
+    """A payload of another shape or type is not ours (``None``), never a crash later."""
+    wire = json.loads(json.dumps(_full_print().to_wire()))
+    damage(wire)
+    assert Fingerprint.from_wire(wire) is None
     assert Fingerprint.from_wire("garbage") is None
+    assert Fingerprint.from_wire(None) is None
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_unreadable_payload_is_named_not_unpickled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes that are not JSON (say, a pickle from an older astrai) are never unpickled:
+    the check raises ``PlanMismatchError`` with a ``format`` difference."""
+    monkeypatch.setattr(distributed, "_encode", pickle.dumps)
+    with pytest.raises(PlanMismatchError) as err:
+        check_agreement([C3])
+    assert [d.kind for d in err.value.differences] == ["format"]
+    assert "fingerprint format: rank 0 -> unreadable (astrai ?)" in str(err.value)
+    assert distributed._decode(pickle.dumps({"wire": 1})) is None
+    assert distributed._decode(b"[" * 100_000) is None  # too deep for json: still None
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("gloo", "cpu"), ("mpi", "cpu"),
+                                                    ("nccl", "cuda:3")])
+def test_gather_device_follows_backend(backend: str, expected: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL gathers on this rank's current CUDA device, any other backend on the CPU."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: dist.Backend(backend))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert str(distributed._device(None)) == expected
 

@@ -43,6 +43,7 @@ from astrai.dispatch import (
     current,
     env,
     load_tables,
+    registry,
     reload_tables,
     resolve,
     shipped_tables_dir,
@@ -332,22 +333,47 @@ def outcome(action: Callable[[], Any]) -> dict[str, Any]:
         }
 
 
+def _reachable_by_others(path: Path) -> bool:
+    """Whether a user other than the owner may enter every directory down to ``path``."""
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [path, *path.parents])
+
+
 def as_unprivileged(action: Callable[[], Any]) -> dict[str, Any]:
     """``outcome(action)`` as a user that file modes apply to.
 
-    Not root: here. Root: in a forked child that switches to ``nobody`` first.
+    Not root: here. Root: in a forked child that switches to ``nobody`` first. The
+    reload reads the shipped tables too, and the checkout may lie where only root may
+    enter (CI clones into a fresh ``mktemp -d``, mode 700): so the child reads a
+    world-readable copy of them, as from an installed wheel (``shipped_tables_dir`` is
+    pointed there in the child only). What it has already imported it keeps, forked.
     """
     if os.geteuid() != 0:
         return outcome(action)
     if not hasattr(os, "fork"):
         pytest.skip("running as root without os.fork: cannot drop privileges")
-    if not all(p.stat().st_mode & stat.S_IROTH for p in shipped_tables_dir().rglob("*.yaml")):
-        pytest.skip("the shipped tables are not world-readable: 'nobody' could not reload")
+    base = Path(tempfile.mkdtemp(prefix="astrai-shipped-"))
+    try:
+        tables = base / "tables"
+        shutil.copytree(shipped_tables_dir(), tables)
+        _unlock(base)
+        if not _reachable_by_others(tables):
+            pytest.skip(f"{base.parent} cannot be entered by others: 'nobody' could not "
+                        "read the tables")
+        report = _in_child_as_nobody(action, tables)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    return report
+
+
+def _in_child_as_nobody(action: Callable[[], Any], tables: Path) -> dict[str, Any]:
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
         try:
             os.close(rfd)
+            registry.shipped_tables_dir = lambda: tables
             try:
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
@@ -362,10 +388,7 @@ def as_unprivileged(action: Callable[[], Any]) -> dict[str, Any]:
     with os.fdopen(rfd, "rb") as f:
         data = f.read()
     os.waitpid(pid, 0)
-    report = json.loads(data)
-    if "skip" in report:
-        pytest.skip(report["skip"])
-    return report  # type: ignore[no-any-return]
+    return json.loads(data)  # type: ignore[no-any-return]
 
 
 def assert_refused_naming(report: dict[str, Any], path: Path, words: str) -> None:

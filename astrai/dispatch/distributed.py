@@ -10,6 +10,10 @@ that family's calls; apply it with ``with plan.apply(): ...``.
 
 Without an initialized process group the check runs as a world of one rank, so
 a script may call it unconditionally.
+
+The fingerprints travel as JSON text in ``uint8`` tensors (``all_gather`` of the lengths,
+then of the padded bytes): no pickle, so no rank unpickles another's bytes, and no NumPy,
+which ``all_gather_object`` needs and a plain ``pip install torch`` does not install.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from astrai import __version__
@@ -101,21 +106,78 @@ class Fingerprint:
     unavailable: tuple[tuple[str, str, str], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        """Builtins only, so a rank with another astrai version can still unpickle it."""
+        """Builtins only (JSON-ready), so a rank with another astrai version can read it."""
         return {"wire": WIRE_FORMAT, "version": self.version,
                 "fingerprint": dataclasses.asdict(self)}
 
     @classmethod
     def from_wire(cls, data: Any) -> Fingerprint | None:
-        """The fingerprint in a gathered payload, or ``None`` if its format is not ours."""
+        """The fingerprint in a gathered payload, or ``None`` if its format is not ours.
+
+        Sequences may arrive as lists (JSON has no tuples): the result is built of tuples,
+        so it equals the sender's own fingerprint. Any other shape or type is ``None``.
+        """
         try:
-            if data["wire"] != WIRE_FORMAT:
+            if not isinstance(data, Mapping) or data["wire"] != WIRE_FORMAT:
                 return None
-            fields = dict(data["fingerprint"])
-            fields["calls"] = tuple(CallPlan(**c) for c in fields["calls"])
-            return cls(**fields)
+            fields = data["fingerprint"]
+            if not isinstance(fields, Mapping) or set(fields) != _FINGERPRINT_FIELDS:
+                return None
+            orders = [_seq(o, 2) for o in _seq(fields["orders"])]
+            return cls(
+                version=_text(fields["version"]),
+                host=_text(fields["host"]),
+                tables=tuple(_pair(t) for t in _seq(fields["tables"])),
+                profiles=tuple(_pair(p) for p in _seq(fields["profiles"])),
+                calls=tuple(_call_plan(c) for c in _seq(fields["calls"])),
+                orders=tuple((_text(family), _texts(rows)) for family, rows in orders),
+                unavailable=tuple(_triple(u) for u in _seq(fields["unavailable"])),
+            )
         except (KeyError, TypeError, ValueError):
             return None
+
+
+_FINGERPRINT_FIELDS = frozenset(f.name for f in dataclasses.fields(Fingerprint))
+_CALL_FIELDS = frozenset(f.name for f in dataclasses.fields(CallPlan))
+
+
+def _seq(value: Any, length: int | None = None) -> tuple[Any, ...]:
+    """A list or tuple from the wire as a tuple (of ``length`` items, if given)."""
+    if not isinstance(value, list | tuple) or (length is not None and len(value) != length):
+        raise TypeError(f"expected a sequence of {length or 'any number of'} items")
+    return tuple(value)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _texts(value: Any) -> tuple[str, ...]:
+    return tuple(_text(v) for v in _seq(value))
+
+
+def _pair(value: Any) -> tuple[str, str]:
+    first, second = _seq(value, 2)
+    return _text(first), _text(second)
+
+
+def _triple(value: Any) -> tuple[str, str, str]:
+    first, second, third = _seq(value, 3)
+    return _text(first), _text(second), _text(third)
+
+
+def _optional_text(value: Any) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _call_plan(data: Any) -> CallPlan:
+    if not isinstance(data, Mapping) or set(data) != _CALL_FIELDS:
+        raise TypeError("not a CallPlan")
+    return CallPlan(_text(data["key"]), _text(data["family"]), _optional_text(data["row"]),
+                    _optional_text(data["origin"]), _optional_text(data["error"]),
+                    _texts(data["candidates"]))
 
 
 def call_key(ctx: CallContext) -> str:
@@ -385,16 +447,52 @@ class AgreedPlan:
         return "\n".join(lines)
 
 
+def _encode(payload: dict[str, Any]) -> bytes:
+    """The payload as JSON (ASCII: anything else, lone surrogates too, is escaped)."""
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode("ascii")
+
+
+def _decode(data: bytes) -> Any:
+    """What a rank sent, or ``None`` when it is not JSON (e.g. another version's pickle)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+def _device(group: ProcessGroup | None) -> torch.device:
+    """Where the group's collectives take their tensors: NCCL's on this rank's CUDA device."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None) -> list[bytes]:
+    """Every rank's ``data``, in group order: the lengths first, then the bytes padded to
+    the longest (two ``all_gather`` calls on plain tensors; neither pickle nor NumPy)."""
+    device = _device(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(t.item()) for t in lengths]
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(buffers, mine, group=group)
+    return [bytes(buf[:size].cpu().tolist()) for buf, size in zip(buffers, sizes, strict=True)]
+
+
 def _gather(payload: dict[str, Any], group: ProcessGroup | None) -> tuple[list[Any],
                                                                            tuple[int, ...], int]:
     if not (dist.is_available() and dist.is_initialized()):
-        return [payload], (0,), 0
+        return [_decode(_encode(payload))], (0,), 0
     index = dist.get_rank(group)
     if index < 0:
         raise ValueError("check_agreement: this process is not a member of the given group")
     n = dist.get_world_size(group)
-    gathered: list[Any] = [None] * n
-    dist.all_gather_object(gathered, payload, group=group)
+    gathered = [_decode(raw) for raw in _all_gather_bytes(_encode(payload), n, group)]
     ranks = tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
     return gathered, ranks, index
 
@@ -413,7 +511,8 @@ def check_agreement(contexts: Contexts, group: ProcessGroup | None = None, *,
     with ``with plan.apply():``). Differing tables or profiles, a call that fails on
     some rank, or a family without a common row still raise. A call that fails alike
     on every rank re-raises its error. Without a process group this is a world of one.
-    With NCCL, set each rank's CUDA device first (``all_gather_object`` needs it).
+    With NCCL, set each rank's CUDA device first (the gathered tensors live on
+    ``torch.cuda.current_device()``).
     """
     mine, errors = _local(contexts)
     gathered, ranks, index = _gather(mine.to_wire(), group)
