@@ -49,14 +49,16 @@ def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if fwd is not None and fwd not in PAGED_MODES:
         raise ValueError(f"fwd must be one of None, 'prefill', 'decode'; got {fwd!r}")
     if kv_cache is None and attn_mask is None:
-        try:  # the common dense call: comparisons only
-            qs, ks, vs = q.shape, k.shape, v.shape
-            if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and qs[0] == ks[0] == vs[0]
-                    and ks[1] == vs[1] and ks[2] == vs[2] and qs[3] == ks[3] > 0 < ks[2]
-                    and vs[3] > 0 and qs[2] % ks[2] == 0 and q.dtype == k.dtype == v.dtype):
+        try:  # the common dense call: unpacking and integer comparisons only
+            b, _, h, d = q.shape
+            kb, kn, kh, kd = k.shape
+            vb, vn, vh, vd = v.shape
+        except (ValueError, AttributeError):
+            pass  # not 4-d, or not tensors: the full check says which
+        else:
+            if (b == kb == vb and kn == vn and kh == vh and d == kd and d > 0 < kh and vd > 0
+                    and not h % kh and q.dtype == k.dtype == v.dtype):
                 return
-        except AttributeError:
-            pass  # not tensors: the full check says so
     _attention_slow(q, k, v, kv_cache, layer_id, attn_mask, fwd)
 
 
