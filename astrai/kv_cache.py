@@ -74,6 +74,9 @@ class KVPool:
                             ("max_context", max_context)):
             if value < 1:
                 raise ValueError(f"KVPool: {name} must be >= 1, got {value}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"KVPool: dtype must be a floating dtype (K/V would be truncated "
+                             f"otherwise), got {dtype}; e.g. torch.bfloat16 or torch.float32")
         first = 1 if reserve_padding_slot else 0
         if slots <= first:
             raise ValueError(f"KVPool: slots must be > {first} (slot 0 is reserved), got {slots}")

@@ -30,14 +30,25 @@ class Unavailable:
 
 
 def check(probe: Callable[[], Any]) -> tuple[bool, str]:
-    """Run a probe: ``(True, "")`` or ``(False, reason)``; never raises."""
+    """Run a probe: ``(True, "")`` or ``(False, reason)``; never raises, never exits.
+
+    A probe answers ``True``, ``False`` or ``Unavailable(reason)``. Anything else it
+    returns, and any failure (``SystemExit`` included), makes the row unavailable with
+    the reason; only ``KeyboardInterrupt`` passes through.
+    """
+    name = getattr(probe, "__qualname__", repr(probe))
     try:
         result = probe()
-    except Exception as exc:  # a probe must not take the process down
-        return False, f"probe raised {type(exc).__name__}: {exc}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a probe must not take the process down
+        detail = f": {exc}" if str(exc) else ""
+        return False, f"probe raised {type(exc).__name__}{detail}"
     if isinstance(result, Unavailable):
         return False, result.reason
-    if result:
+    if result is True:
         return True, ""
-    name = getattr(probe, "__qualname__", repr(probe))
-    return False, f"{name}() returned {result!r}"
+    if result is False:
+        return False, f"{name}() returned False"
+    return False, (f"{name}() returned a {type(result).__name__}, not True, False or "
+                   f"astrai.dispatch.Unavailable(reason)")
