@@ -106,3 +106,25 @@ class TestKVPool:
         with pytest.raises(ValueError, match="dtype must be a floating dtype"):
             KVPool(layers=1, slots=8, kv_heads=1, head_dim=4, max_requests=2, max_context=4,
                    dtype=dtype)
+
+
+class TestDegenerateCalls:
+    """0-dim tensors are clear errors; no keys at all gives the same result on every row."""
+
+    def test_error_zero_dim(self) -> None:
+        from astrai import ops
+
+        one = torch.tensor(1.0)
+        with pytest.raises(ValueError, match=r"expects q as \[batch, seq, heads, head_dim\]"):
+            ops.attention(one, one, one)
+        with pytest.raises(ValueError, match="rotary expects x as"):
+            ops.apply_rotary(one, one)
+
+    def test_no_keys_same_on_every_row(self) -> None:
+        from astrai import ops
+
+        q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 0, 2, 8)
+        for backend in ("torch_native", "math"):
+            out = ops.attention(q, k, k, backend=backend)
+            assert out.shape == (1, 3, 16)
+            assert not out.any(), backend

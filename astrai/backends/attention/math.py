@@ -57,6 +57,9 @@ def _attend(
     k32 = k.to(compute).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     v32 = v.to(compute).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     q_len, k_len = q32.shape[2], k32.shape[2]
+    if k_len == 0:  # no key at all: every query sees nothing, hence a zero output
+        weights = q32.new_zeros(*q32.shape[:3], 0)
+        return torch.matmul(weights, v32).transpose(1, 2), weights
 
     scores = torch.matmul(q32, k32.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if attn_mask is not None:
