@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok, 1 problems found, 2 usage error. Errors are one clear line on
 stderr, never a traceback. Output into a pipe that closes early (``astrai-ops list |
-head -1``) ends quietly with 141, the status of a command that SIGPIPE ended.
+head -1``) ends quietly with 141, the status of a command that SIGPIPE ended. Output that
+cannot be written (a full disk, stdout closed) is an error: one line, exit 1.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
@@ -43,6 +44,43 @@ CALL_OPTIONS = ("--fwd", "--dtype", "--ndim", "--head-dim", "--cache", "--mask",
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
+
+
+class OutputError(Exception):
+    """Standard output could not be written (other than a closed pipe): one line, exit 1."""
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: the real stream, but a failed write or flush
+    raises ``OutputError``, and so does a write when there is no stream (file descriptor 1
+    was closed, so Python set ``sys.stdout`` to None and ``print`` would drop the text).
+    A closed pipe stays a ``BrokenPipeError``. Anything else is the real stream's."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if self.stream is None:
+            raise OutputError("standard output is closed")
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+            raise OutputError(str(exc)) from exc
+
+    def flush(self) -> None:
+        if self.stream is None:
+            return  # nothing written, nothing lost
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise OutputError(str(exc)) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def _plain(text: str) -> str:
@@ -380,6 +418,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     count = 0 if paths else len(_table_files(registry.shipped_tables_dir()))
     here = "here" if paths else f"in this {TABLES_ENV} entry"
     for raw in paths or env_paths:
+        if not raw.strip():
+            continue  # validate reported it ("" is not the current directory)
         try:
             files, is_dir = _table_files(Path(raw)), Path(raw).is_dir()
         except OSError:
@@ -546,6 +586,8 @@ def _run(argv: Sequence[str] | None) -> int:
 
 def _quiet_stdout() -> None:
     """Point stdout at the null device, so that flushing it at exit cannot fail again."""
+    if sys.stdout is None:
+        return  # no stream, nothing flushed at exit (and file descriptor 1 is not ours)
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:
@@ -556,18 +598,35 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _report(line: str) -> None:
+    """One line on stderr, if stderr can take it (if not, the exit status has to do)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    real = sys.stdout
+    sys.stdout = cast(TextIO, _Stdout(real))
     try:
         code = _run(argv)
-        if sys.stdout is not None:
-            sys.stdout.flush()  # inside the try: a closed pipe shows up here at the latest
+        sys.stdout.flush()  # inside the try: a failed write shows up here at the latest
         return code
     except BrokenPipeError:
+        sys.stdout = real
         _quiet_stdout()
         return BROKEN_PIPE
+    except OutputError as exc:
+        sys.stdout = real
+        _quiet_stdout()  # what could not be written is dropped, not retried at exit
+        _report(f"astrai-ops: error: cannot write output: {exc}")
+        return PROBLEMS
     except KeyboardInterrupt:
         return 130
+    finally:
+        sys.stdout = real
 
 
 if __name__ == "__main__":  # pragma: no cover

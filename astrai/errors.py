@@ -7,6 +7,7 @@ __all__ = [
     "ExplicitSelectionError",
     "NoImplementationError",
     "PlanMismatchError",
+    "ScopeError",
     "SpecSyntaxError",
     "TableError",
     "TableProblem",
@@ -16,6 +17,20 @@ __all__ = [
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+#: How much of a user's expression an error echoes either side of the offending token.
+ECHO = 60
+#: The longest message text echoed from user input (a name, a value) before eliding.
+CLIP = 400
+
+
+def clip(text: str, limit: int = CLIP) -> str:
+    """``text``, or its start and end around ``...`` when longer than ``limit``: an error
+    about a 1 MB input must not be a 2 MB message."""
+    if len(text) <= limit:
+        return text
+    keep = (limit - 5) // 2
+    return f"{text[:keep]} ... {text[-keep:]}"
 
 
 class AstraiError(Exception):
@@ -56,12 +71,19 @@ class SpecSyntaxError(AstraiError, ValueError):
         )
 
     def render(self) -> str:
+        """``file:line:col: message``, then the expression (at most ``ECHO`` characters
+        either side of the error, elided with ``...``) with a caret under the span."""
         start, end = self.span
-        marker = " " * start + "^" + "~" * max(0, end - start - 1)
+        lo = max(0, start - ECHO)
+        hi = min(len(self.source), max(end, start + 1) + ECHO, start + 2 * ECHO)
+        head = "..." if lo > 0 else ""
+        shown = head + self.source[lo:hi] + ("..." if hi < len(self.source) else "")
+        caret_at = len(head) + start - lo
+        marker = " " * caret_at + "^" + "~" * max(0, min(end, hi) - start - 1)
         where = ""
         if self.line is not None:
             where = f"{self.file or '<string>'}:{self.line}:{self.column}: "
-        return f"{where}{self.message}\n    {self.source}\n    {marker}"
+        return f"{where}{clip(self.message)}\n    {shown}\n    {marker}"
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (
@@ -91,7 +113,7 @@ class TableProblem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.column}: {self.message}"
+        return f"{self.file}:{self.line}:{self.column}: {clip(self.message, 4 * CLIP)}"
 
 
 class TableError(AstraiError, ValueError):
@@ -119,6 +141,13 @@ class ExplicitSelectionError(AstraiError, RuntimeError):
 
 def _rebuild_selection_error(message: str, family: str, row: str) -> ExplicitSelectionError:
     return ExplicitSelectionError(message, family=family, row=row)
+
+
+class ScopeError(AstraiError, RuntimeError):
+    """An ``op_backend`` / ``use_profile`` scope (or ``set_override`` token) ended where it
+    is not the innermost scope: out of order, or in another thread or task than the one
+    that entered it - typically a generator suspended inside the ``with`` and closed later.
+    """
 
 
 class NoImplementationError(AstraiError, RuntimeError):

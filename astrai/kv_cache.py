@@ -10,7 +10,10 @@ be contiguous in the pool. Slot 0 is reserved as a padding slot by default.
 bookkeeping lives on the host, the buffers on the pool's device. A
 ``PagedBatch`` describes one forward step over several requests and is what is
 passed as ``kv_cache=`` to the ``attention`` facade; ``prefill_batch``,
-``extend_batch`` and ``decode_batch`` build it.
+``extend_batch`` and ``decode_batch`` build it. Every allocation of a request
+row gets a fresh generation number and a batch records those of its rows, so a
+batch kept after ``KVPool.free`` raises ``StaleBatchError`` when used instead of
+touching the slots (or freeing the row) of whichever request owns them now.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = [
     "KVCacheFullError",
     "KVPool",
     "PagedBatch",
+    "StaleBatchError",
     "decode_batch",
     "extend_batch",
     "prefill_batch",
@@ -26,11 +30,13 @@ __all__ = [
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import torch
 
 from astrai.errors import AstraiError
+
+T = TypeVar("T")
 
 
 class KVCacheFullError(AstraiError, MemoryError):
@@ -48,13 +54,19 @@ class KVCacheFullError(AstraiError, MemoryError):
         return (KVCacheFullError, (self.what, self.requested, self.free, self.detail))
 
 
+class StaleBatchError(AstraiError, ValueError):
+    """A ``PagedBatch`` used after one of its requests was freed (its row may be reused)."""
+
+
 class KVPool:
     """Paged K/V storage plus the allocator of its request rows and slots.
 
     ``k_buffer[layer, slot]`` holds one token's keys (``[kv_heads, head_dim]``);
     ``req_to_token[row, pos]`` is the slot of position ``pos`` of the request in
     ``row``. With ``reserve_padding_slot`` (the default) slot 0 is never handed
-    out, so padded index tensors may point at it safely.
+    out, so padded index tensors may point at it safely. The buffers are normal
+    tensors even when the pool is built under ``torch.inference_mode()``, so the
+    pool stays usable outside it.
     """
 
     def __init__(
@@ -86,16 +98,23 @@ class KVPool:
         self.device = torch.device(device)
         self.first_slot = first
         shape = (layers, slots, kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.req_to_token = torch.zeros(
-            (max_requests, max_context), dtype=torch.int32, device=self.device
-        )
-        # Host-side bookkeeping: free lists and, per request row, its length (None = free).
+        # Inference tensors could not be updated in place outside inference mode.
+        with torch.inference_mode(False):
+            self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.req_to_token = torch.zeros(
+                (max_requests, max_context), dtype=torch.int32, device=self.device
+            )
+            self._slot_used = torch.zeros(slots, dtype=torch.bool)
+        # Host-side bookkeeping: free lists and, per request row, its length (None =
+        # free) and the generation of its current allocation. ``_frees`` counts
+        # ``free`` calls, so a batch knows cheaply whether it must re-check its rows.
         self._free_slots = torch.arange(first, slots, dtype=torch.int64)
-        self._slot_used = torch.zeros(slots, dtype=torch.bool)
         self._free_rows: list[int] = list(range(max_requests))
         self._row_len: list[int | None] = [None] * max_requests
+        self._row_gen: list[int] = [0] * max_requests
+        self._last_gen = 0
+        self._frees = 0
 
     def __repr__(self) -> str:
         return (
@@ -129,6 +148,16 @@ class KVPool:
         if self._row_len[row] is None:
             raise ValueError(f"request row {row} is not allocated")
 
+    def _check_generations(self, rows: Sequence[int], generations: Sequence[int]) -> None:
+        """``StaleBatchError`` unless each row still holds the allocation of that generation."""
+        for row, gen in zip(rows, generations, strict=True):
+            if self._row_len[row] is None or self._row_gen[row] != gen:
+                now = "now free" if self._row_len[row] is None else f"now {self._row_gen[row]}"
+                raise StaleBatchError(
+                    f"stale PagedBatch: request row {row} was freed since the batch was "
+                    f"built (generation {gen}, {now}); build a new batch for live requests"
+                )
+
     # -- allocation ----------------------------------------------------------
     def alloc_requests(self, n: int) -> list[int]:
         """Take ``n`` free request rows (each starts with an empty context)."""
@@ -140,7 +169,9 @@ class KVPool:
             )
         rows, self._free_rows = self._free_rows[:n], self._free_rows[n:]
         for row in rows:
+            self._last_gen += 1
             self._row_len[row] = 0
+            self._row_gen[row] = self._last_gen
         return rows
 
     def alloc_slots(self, n: int) -> torch.Tensor:
@@ -151,9 +182,11 @@ class KVPool:
         if n > free:
             reserved = ", slot 0 reserved for padding" if self.first_slot else ""
             raise KVCacheFullError("slots", n, free, f"pool has {self.slots} slots{reserved}")
-        out, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        self._slot_used[out] = True
-        return out.to(self.device)
+        out = self._free_slots[:n]
+        on_device = out.to(self.device)
+        self._slot_used[out] = True  # the only update that can fail comes first
+        self._free_slots = self._free_slots[n:]
+        return on_device
 
     def release_slots(self, slots: torch.Tensor) -> None:
         """Give ``slots`` back to the pool; ``ValueError`` on a slot that is not held."""
@@ -166,22 +199,31 @@ class KVPool:
         if len(set(host.tolist())) != host.numel() or not bool(self._slot_used[host].all()):
             unheld = host[~self._slot_used[host]].tolist()
             raise ValueError(f"slots are not held (double free?): {unheld or 'duplicates'}")
+        free = torch.cat([self._free_slots, host])
         self._slot_used[host] = False
-        self._free_slots = torch.cat([self._free_slots, host])
+        self._free_slots = free
 
-    def free(self, req_pool_indices: torch.Tensor | Sequence[int]) -> None:
-        """Release request rows together with every slot their contexts hold."""
+    def free(self, req_pool_indices: PagedBatch | torch.Tensor | Sequence[int]) -> None:
+        """Release request rows together with every slot their contexts hold.
+
+        Given a ``PagedBatch``, its rows are freed after checking that the batch is
+        not stale, so a second ``free`` of it raises ``StaleBatchError``.
+        """
+        if isinstance(req_pool_indices, PagedBatch):
+            req_pool_indices = req_pool_indices.req_pool_indices
         rows = [int(r) for r in req_pool_indices]
         if len(set(rows)) != len(rows):
             raise ValueError(f"request rows listed twice: {rows}")
         for row in rows:
             self._check_row(row)
+        if not rows:
+            return
+        held = [self.req_to_token[row, : self._row_len[row] or 0] for row in rows]
+        self.release_slots(torch.cat(held))
         for row in rows:
-            length = self._row_len[row]
-            assert length is not None
-            self.release_slots(self.req_to_token[row, :length])
             self._row_len[row] = None
             self._free_rows.append(row)
+        self._frees += 1
 
     # -- storage -------------------------------------------------------------
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -204,6 +246,21 @@ class KVPool:
         self.v_buffer[layer_id].index_copy_(0, index, v.detach().to(self.dtype))
 
 
+class _Checked(Generic[T]):
+    """A ``PagedBatch`` field (stored under ``_name``) read through the batch's check."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.stored = "_" + name
+
+    def __get__(self, batch: PagedBatch | None, owner: type | None = None) -> T:
+        if batch is None:  # looked up on the class (help(), documentation tools)
+            return self  # type: ignore[return-value]
+        if batch._pool._frees != batch._frees_seen:
+            batch.check()
+        value: T = getattr(batch, self.stored)
+        return value
+
+
 @dataclass(frozen=True, eq=False)
 class PagedBatch:
     """One forward step over a ragged batch of requests in a ``KVPool``.
@@ -215,20 +272,40 @@ class PagedBatch:
     ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` are the slots of request ``i``'s
     whole context. Index tensors are int64 on the pool's device; the ``*_host``
     tuples carry the lengths as Python ints so kernels need not synchronise.
+
+    ``pool``, ``req_pool_indices``, ``out_cache_loc`` and ``kv_indices`` raise
+    ``StaleBatchError`` once a request of the batch has been freed: its row and
+    slots may belong to another request by then. The check is one integer
+    comparison unless the pool freed something since the batch last checked.
     """
 
-    pool: KVPool
     fwd: Literal["prefill", "decode"]
-    req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
-    out_cache_loc: torch.Tensor
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
     seq_lens_host: tuple[int, ...]
     extend_lens_host: tuple[int, ...]
+    _pool: KVPool
+    _req_pool_indices: torch.Tensor
+    _out_cache_loc: torch.Tensor
+    _kv_indices: torch.Tensor
+    _rows: tuple[int, ...]
+    _generations: tuple[int, ...]
+    _frees_seen: int
+
+    def check(self) -> None:
+        """Raise ``StaleBatchError`` if a request of the batch was freed since it was built."""
+        pool = self._pool
+        if pool._frees != self._frees_seen:
+            pool._check_generations(self._rows, self._generations)
+            object.__setattr__(self, "_frees_seen", pool._frees)
+
+    pool = _Checked["KVPool"]()  # the pool the batch lives in
+    req_pool_indices = _Checked[torch.Tensor]()  # request row of each request
+    out_cache_loc = _Checked[torch.Tensor]()  # slots of the new tokens, packed
+    kv_indices = _Checked[torch.Tensor]()  # slots of every request's whole context, packed
 
     @property
     def batch_size(self) -> int:
@@ -272,7 +349,9 @@ def extend_batch(
     """Append ``extend_lens[i]`` new tokens to each request and describe the step.
 
     Slots for the new tokens are allocated and recorded in ``req_to_token``.
-    Nothing changes when the pool cannot hold the step (``KVCacheFullError``).
+    Nothing changes when the step fails: every argument is checked before
+    anything is taken (``ValueError``, or ``KVCacheFullError`` when the pool cannot
+    hold the step), and an error after that gives the slots back.
     """
     rows = [int(r) for r in req_pool_indices]
     lens = [int(n) for n in extend_lens]
@@ -292,7 +371,24 @@ def extend_batch(
                 f"max_context is {pool.max_context}",
             )
     loc = pool.alloc_slots(sum(lens))
+    try:
+        return _describe(pool, rows, prefix, lens, loc, fwd)
+    except BaseException:
+        for row, old in zip(rows, prefix, strict=True):
+            pool._row_len[row] = old
+        pool.release_slots(loc)
+        raise
 
+
+def _describe(
+    pool: KVPool,
+    rows: list[int],
+    prefix: list[int],
+    lens: list[int],
+    loc: torch.Tensor,
+    fwd: Literal["prefill", "decode"],
+) -> PagedBatch:
+    """Record the new tokens' slots ``loc`` in ``req_to_token`` and build the batch."""
     rows_t = torch.tensor(rows, dtype=torch.int64)
     prefix_t = torch.tensor(prefix, dtype=torch.int64)
     ext_t = torch.tensor(lens, dtype=torch.int64)
@@ -305,30 +401,36 @@ def extend_batch(
     kv_owner, kv_pos = _spans(torch.zeros_like(seq_t), seq_t)
     kv_indices = pool.req_to_token[rows_t[kv_owner].to(dev), kv_pos.to(dev)].long()
     return PagedBatch(
-        pool=pool,
         fwd=fwd,
-        req_pool_indices=rows_t.to(dev),
         seq_lens=seq_t.to(dev),
         prefix_lens=prefix_t.to(dev),
         extend_lens=ext_t.to(dev),
-        out_cache_loc=loc,
         qo_indptr=_indptr(ext_t).to(dev),
         kv_indptr=_indptr(seq_t).to(dev),
-        kv_indices=kv_indices,
         seq_lens_host=tuple(seq_t.tolist()),
         extend_lens_host=tuple(lens),
+        _pool=pool,
+        _req_pool_indices=rows_t.to(dev),
+        _out_cache_loc=loc,
+        _kv_indices=kv_indices,
+        _rows=tuple(rows),
+        _generations=tuple(pool._row_gen[row] for row in rows),
+        _frees_seen=pool._frees,
     )
 
 
 def prefill_batch(pool: KVPool, prompt_lens: Sequence[int]) -> PagedBatch:
     """Start ``len(prompt_lens)`` new requests and describe their prefill step.
 
-    Request rows and slots are checked together before anything is taken, so a
-    ``KVCacheFullError`` leaves the pool unchanged.
+    Every argument is checked, request rows and slots together, before anything
+    is taken, and an error after that gives back what was taken: a failed call
+    (``ValueError``, ``KVCacheFullError`` or any other) leaves the pool unchanged.
     """
     lens = [int(n) for n in prompt_lens]
     if not lens:
         raise ValueError("prefill_batch needs at least one prompt")
+    if min(lens) < 1:
+        raise ValueError(f"every prompt needs at least one token, got {lens}")
     if len(lens) > pool.num_free_requests:
         raise KVCacheFullError(
             "request rows", len(lens), pool.num_free_requests, f"pool has {pool.max_requests}"
@@ -342,7 +444,11 @@ def prefill_batch(pool: KVPool, prompt_lens: Sequence[int]) -> PagedBatch:
             f"max_context is {pool.max_context}",
         )
     rows = pool.alloc_requests(len(lens))
-    return extend_batch(pool, rows, lens, fwd="prefill")
+    try:
+        return extend_batch(pool, rows, lens, fwd="prefill")
+    except BaseException:
+        pool.free(rows)
+        raise
 
 
 def decode_batch(pool: KVPool, req_pool_indices: torch.Tensor | Sequence[int]) -> PagedBatch:

@@ -112,4 +112,13 @@ def counted_probe() -> bool | Unavailable:
     return True if PROBE["available"] else Unavailable("toggled off")
 
 
+def slow_probe() -> bool:
+    """``counted_probe`` that takes a while: concurrent first callers overlap in it."""
+    import time
+
+    time.sleep(0.05)
+    PROBE["calls"] += 1
+    return True
+
+
 NOT_CALLABLE = 42

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,34 @@ def piped(args: tuple[str, ...], cwd: Path, *, lines: int, unbuffered: bool) -> 
     return Piped(first, proc.wait(timeout=180), err)
 
 
+DEV_FULL = Path("/dev/full")
+
+
+def into_full(args: tuple[str, ...], cwd: Path, *, unbuffered: bool) -> Proc | None:
+    """Run with stdout on ``/dev/full``, where every write fails (ENOSPC); None without it.
+    Buffered, the failure surfaces only when stdout is flushed at the end."""
+    if not DEV_FULL.exists():
+        return None
+    with open(DEV_FULL, "w") as full:
+        proc = subprocess.run(_cmd(args), cwd=cwd, env=_env({}, unbuffered=unbuffered),
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=180,
+                              check=False)
+    proc.stderr = astrai_stderr(proc.stderr)
+    return proc
+
+
+def stdout_closed(args: tuple[str, ...], cwd: Path, *, stderr_too: bool = False) -> Proc:
+    """Run with file descriptor 1 closed (``astrai-ops ARGS >&-``), and 2 as well if asked;
+    the shell closes them, then ``exec``s the command."""
+    redirect = "2>&- >&-" if stderr_too else ">&-"
+    shell = f'exec "$@" {redirect}'
+    proc = subprocess.run(["sh", "-c", shell, "sh", *_cmd(args)], cwd=cwd, env=_env({}),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=180, check=False)
+    proc.stderr = astrai_stderr(proc.stderr)
+    return proc
+
+
 @dataclass
 class InitRuns:
     """``init`` run again and again in one directory, and what it left there."""
@@ -138,6 +167,15 @@ EXPLAIN_CALL = ("explain", "attention", "--fwd", "decode", "--dtype", "bfloat16"
                 "3", "--head-dim", "64", "--cache", "--no-grad")
 LINEAR_CALL = ("explain", "linear", "--dtype", "float32", "--ndim", "2")
 
+#: Commands run with stdout closed: key -> arguments.
+CLOSED_STDOUT = {
+    "list": ("list",),
+    "explain": ("explain", "attention"),
+    "explain-call": EXPLAIN_CALL,
+    "validate": ("validate",),
+    "help": ("--help",),
+}
+
 #: Every case: key -> a function of the working directory.
 CASES: dict[str, Callable[[Path], Any]] = {
     "init": _init_chain,  # first: five commands one after the other
@@ -147,6 +185,12 @@ CASES: dict[str, Callable[[Path], Any]] = {
        for cmd in ("list", "lint") for mode in ("buffered", "unbuffered")},
     **{f"head-{cmd}": (lambda cwd, c=cmd: piped((c,), cwd, lines=1, unbuffered=True))
        for cmd in ("list", "lint")},
+    # output that cannot be written
+    **{f"full-{mode}": partial(into_full, ("list",), unbuffered=mode == "unbuffered")
+       for mode in ("buffered", "unbuffered")},
+    **{f"stdout-closed-{key}": partial(stdout_closed, args)
+       for key, args in CLOSED_STDOUT.items()},
+    "stdout-stderr-closed": partial(stdout_closed, ("list",), stderr_too=True),
     # explain without a call: the table
     "table": cli("explain", "attention"),
     "table-json": cli("explain", "attention", "--json"),
@@ -221,6 +265,43 @@ class TestClosedPipe:
         assert got.first.startswith(first)
         assert got.stderr == ""
         assert got.returncode in (0, 141)  # 0 when it had written everything already
+
+
+def write_failure(proc: Proc) -> None:
+    """Exit 1 with one ``error:`` line on stderr saying that output could not be written,
+    and neither a traceback nor Python's "Exception ignored" at exit."""
+    assert proc.returncode == 1, proc.stderr
+    for needle in NO_TRACE:
+        assert needle not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("astrai-ops: error: cannot write output: "), lines[0]
+
+
+@POSIX
+class TestUnwritableOutput:
+    @pytest.mark.parametrize("mode", ["buffered", "unbuffered"])
+    def test_full_device(self, runs: dict[str, Any], mode: str) -> None:
+        """``astrai-ops list > /dev/full`` says the write failed and exits 1, whether the
+        failure surfaces at a write (unbuffered) or only at the final flush (buffered)."""
+        proc: Proc | None = runs[f"full-{mode}"]
+        if proc is None:
+            pytest.skip(f"{DEV_FULL} does not exist here")
+        write_failure(proc)
+        assert "No space left on device" in proc.stderr
+
+    @pytest.mark.parametrize("key", list(CLOSED_STDOUT))
+    def test_stdout_closed(self, runs: dict[str, Any], key: str) -> None:
+        """``astrai-ops CMD >&-`` does not claim success having written nothing."""
+        proc: Proc = runs[f"stdout-closed-{key}"]
+        write_failure(proc)
+        assert "closed" in proc.stderr
+
+    def test_stderr_closed_too(self, runs: dict[str, Any]) -> None:
+        """With nowhere to report it, the failure still shows in the exit status."""
+        proc: Proc = runs["stdout-stderr-closed"]
+        assert proc.returncode == 1
+        assert proc.stderr == ""
 
 
 class TestExplainTable:

@@ -6,7 +6,10 @@ and writes what it saw to ``result-<rank>.json``; the parent asserts on those fi
 Children are fresh processes from a ``forkserver`` that imported torch once (set
 ``ASTRAI_TEST_START_METHOD=spawn`` to start each one with ``spawn`` instead). Once more,
 2 ranks run as plain interpreters in which NumPy cannot be imported, as on a machine with
-only ``pip install torch``: the gather must not need it.
+only ``pip install torch``: the gather must not need it. Further 2-rank runs show that a
+rank failing inside ``check_agreement`` (or never calling it, with ``timeout=``) makes
+every rank raise within seconds instead of hanging until the process group's timeout;
+every run is bounded, its processes killed when it overruns.
 """
 
 from __future__ import annotations
@@ -129,6 +132,10 @@ def _scenarios(rank: int, world: int, paths: dict[str, str]) -> dict[str, Callab
         _lacking(set())
         return _plan(check_agreement([C3, C4]))
 
+    def bad_context() -> Any:  # rank 1 alone fails before the collective: still joins it
+        _lacking(set())
+        return check_agreement([C3, "dist"] if rank == 1 else [C3])  # type: ignore[list-item]
+
     def lacks() -> Any:  # rank 1 lacks fast: it resolves ndim 3 to medium
         _lacking({"fast"} if rank == 1 else set())
         return check_agreement({"dist": C3})
@@ -177,8 +184,8 @@ def _scenarios(rank: int, world: int, paths: dict[str, str]) -> dict[str, Callab
             return {"skipped": True}
         return check_agreement([C3], group)
 
-    return {f.__name__: f for f in (agree, lacks, consensus, scope_error, no_common,
-                                    profiles, same_error, subgroup, table)}
+    return {f.__name__: f for f in (agree, bad_context, lacks, consensus, scope_error,
+                                    no_common, profiles, same_error, subgroup, table)}
 
 
 def _child(rank: int, world: int, root: str, paths: dict[str, str]) -> None:
@@ -202,10 +209,13 @@ def _child(rank: int, world: int, root: str, paths: dict[str, str]) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+def _run_ranks(target: Callable[..., None], world: int, tmp_path: Path, *args: Any,
+               limit: float = 240) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, root, *args)`` in ``world`` fresh processes; return what
+    each wrote to ``result-<rank>.json``. Past ``limit`` seconds every rank is killed and
+    the test fails: a hang costs ``limit``, never the process group's 30 minutes."""
     from torch.multiprocessing.spawn import start_processes
 
-    paths = _write_tables(tmp_path)
     method = os.environ.get("ASTRAI_TEST_START_METHOD", "forkserver")
     if method == "forkserver" and method in multiprocessing.get_all_start_methods():
         # A clean server imports torch once and forks each rank from that: fresh processes
@@ -214,15 +224,22 @@ def _spawn(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     else:
         method = "spawn"
     ctx = start_processes(  # type: ignore[no-untyped-call]
-        _child, args=(world, str(tmp_path), paths), nprocs=world, join=False,
+        target, args=(world, str(tmp_path), *args), nprocs=world, join=False,
         start_method=method)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=5):
+    deadline = time.monotonic() + limit
+    while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"the {world} spawned ranks did not finish in time")
+                if proc.is_alive():
+                    proc.kill()
+            for proc in ctx.processes:
+                proc.join(timeout=10)
+            pytest.fail(f"the {world} ranks of {target.__name__} did not finish in {limit:g} s")
     return [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+def _spawn(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    return _run_ranks(_child, world, tmp_path, _write_tables(tmp_path))
 
 
 #: A rank on a machine without NumPy (a plain ``pip install torch`` does not install it):
@@ -270,8 +287,8 @@ def _spawn_without_numpy(world: int, tmp_path: Path) -> tuple[list[dict[str, Any
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{out}"
+    for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{text}"
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
     return results, [(tmp_path / f"numpy-{r}.txt").read_text() for r in range(world)]
 
@@ -305,6 +322,15 @@ def _assert_scenarios(world: int, results: list[dict[str, Any]]) -> None:
         assert agree["overrides"] == {}
         assert (agree["world"], agree["rank"]) == (world, rank)
         assert agree["digest"] == results[0]["agree"]["digest"]
+
+        # Rank 1 alone fails before the all-gather: it still takes part, and every rank
+        # raises the same error naming it (and the next scenarios show the group in step).
+        bad = got["bad_context"]
+        assert bad["kinds"] == ["failed"]
+        assert ("rank 1 could not compute its plan: TypeError: expected CallContext objects, "
+                "got str: 'dist'") in bad["error"]
+        assert f"1 of the {world} ranks of the process group could not compute" in bad["error"]
+        assert bad["error"] == results[0]["bad_context"]["error"]
 
         # Rank 1 lacks fast: every rank raises, naming the ranks, both rows and the reason.
         lacks = got["lacks"]
@@ -359,6 +385,147 @@ def _assert_scenarios(world: int, results: list[dict[str, Any]]) -> None:
         assert f"rank {world - 1} -> revision" in table["error"]
         first = "rank 0" if world == 2 else "ranks 0-2"
         assert f"table dist: {first} -> revision" in table["error"]
+
+
+# -- a rank that fails inside check_agreement, or never calls it -------------------------
+
+#: Not YAML: a node whose ``ASTR_TABLES`` names this file cannot load its tables at all.
+BROKEN_TABLE = "version: 1\nfamily: dist\nrows: [\n"
+#: Every rank's own process group timeout: far above what the failing checks may take.
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def _attempt(results: dict[str, Any], name: str, call: Callable[[], AgreedPlan]) -> None:
+    """Record what ``call`` returned or raised, and how long it took."""
+    start = time.monotonic()
+    try:
+        out: dict[str, Any] = {"plan": _plan(call())}
+    except PlanMismatchError as exc:
+        cause = exc.__cause__
+        out = {**_error(exc), "cause": None if cause is None else type(cause).__name__}
+    except Exception as exc:
+        out = {"raised": type(exc).__name__, "message": str(exc)}
+    out["seconds"] = time.monotonic() - start
+    results[name] = out
+
+
+def _failing_child(rank: int, world: int, root: str, paths: dict[str, str], case: str) -> None:
+    """``bad_context``: rank 1 passes a string among its contexts. ``bad_tables``: rank 1's
+    ``ASTR_TABLES`` names a broken file, so its tables fail to load inside the check."""
+    import torch.distributed as dist
+
+    from astrai.dispatch import registry
+
+    if case == "bad_tables" and rank == 1:
+        assert registry._state is None, "tables already loaded: ASTR_TABLES would be ignored"
+        os.environ["ASTR_TABLES"] = paths["broken"]
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank,
+                            world_size=world, timeout=GROUP_TIMEOUT)
+    results: dict[str, Any] = {}
+    try:
+        if case == "bad_context":
+            load_tables(paths["table"])
+            bad: list[Any] = [C3, "dist"]
+            _attempt(results, "one", lambda: check_agreement(bad if rank == 1 else [C3]))
+            _attempt(results, "every", lambda: check_agreement(["dist"]))  # type: ignore[list-item]
+        else:
+            if rank != 1:
+                load_tables(paths["table"])
+            _attempt(results, "one", lambda: check_agreement([C3]))
+            # rank 0 fails too, differently: both failures are named.
+            bad = ["dist"] if rank == 0 else [C3]
+            _attempt(results, "two", lambda: check_agreement(bad))
+            if rank == 1:  # the node is fixed: the group is still in step
+                del os.environ["ASTR_TABLES"]
+                load_tables(paths["table"])
+        _attempt(results, "after", lambda: check_agreement([C3]))
+    finally:
+        Path(root, f"result-{rank}.json").write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["bad_context", "bad_tables"])
+def test_one_rank_failing_inside_check_agreement(case: str, tmp_path: Path) -> None:
+    """Issue 16: 2 gloo ranks, rank 1 fails inside ``check_agreement`` (a non-CallContext
+    in its list; its own ``ASTR_TABLES`` broken). It still joins the all-gather, sending
+    its error, so both ranks raise the same ``PlanMismatchError`` naming rank 1 and the
+    error within seconds; before the fix rank 0 waited for the group's timeout."""
+    paths = _write_tables(tmp_path)
+    broken = tmp_path / "broken" / "dist.yaml"
+    broken.parent.mkdir()
+    broken.write_text(BROKEN_TABLE)
+    paths["broken"] = str(broken.parent)
+    start = time.monotonic()
+    results = _run_ranks(_failing_child, 2, tmp_path, paths, case, limit=60)
+    elapsed = time.monotonic() - start
+    if case == "bad_context":
+        error = "TypeError: expected CallContext objects, got str: 'dist'"
+    else:
+        error = f"TableError: {broken}:4:1: invalid YAML"
+    for rank, got in enumerate(results):
+        one = got["one"]
+        assert one.get("kinds") == ["failed"], f"rank {rank}: {one}"
+        assert f"rank 1 could not compute its plan: {error}" in one["error"]
+        assert "1 of the 2 ranks of the process group could not compute" in one["error"]
+        assert one["error"] == results[0]["one"]["error"]  # the same error on every rank
+        assert one["cause"] == (error.split(":")[0] if rank == 1 else None)
+        assert one["seconds"] < 15, f"rank {rank} took {one['seconds']:.1f} s"
+        if case == "bad_context":
+            # Every rank fails alike: each raises its own error, as a failed call does.
+            assert got["every"]["raised"] == "TypeError", got["every"]
+        else:
+            two = got["two"]
+            assert two["kinds"] == ["failed", "failed"], two
+            assert "2 of the 2 ranks" in two["error"]
+            assert "rank 0 could not compute its plan: TypeError: expected CallContext" \
+                in two["error"]
+            assert f"rank 1 could not compute its plan: {error}" in two["error"]
+            assert two["error"] == results[0]["two"]["error"]
+        # The collectives stayed in step: the next check agrees.
+        assert got["after"]["plan"]["rows"] == {K3: "fast"}, got["after"]
+    assert elapsed < 60
+
+
+def _timeout_child(rank: int, world: int, root: str, paths: dict[str, str]) -> None:
+    """Rank 0 checks with ``timeout=2``; rank 1 never calls ``check_agreement``: it waits
+    for rank 0's result (60 s at most), then leaves the group and exits normally."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank,
+                            world_size=world, timeout=GROUP_TIMEOUT)
+    results: dict[str, Any] = {}
+    mine = Path(root, f"result-{rank}.json")
+    try:
+        load_tables(paths["table"])
+        if rank == 0:
+            _attempt(results, "timeout", lambda: check_agreement([C3], timeout=2))
+        else:
+            done = Path(root, "result-0.json")
+            deadline = time.monotonic() + 60
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            results["saw_rank_0"] = done.exists()
+    finally:
+        mine.write_text(json.dumps(results, indent=1))
+        dist.destroy_process_group()
+
+
+def test_timeout_bounds_the_wait_for_other_ranks(tmp_path: Path) -> None:
+    """Rank 1 never calls ``check_agreement``: with ``timeout=2`` rank 0 raises a
+    ``PlanMismatchError`` within seconds naming the all-gather and the time waited,
+    instead of waiting for the group's timeout; both processes then exit cleanly."""
+    start = time.monotonic()
+    results = _run_ranks(_timeout_child, 2, tmp_path, _write_tables(tmp_path), limit=60)
+    elapsed = time.monotonic() - start
+    got = results[0]["timeout"]
+    assert got.get("kinds") == ["timeout"], got
+    assert "check_agreement timed out on rank 0 (of a group of 2)" in got["error"]
+    assert "(timeout=2 s) waiting for the other ranks in the all-gather of the payload " \
+           "lengths" in got["error"]
+    assert got["cause"] == "RuntimeError"  # the backend's own error, chained
+    assert 1.9 <= got["seconds"] < 10, got
+    assert results[1] == {"saw_rank_0": True}
+    assert elapsed < 60
 
 
 # -- single process ----------------------------------------------------------------------
@@ -564,3 +731,73 @@ def test_gather_device_follows_backend(backend: str, expected: str,
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert str(distributed._device(None)) == expected
 
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_timeout_argument() -> None:
+    """``timeout=`` takes seconds or a ``timedelta``; a bad one is this rank's failure
+    (in a world of one, every rank's alike: the error itself)."""
+    assert dict(check_agreement([C3], timeout=5).rows) == {K3: "fast"}
+    assert dict(check_agreement([C3], timeout=timedelta(seconds=0.5)).rows) == {K3: "fast"}
+    for bad in (0, -1, float("nan"), float("inf"), timedelta(0)):
+        with pytest.raises(ValueError, match="timeout must be a positive"):
+            check_agreement([C3], timeout=bad)
+    for wrong in ("5", True):
+        with pytest.raises(TypeError, match="timeout must be seconds"):
+            check_agreement([C3], timeout=wrong)  # type: ignore[arg-type]
+
+
+def _fake_world(monkeypatch: pytest.MonkeyPatch, others: list[dict[str, Any]]) -> None:
+    """Pretend this process is rank 0 of a group whose other ranks sent ``others``."""
+    def gather(payload: dict[str, Any], group: Any, timeout: float | None = None
+               ) -> tuple[list[Any], tuple[int, ...], int]:
+        gathered = [distributed._decode(distributed._encode(p)) for p in [payload, *others]]
+        return gathered, tuple(range(len(gathered))), 0
+
+    monkeypatch.setattr(distributed, "_gather", gather)
+
+
+@pytest.mark.usefixtures("dist_table")
+def test_failed_rank_is_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that could not compute its plan sends its error; every rank raises one
+    ``PlanMismatchError`` naming the failed ranks, the failing one chaining its error."""
+    good = fingerprint([C3]).to_wire()
+    broken = distributed._failed_payload(ValueError("bad \udcff table"))
+    _fake_world(monkeypatch, [broken, good, broken])
+    with pytest.raises(PlanMismatchError) as err:
+        check_agreement([C3])
+    assert [d.kind for d in err.value.differences] == ["failed"]
+    assert err.value.differences[0].ranks_of("ValueError: bad \udcff table") == (1, 3)
+    message = str(err.value)
+    assert message.startswith("2 of the 4 ranks of the process group could not compute")
+    assert "ranks 1,3 could not compute their plan: ValueError: bad \udcff table" in message
+    assert err.value.__cause__ is None
+
+    # This rank fails (a bad context), the others are fine: its own error is the cause.
+    _fake_world(monkeypatch, [good])
+    with pytest.raises(PlanMismatchError) as err:
+        check_agreement([C3, 3])  # type: ignore[list-item]
+    assert "rank 0 could not compute its plan: TypeError: expected CallContext objects, " \
+           "got int: 3" in str(err.value)
+    assert isinstance(err.value.__cause__, TypeError)
+
+    # A failed rank and an unreadable payload: both named.
+    _fake_world(monkeypatch, [broken, {"wire": 99}])
+    with pytest.raises(PlanMismatchError) as err:
+        check_agreement([C3])
+    assert [d.kind for d in err.value.differences] == ["failed", "format"]
+    assert "rank 2 -> unreadable (astrai ?)" in str(err.value)
+
+
+def test_failed_payload_is_bounded_and_safe() -> None:
+    """An error whose message is huge or cannot be formatted still makes a payload."""
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    text = distributed._failed_text(distributed._failed_payload(Unprintable()))
+    assert text == "Unprintable: (the error's message could not be formatted)"
+    huge = distributed._failed_text(distributed._failed_payload(ValueError("x" * 100_000)))
+    assert huge is not None and len(huge) < 9000 and huge.endswith(" [...]")
+    assert distributed._failed_text({"wire": 1, "failed": 3}) is None
+    assert distributed._failed_text(fingerprint([]).to_wire()) is None

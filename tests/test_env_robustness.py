@@ -441,7 +441,7 @@ class TestVanishingTables:
         if listed == "file" and "raised" not in report:
             assert report == {"loaded": sorted(SHIPPED)}, report
         else:
-            assert_refused_naming(report, path, "cannot read file")
+            assert_refused_naming(report, path, "not a regular file (a directory)")
 
     def test_file_becomes_dangling_symlink(self, extra: Path) -> None:
         """A table file replaced by a symlink to nothing: named, not skipped."""

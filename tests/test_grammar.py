@@ -32,7 +32,7 @@ from astrai.dispatch.grammar import (
     to_text,
 )
 from astrai.dispatch.spec import Spec
-from astrai.errors import SpecSyntaxError
+from astrai.errors import ECHO, SpecSyntaxError
 
 WINDOW = Axis("window", "int", nullable=True, core=False)
 WINDOWED = CORE_VOCABULARY.with_extras({"window": WINDOW})
@@ -558,10 +558,12 @@ class TestParseExpression:
     def test_error_nested_too_deeply(self) -> None:
         """Nesting past the limit is refused at the first bracket too many."""
         text = "(" * (MAX_DEPTH + 1) + "has_cache" + ")" * (MAX_DEPTH + 1)
+        # A long expression is echoed 60 characters either side of the error, elided.
+        lo = MAX_DEPTH - ECHO
         assert rendered(text) == error(
             f"expression nested too deeply (more than {MAX_DEPTH} levels of '(' and 'not')",
-            text,
-            " " * MAX_DEPTH + "^",
+            "..." + text[lo:MAX_DEPTH + 1 + ECHO] + "...",
+            " " * (3 + ECHO) + "^",
         )
 
     def test_deep_not_chains_never_overflow_the_stack(self) -> None:

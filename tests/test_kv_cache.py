@@ -7,15 +7,18 @@ import pickle
 import pytest
 import torch
 
+import astrai.kv_cache
 from astrai.errors import AstraiError
 from astrai.kv_cache import (
     KVCacheFullError,
     KVPool,
     PagedBatch,
+    StaleBatchError,
     decode_batch,
     extend_batch,
     prefill_batch,
 )
+from astrai.ops import attention
 
 
 def make_pool(**overrides: object) -> KVPool:
@@ -36,6 +39,19 @@ def contexts(pool: KVPool, batch: PagedBatch) -> list[list[int]]:
 
 def flat(lists: list[list[int]]) -> list[int]:
     return [n for part in lists for n in part]
+
+
+def free_counts(pool: KVPool) -> tuple[int, int]:
+    return pool.num_free_slots, pool.num_free_requests
+
+
+def fail_after_allocation(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
+    """Make the next batch description raise ``exc`` once its slots are taken."""
+
+    def boom(*args: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(astrai.kv_cache, "_spans", boom)
 
 
 class TestKVPool:
@@ -186,6 +202,48 @@ class TestPrefillBatch:
         with pytest.raises(ValueError, match="at least one prompt"):
             prefill_batch(make_pool(), [])
 
+    def test_error_empty_or_negative_prompts_take_nothing(self) -> None:
+        """Prompts of <= 0 tokens are a ValueError that leaves every row and slot free."""
+        pool = make_pool()
+        for _ in range(5):
+            for lens in ([3, 0], [-2], [0], [0, 0, 0, 0]):
+                with pytest.raises(ValueError, match="at least one"):
+                    prefill_batch(pool, lens)
+        assert free_counts(pool) == (31, 4)
+        assert prefill_batch(pool, [1, 1, 1, 1]).batch_size == 4
+
+    @pytest.mark.parametrize("exc", [RuntimeError("device error"), KeyboardInterrupt()])
+    def test_error_after_allocation_gives_everything_back(
+        self, monkeypatch: pytest.MonkeyPatch, exc: BaseException
+    ) -> None:
+        """Any error once rows and slots are taken (even an interrupt) hands them back."""
+        pool = make_pool()
+        fail_after_allocation(monkeypatch, exc)
+        for _ in range(5):
+            with pytest.raises(type(exc)):
+                prefill_batch(pool, [3, 2])
+        assert free_counts(pool) == (31, 4)
+        monkeypatch.undo()
+        assert prefill_batch(pool, [3, 5, 11, 12]).num_tokens == 31
+
+    def test_pool_built_under_inference_mode_works_outside_it(self) -> None:
+        """A pool made under inference_mode serves steps outside it, and back, losing nothing."""
+        with torch.inference_mode():
+            pool = make_pool()
+        batch = prefill_batch(pool, [3, 2])
+        assert free_counts(pool) == (26, 2)
+        loc = batch.out_cache_loc
+        pool.write(0, loc, torch.ones(5, 2, 4), torch.ones(5, 2, 4))
+        step = decode_batch(pool, batch.req_pool_indices)
+        assert step.seq_lens.tolist() == [4, 3]
+        with torch.inference_mode():
+            pool.free(step.req_pool_indices)
+            inner = prefill_batch(pool, [4])
+            pool.write(1, inner.out_cache_loc, torch.ones(4, 2, 4), torch.ones(4, 2, 4))
+        pool.free(inner)
+        assert free_counts(pool) == (31, 4)
+        assert bool(pool.k_buffer[0, loc].eq(1).all())
+
 
 class TestDecodeBatch:
     def test_one_new_token_per_request(self) -> None:
@@ -225,6 +283,18 @@ class TestDecodeBatch:
         assert pool.num_free_slots == free
         assert pool.context_len(int(first.req_pool_indices[1])) == 1
 
+    def test_error_after_allocation_leaves_context_unchanged(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A decode step that fails once its slots are taken gives them back."""
+        pool = make_pool()
+        rows = prefill_batch(pool, [3, 2]).req_pool_indices
+        fail_after_allocation(monkeypatch, RuntimeError("device error"))
+        with pytest.raises(RuntimeError, match="device error"):
+            decode_batch(pool, rows)
+        assert free_counts(pool) == (26, 2)
+        assert [pool.context_len(int(r)) for r in rows] == [3, 2]
+
     def test_error_decode_of_unallocated_row(self) -> None:
         """Decoding a request row that holds no request is a ValueError."""
         with pytest.raises(ValueError, match="request row 2 is not allocated"):
@@ -252,3 +322,106 @@ class TestExtendBatch:
             extend_batch(pool, rows, [1, 0])
         with pytest.raises(ValueError, match="2 rows, 1 lengths"):
             extend_batch(pool, rows, [1])
+
+
+def reuse_pool() -> KVPool:
+    """One request row and four slots: a freed request's row and slots are reused next."""
+    return make_pool(layers=1, slots=5, kv_heads=1, head_dim=2, max_requests=1)
+
+
+def packed(n: int, value: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of ``n`` new tokens (one head of size 2), K/V filled with ``value``."""
+    q = torch.arange(2.0 * n).view(n, 1, 2)
+    return q, torch.full((n, 1, 2), value), torch.full((n, 1, 2), value + 1)
+
+
+class TestStaleBatch:
+    def test_error_stale_batch_cannot_write_into_reused_slots(self) -> None:
+        """Attention through a batch whose request was freed raises; the new owner is intact."""
+        pool = reuse_pool()
+        a = prefill_batch(pool, [4])
+        attention(*packed(4, 5.0), kv_cache=a, layer_id=0, fwd="prefill")
+        a_slots = set(a.out_cache_loc.tolist())
+        pool.free(a.req_pool_indices)
+        b = prefill_batch(pool, [3])
+        assert set(b.out_cache_loc.tolist()) < a_slots  # reused slots
+        attention(*packed(3, 7.0), kv_cache=b, layer_id=0, fwd="prefill")
+        k_before = pool.k_buffer.clone()
+        with pytest.raises(StaleBatchError, match=r"request row 0 was freed.*generation 1, now 2"):
+            attention(*packed(4, 99.0), kv_cache=a, layer_id=0, fwd="prefill")
+        for use in (lambda: a.pool, lambda: a.out_cache_loc, lambda: a.kv_indices, a.check):
+            with pytest.raises(StaleBatchError):
+                use()
+        torch.testing.assert_close(pool.k_buffer, k_before)
+        assert not pool.k_buffer.eq(99.0).any()
+
+        # B's next decode step sees B's keys only, exactly as in a pool A never used.
+        got = attention(*packed(1, 1.0), kv_cache=decode_batch(pool, b.req_pool_indices),
+                        layer_id=0, fwd="decode")
+        fresh = reuse_pool()
+        only_b = prefill_batch(fresh, [3])
+        attention(*packed(3, 7.0), kv_cache=only_b, layer_id=0, fwd="prefill")
+        want = attention(*packed(1, 1.0), kv_cache=decode_batch(fresh, only_b.req_pool_indices),
+                         layer_id=0, fwd="decode")
+        torch.testing.assert_close(got, want)
+
+    def test_error_double_free_raises_and_keeps_the_new_owner(self) -> None:
+        """Freeing a stale batch again raises instead of freeing the request now in its row."""
+        pool = reuse_pool()
+        a = prefill_batch(pool, [3])
+        pool.free(a.req_pool_indices)
+        b = prefill_batch(pool, [3])
+        with pytest.raises(StaleBatchError, match="stale PagedBatch"):
+            pool.free(a.req_pool_indices)
+        row = int(b.req_pool_indices[0])
+        assert pool.context_len(row) == 3 and free_counts(pool) == (1, 0)
+
+    def test_free_takes_a_batch_and_checks_it(self) -> None:
+        """free(batch) releases the batch's requests; freeing the batch again raises."""
+        pool = make_pool()
+        a = prefill_batch(pool, [3, 2])
+        pool.free(a)
+        assert free_counts(pool) == (31, 4)
+        b = prefill_batch(pool, [1, 1, 1, 1])
+        with pytest.raises(StaleBatchError, match="stale PagedBatch"):
+            pool.free(a)
+        assert free_counts(pool) == (27, 0)
+        pool.free(b)
+        assert free_counts(pool) == (31, 4)
+
+    def test_error_stale_batch_cannot_decode_or_extend(self) -> None:
+        """A stale batch's rows cannot be grown, whether or not the row was reused."""
+        pool = reuse_pool()
+        a = prefill_batch(pool, [1])
+        pool.free(a.req_pool_indices)
+        with pytest.raises(StaleBatchError, match=r"generation 1, now free"):
+            decode_batch(pool, a.req_pool_indices)
+        b = prefill_batch(pool, [1])
+        with pytest.raises(StaleBatchError, match=r"generation 1, now 2"):
+            extend_batch(pool, a.req_pool_indices, [1])
+        assert pool.context_len(int(b.req_pool_indices[0])) == 1
+
+    def test_batch_stays_valid_while_its_requests_live(self) -> None:
+        """Freeing other requests, or growing its own, does not make a batch stale."""
+        pool = make_pool()
+        a = prefill_batch(pool, [3, 2])
+        other = prefill_batch(pool, [4])
+        decode_batch(pool, a.req_pool_indices)
+        pool.free(other.req_pool_indices)
+        prefill_batch(pool, [2])
+        a.check()
+        assert a.pool is pool and a.kv_indices.numel() == 5
+        qkv = torch.randn(3, 5, 2, 4).unbind(0)
+        out = attention(*qkv, kv_cache=a, layer_id=1, fwd="prefill")
+        assert out.shape == (5, 8)
+
+    def test_error_type_is_value_error_and_library_error(self) -> None:
+        """StaleBatchError is a ValueError and an AstraiError, and pickles."""
+        pool = reuse_pool()
+        a = prefill_batch(pool, [1])
+        pool.free(a.req_pool_indices)
+        with pytest.raises(StaleBatchError) as info:
+            a.check()
+        err = info.value
+        assert isinstance(err, ValueError) and isinstance(err, AstraiError)
+        assert str(pickle.loads(pickle.dumps(err))) == str(err)

@@ -4,7 +4,8 @@ Optional dependencies are declared on the row (``requires: [flash_attn]``). Only
 missing *declared* package makes the row unavailable (with the reason ``explain``
 shows, e.g. ``flash_attn is not installed (pip install flash-attn)``). Every other
 failure - a malformed path, a missing module or submodule that is not declared, a
-``SyntaxError`` or any exception raised while importing, a missing attribute - is a
+``SyntaxError`` or anything raised while importing (``SystemExit`` and
+``KeyboardInterrupt`` included), a missing attribute - is a
 load error, for astrai's own modules and a user's alike: a typo must never quietly
 turn a fast row into a slow fallback.
 """
@@ -69,11 +70,11 @@ def bind(path: str, requires: Sequence[str] = ()) -> Bound:
         hint = (f"; if {_root(missing)!r} is an optional dependency, declare it on the row: "
                 f"requires: [{_root(missing)}]" if "." not in missing else "")
         raise BindError(f"cannot import {module_name!r}: {exc}{hint}") from None
-    except BaseException as exc:  # SyntaxError, an error or even SystemExit at import
-        if isinstance(exc, KeyboardInterrupt):
-            raise
+    except BaseException as exc:  # SyntaxError, any error, even SystemExit or
+        # KeyboardInterrupt raised by the module's own code: all are load errors
+        detail = f": {exc}" if str(exc) else ""
         raise BindError(
-            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"importing {module_name!r} failed: {type(exc).__name__}{detail}"
         ) from None
     obj: Any = module
     walked = module_name

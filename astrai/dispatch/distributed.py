@@ -11,6 +11,12 @@ that family's calls; apply it with ``with plan.apply(): ...``.
 Without an initialized process group the check runs as a world of one rank, so
 a script may call it unconditionally.
 
+A rank that cannot compute its own plan (a bad argument, broken tables on that node,
+any other exception) still takes part in the collective: it sends its error instead of
+a fingerprint, and every rank raises the same ``PlanMismatchError`` naming it, instead
+of leaving the others waiting for the process group's timeout. ``timeout=`` bounds the
+wait for the other ranks (a rank that never calls ``check_agreement``).
+
 The fingerprints travel as JSON text in ``uint8`` tensors (``all_gather`` of the lengths,
 then of the padded bytes): no pickle, so no rank unpickles another's bytes, and no NumPy,
 which ``all_gather_object`` needs and a plain ``pip install torch`` does not install.
@@ -34,9 +40,11 @@ import dataclasses
 import hashlib
 import json
 import socket
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +69,8 @@ WIRE_FORMAT = 1
 NOT_LOADED = "(not loaded)"
 NOT_CHECKED = "(not checked)"
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+#: At most this much of a rank's error text travels in its payload.
+_MAX_ERROR_TEXT = 8000
 _DEFAULT_CTX = CallContext("-")
 _AXES = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
          "grad_enabled")
@@ -293,7 +303,10 @@ class PlanDifference:
     ``row`` (ranks resolve a call to different rows; consensus can settle it),
     ``call`` (a call failed, or was not checked, on some ranks), ``consensus`` (no row
     of a family that every rank can run for all its calls; values are candidate rows),
-    ``format`` (a rank sent a fingerprint this version cannot read).
+    ``format`` (a rank sent a fingerprint this version cannot read), ``failed`` (ranks
+    that could not compute a plan at all; the value is their error), ``timeout`` and
+    ``collective`` (this rank's wait for the others timed out, or the collective itself
+    failed; the value says how, for this rank alone).
     """
 
     kind: str
@@ -306,6 +319,11 @@ class PlanDifference:
         return next((ranks for v, ranks in self.values if v == value), ())
 
     def __str__(self) -> str:
+        if self.kind == "failed":
+            lines = [f"{_rank_list(ranks)} could not compute "
+                     f"{'its' if len(ranks) == 1 else 'their'} plan: {value}"
+                     for value, ranks in self.values]
+            return "\n".join([*lines, *(f"    {n}" for n in self.notes)])
         shown = "; ".join(f"{_rank_list(ranks)} -> {value}" for value, ranks in self.values)
         label = {
             "table": f"table {self.item}",
@@ -371,9 +389,10 @@ def differences(prints: Sequence[Fingerprint], ranks: Sequence[int]) -> list[Pla
     return diffs
 
 
-def _failure(diffs: Sequence[PlanDifference], n: int, extra: str = "") -> PlanMismatchError:
-    head = (f"the {n} ranks of the process group would not run the same dispatch plan"
-            f"{extra}:")
+def _failure(diffs: Sequence[PlanDifference], n: int, extra: str = "", *,
+             head: str = "") -> PlanMismatchError:
+    head = head or (f"the {n} ranks of the process group would not run the same dispatch "
+                    f"plan{extra}:")
     return PlanMismatchError("\n".join([head, *(f"  {d}" for d in diffs)]), diffs)
 
 
@@ -460,6 +479,53 @@ def _decode(data: bytes) -> Any:
         return None
 
 
+def _describe(exc: BaseException) -> str:
+    """``"TypeError: message"`` for a payload (bounded; never raises)."""
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not keep this rank from the collective
+        text = "(the error's message could not be formatted)"
+    if len(text) > _MAX_ERROR_TEXT:
+        text = text[:_MAX_ERROR_TEXT] + " [...]"
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def _failed_payload(exc: BaseException) -> dict[str, Any]:
+    """What a rank sends instead of a fingerprint when it could not compute one."""
+    try:
+        host = socket.gethostname()
+    except Exception:
+        host = "?"
+    return {"wire": WIRE_FORMAT, "version": __version__, "host": host,
+            "failed": _describe(exc)}
+
+
+def _failed_text(data: Any) -> str | None:
+    """The error in a failed rank's payload, or ``None`` when the payload is not one."""
+    if (isinstance(data, Mapping) and data.get("wire") == WIRE_FORMAT
+            and isinstance(data.get("failed"), str)):
+        return str(data["failed"])
+    return None
+
+
+def _seconds(timeout: float | timedelta | None) -> float | None:
+    """``timeout=`` in seconds (``None``: the process group's own timeout)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"check_agreement: timeout must be seconds (a number) or a "
+                        f"datetime.timedelta, got {type(timeout).__name__}: {timeout!r}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"check_agreement: timeout must be a positive, finite number of "
+                         f"seconds, got {timeout!r}")
+    return seconds
+
+
 def _device(group: ProcessGroup | None) -> torch.device:
     """Where the group's collectives take their tensors: NCCL's on this rank's CUDA device."""
     if dist.get_backend(group) == dist.Backend.NCCL:
@@ -467,38 +533,114 @@ def _device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None) -> list[bytes]:
+def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None,
+                what: str, start: float, timeout: float | None) -> None:
+    """``dist.all_gather``, waited for until ``timeout`` seconds after ``start`` at most;
+    a timeout or a failure of the collective raises ``PlanMismatchError`` saying which
+    all-gather it was and after how long (the backend's error is its ``__cause__``)."""
+    timed_out = False
+    try:
+        work = dist.all_gather(out, tensor, group=group, async_op=True)
+        if timeout is None:
+            work.wait()
+        else:
+            left = max(start + timeout - time.monotonic(), 0.001)
+            timed_out = work.wait(timeout=timedelta(seconds=left)) is False
+    except RuntimeError as exc:  # torch.distributed's errors (DistError and the backends')
+        elapsed = time.monotonic() - start
+        if timeout is not None and elapsed >= timeout - 0.05:  # clocks differ a little
+            raise _collective_error("timeout", what, elapsed, timeout, group) from exc
+        raise _collective_error("collective", what, elapsed, timeout, group, exc) from exc
+    if timed_out:
+        raise _collective_error("timeout", what, time.monotonic() - start, timeout, group)
+
+
+def _collective_error(kind: str, what: str, elapsed: float, timeout: float | None,
+                      group: ProcessGroup | None,
+                      exc: BaseException | None = None) -> PlanMismatchError:
+    rank, n = dist.get_rank(), dist.get_world_size(group)
+    where = f"rank {rank} (of a group of {n})"
+    if kind == "timeout":
+        value = f"timed out after {elapsed:.1f} s (timeout={timeout:g} s)"
+        message = (f"check_agreement timed out on {where} after {elapsed:.1f} s "
+                   f"(timeout={timeout:g} s) waiting for the other ranks in the all-gather "
+                   f"of the {what}: some rank of the group has not called check_agreement. "
+                   f"The process group cannot be used after this: destroy it, or exit")
+    else:
+        value = f"failed after {elapsed:.1f} s: {_describe(exc) if exc else '?'}"
+        message = (f"check_agreement: the all-gather of the {what} failed on {where} after "
+                   f"{elapsed:.1f} s (a rank may have exited or lost its connection): "
+                   f"{_describe(exc) if exc else '?'}")
+    diff = PlanDifference(kind, f"all-gather of the {what}", ((value, (rank,)),))
+    return PlanMismatchError(message, [diff])
+
+
+def _all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None,
+                      timeout: float | None = None) -> list[bytes]:
     """Every rank's ``data``, in group order: the lengths first, then the bytes padded to
-    the longest (two ``all_gather`` calls on plain tensors; neither pickle nor NumPy)."""
+    the longest (two ``all_gather`` calls on plain tensors; neither pickle nor NumPy).
+    Both together wait at most ``timeout`` seconds (``None``: the group's own timeout)."""
+    start = time.monotonic()
     device = _device(group)
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(lengths, length, group=group)
+    _all_gather(lengths, length, group, "payload lengths", start, timeout)
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    dist.all_gather(buffers, mine, group=group)
+    _all_gather(buffers, mine, group, "payloads", start, timeout)
     return [bytes(buf[:size].cpu().tolist()) for buf, size in zip(buffers, sizes, strict=True)]
 
 
-def _gather(payload: dict[str, Any], group: ProcessGroup | None) -> tuple[list[Any],
-                                                                           tuple[int, ...], int]:
+def _gather(payload: dict[str, Any], group: ProcessGroup | None, timeout: float | None = None
+            ) -> tuple[list[Any], tuple[int, ...], int]:
     if not (dist.is_available() and dist.is_initialized()):
         return [_decode(_encode(payload))], (0,), 0
     index = dist.get_rank(group)
     if index < 0:
         raise ValueError("check_agreement: this process is not a member of the given group")
     n = dist.get_world_size(group)
-    gathered = [_decode(raw) for raw in _all_gather_bytes(_encode(payload), n, group)]
+    gathered = [_decode(raw) for raw in _all_gather_bytes(_encode(payload), n, group, timeout)]
     ranks = tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
     return gathered, ranks, index
 
 
+def _unusable(gathered: Sequence[Any], prints: Sequence[Fingerprint | None],
+              ranks: Sequence[int]) -> PlanMismatchError | None:
+    """The error every rank raises when some rank sent an error or an unreadable payload
+    instead of a fingerprint (``None`` when all are fingerprints)."""
+    failed = [_failed_text(g) for g in gathered]
+    if not any(f is not None for f in failed) and all(p is not None for p in prints):
+        return None
+    n = len(ranks)
+    diffs: list[PlanDifference] = []
+    for text, group_ranks in _groups([f or "" for f in failed], ranks):
+        if not text:
+            continue
+        hosts = [str(g.get("host", "?")) for g, f in zip(gathered, failed, strict=True)
+                 if f == text]
+        notes = tuple(f"rank {r} runs on {h}" for r, h in zip(group_ranks, hosts, strict=True))
+        diffs.append(PlanDifference("failed", "plan", ((text, group_ranks),), notes))
+    unreadable = [p is None and f is None for p, f in zip(prints, failed, strict=True)]
+    if any(unreadable):
+        versions = [str(g.get("version", "?")) if isinstance(g, dict) else "?" for g in gathered]
+        values = [f"{'unreadable' if bad else 'readable'} (astrai {v})"
+                  for bad, v in zip(unreadable, versions, strict=True)]
+        diffs.append(PlanDifference("format", "format", _groups(values, ranks)))
+    count = sum(f is not None for f in failed)
+    if not count:
+        return _failure(diffs, n)
+    head = (f"{count} of the {n} ranks of the process group could not compute a dispatch "
+            f"plan, so the plans cannot be compared:")
+    return _failure(diffs, n, head=head)
+
+
 def check_agreement(contexts: Contexts, group: ProcessGroup | None = None, *,
-                    consensus: bool = False) -> AgreedPlan:
+                    consensus: bool = False,
+                    timeout: float | timedelta | None = None) -> AgreedPlan:
     """Check that every rank of ``group`` (default: the whole job) would run the same rows.
 
     ``contexts`` is ``{family: CallContext}`` or any iterable of contexts (several per
@@ -513,15 +655,46 @@ def check_agreement(contexts: Contexts, group: ProcessGroup | None = None, *,
     on every rank re-raises its error. Without a process group this is a world of one.
     With NCCL, set each rank's CUDA device first (the gathered tensors live on
     ``torch.cuda.current_device()``).
+
+    A rank that cannot compute its plan at all (``contexts`` holds something that is
+    not a ``CallContext``, its tables fail to load, any other ``Exception``) still joins
+    the all-gather, sending its error instead of a fingerprint; every rank then raises
+    the same ``PlanMismatchError``, e.g. ``rank 1 could not compute its plan:
+    TableError: ...`` (on the failing rank with its own error as ``__cause__``), rather
+    than the other ranks waiting for the process group's timeout. When every rank fails
+    with the same error, each re-raises its own error instead.
+
+    ``timeout`` (seconds, or a ``datetime.timedelta``; default ``None``: the process
+    group's own timeout, 30 minutes unless set) bounds how long this rank waits for the
+    others in the all-gather (a rank that never calls ``check_agreement``, or calls it
+    much later). When it passes, this rank raises ``PlanMismatchError`` naming the
+    all-gather and the time waited; the collective is left pending, so the process
+    group is not usable after that (destroy it, or exit). The other ranks need not pass
+    the same ``timeout``. The collectives are issued with ``async_op=True`` and waited
+    for with the backend's ``Work.wait(timeout)`` (tested with gloo; with NCCL, the first
+    collective of a group also creates its communicator, a wait that this timeout may
+    not bound). An error of the collective itself (say a rank exited) raises
+    ``PlanMismatchError`` too, with the backend's error as ``__cause__``.
     """
-    mine, errors = _local(contexts)
-    gathered, ranks, index = _gather(mine.to_wire(), group)
+    local_error: Exception | None = None
+    seconds: float | None = None
+    mine: Fingerprint | None = None
+    errors: dict[str, Exception] = {}
+    try:  # never leave before the collective: this rank's failure is data for the others
+        seconds = _seconds(timeout)
+        mine, errors = _local(contexts)
+        payload = mine.to_wire()
+    except Exception as failure:
+        local_error, mine = failure, None
+        payload = _failed_payload(failure)
+    gathered, ranks, index = _gather(payload, group, seconds)
     prints = [Fingerprint.from_wire(g) for g in gathered]
-    if any(p is None for p in prints):
-        versions = [str(g.get("version", "?")) if isinstance(g, dict) else "?" for g in gathered]
-        values = [f"{'readable' if p is not None else 'unreadable'} (astrai {v})"
-                  for p, v in zip(prints, versions, strict=True)]
-        raise _failure([PlanDifference("format", "format", _groups(values, ranks))], len(ranks))
+    if local_error is not None and all(_failed_text(g) == payload["failed"] for g in gathered):
+        raise local_error  # the same failure on every rank: the caller's own error is clearer
+    problem = _unusable(gathered, prints, ranks)
+    if problem is not None:
+        raise problem from local_error
+    assert mine is not None  # local_error is None, else _unusable reported this rank
     readable = [p for p in prints if p is not None]
     diffs = differences(readable, ranks)
     pinned: dict[str, str] = {}

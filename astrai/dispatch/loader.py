@@ -17,6 +17,8 @@ __all__ = ["ParsedFile", "build_overlay_rows", "parse_file", "parse_text"]
 
 import functools
 import hashlib
+import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,15 +88,52 @@ class ParsedFile:
         self.problems.append(TableProblem(self.file, line, col, message))
 
 
+#: The largest table or profile file read (the shipped ones are a few KiB).
+MAX_TABLE_BYTES = 4 * 1024 * 1024
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def read_table_bytes(path: str) -> bytes:
+    """The bytes of a table file. Only a regular file of at most ``MAX_TABLE_BYTES`` is
+    read (``ValueError`` saying what it is otherwise): a FIFO, a device or ``/dev/zero``
+    must never block a load or fill memory. Opened without blocking, checked on the
+    opened descriptor, and read no further than the cap."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((k for test, k in _FILE_KINDS if test(info.st_mode)), "not a file")
+            raise ValueError(f"not a regular file ({kind}): only regular files are tables")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_TABLE_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_TABLE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_TABLE_BYTES:
+            raise ValueError(f"file is larger than {MAX_TABLE_BYTES} bytes, the most a table "
+                             f"or profile file may have")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def parse_file(path: str | Path) -> ParsedFile:
     """Read and validate one file; never raises for a bad file (see ``problems``)."""
     name = str(path)
     try:
-        data = Path(path).read_bytes()
+        data = read_table_bytes(name)
     except OSError as exc:
         return ParsedFile(name, "unknown", problems=[
             TableProblem(name, 1, 1, f"cannot read file: {exc.strerror or exc}")
         ])
+    except ValueError as exc:
+        return ParsedFile(name, "unknown", problems=[TableProblem(name, 1, 1, str(exc))])
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -217,7 +256,7 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
             means = _PATTERN_MEANS.get(key, _NAME_MEANS)
             out.problem(real, f"{dotted}: {err['input']!r} is not {means}")
         else:
-            out.problem(real, f"{dotted}: {err['msg']}")
+            out.problem(real, f"{dotted}: {err['msg'].removeprefix('Value error, ')}")
 
 
 def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:

@@ -18,14 +18,26 @@ __all__ = [
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 
 SUPPORTED_VERSION = 1
 
 Name = Annotated[
     StrictStr,
-    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$", description="a row, family or profile name"),
+    Field(pattern=NAME_PATTERN, description="a row, family or profile name"),
 ]
+
+
+def _family_name(name: str) -> str:
+    problem = family_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+FamilyName = Annotated[Name, AfterValidator(_family_name)]
 ImportPath = Annotated[
     StrictStr,
     Field(
@@ -82,7 +94,7 @@ class TableFile(_Model):
     )
 
     version: StrictInt
-    family: Name
+    family: FamilyName
     description: StrictStr = ""
     env_alias: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
     axes: list[AxisModel] = Field(default_factory=list)

@@ -4,6 +4,12 @@ Both live in ``ContextVar``s holding immutable values, so they are per thread an
 per asyncio task, and nested scopes restore the outer value with the saved token.
 String names are validated eagerly (``ValueError`` before the body runs);
 implementation objects pass through.
+
+A scope must end where it began and in order (innermost first). A generator that
+yields inside ``with op_backend(...)`` breaks that: while it is suspended its scope is
+in force in the caller, and closing it later (or from another thread) ends a scope
+that is not the innermost one. That raises ``ScopeError`` instead of silently
+restoring the wrong scope; enter the scope around the loop that drives the generator.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 from astrai.dispatch import compiled
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.registry import current
+from astrai.errors import ScopeError
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -41,7 +48,7 @@ class Scope:
     the raw call, so decisions under it are never cached).
     """
 
-    __slots__ = ("cache_token", "compile_key", "handles", "keys", "profiles")
+    __slots__ = ("cache_token", "compile_key", "ended", "handles", "keys", "outer", "profiles")
 
     def __init__(self, handles: Mapping[str, Any], profiles: tuple[str, ...]) -> None:
         self.handles = MappingProxyType(dict(handles))
@@ -51,19 +58,56 @@ class Scope:
         # The same description as a str: equal scopes give equal tokens, and a str caches
         # its hash, so the decision-cache key does not rehash nested tuples on every call.
         self.cache_token = repr(self.compile_key)
+        # Set when entered: the scope it was entered over, and whether it has ended.
+        self.outer: Scope | None = None
+        self.ended = False
+
+    def describe(self) -> str:
+        """The scope in words: its selections and profiles."""
+        parts = [f"{f}={h if isinstance(h, str) else _object_name(f, h)}"
+                 for f, h in self.handles.items()]
+        parts += [f"profile={p}" for p in self.profiles]
+        return f"op_backend({', '.join(parts)})" if parts else "no scope"
 
 
 def _enter(scope: Scope) -> Token[Scope]:
     for family, handle in scope.handles.items():
         if not isinstance(handle, str):
             compiled.publish(family, _object_name(family, handle), handle)
+    scope.outer = _scope.get()
     token = _scope.set(scope)
     compiled.note_scope(scope.compile_key)
     return token
 
 
-def _leave(token: Token[Scope]) -> None:
-    _scope.reset(token)
+def _leave(token: Token[Scope], scope: Scope | None = None) -> None:
+    """End ``scope`` (entered with ``token``). Only the innermost scope of this context
+    may end: anything else raises ``ScopeError`` (the scope is marked ended, so it never
+    comes back when an inner one ends later)."""
+    here = _scope.get()
+    if scope is not None and here is not scope:
+        scope.ended = True
+        raise ScopeError(
+            f"{scope.describe()} ended where it is not the innermost scope (that is "
+            f"{here.describe()}): scopes must end in the reverse order they began, in the "
+            f"thread or task that began them. A generator suspended inside 'with "
+            f"op_backend(...)' and closed later, or from another thread, does this; enter "
+            f"the scope around the loop that drives the generator instead.")
+    try:
+        _scope.reset(token)
+    except (ValueError, RuntimeError):  # a token of another Context, or used twice
+        if scope is not None:
+            scope.ended = True
+        raise ScopeError(
+            "reset_override: this token belongs to another thread or task, or was already "
+            "used; reset it where set_override returned it, once") from None
+    if scope is not None:
+        scope.ended = True
+    restored = outer = _scope.get()
+    while outer.ended and outer.outer is not None:  # skip scopes that ended out of order
+        outer = outer.outer
+    if outer is not restored:
+        _scope.set(outer)
     compiled.note_scope(_scope.get().compile_key)
 
 
@@ -161,11 +205,12 @@ def op_backend(**handles: Any) -> Iterator[None]:
     for family, handle in handles.items():
         if handle is not None:
             _validate(family, handle)
-    token = _enter(_with_handles(handles))
+    scope = _with_handles(handles)
+    token = _enter(scope)
     try:
         yield
     finally:
-        _leave(token)
+        _leave(token, scope)
 
 
 @contextmanager
@@ -177,8 +222,9 @@ def use_profile(*names: str) -> Iterator[None]:
             raise ValueError(f"unknown profile {name!r}{did_you_mean(name, known)}; "
                              f"known profiles: {', '.join(sorted(known)) or '(none)'}")
     scope = _scope.get()
-    token = _enter(Scope(scope.handles, (*scope.profiles, *names)))
+    inner = Scope(scope.handles, (*scope.profiles, *names))
+    token = _enter(inner)
     try:
         yield
     finally:
-        _leave(token)
+        _leave(token, inner)

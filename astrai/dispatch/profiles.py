@@ -119,9 +119,15 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
                 notes.append(f"profile {prof.name} set fallback = {fallback}")
             if ov.force is not None and (ov.force == FALLBACK or ov.force in names):
                 forced = (ov.force, prof.name)
+            elif ov.force is not None:  # only a "*" overlay can name a row this family lacks
+                notes.append(f"profile {prof.name}: '*' force: {ov.force} does not apply to "
+                             f"{table.name}, which has no row {ov.force!r}")
     by_name = {r.name: r for r in rows}
     if forced is not None and forced[0] == FALLBACK:
         forced = (fallback, forced[1])
+    if forced is not None and forced[0] in disabled:
+        notes.append(f"profile {forced[1]} forces {forced[0]}, which profile "
+                     f"{disabled[forced[0]]} disables: a force beats a disable")
     return View(
         table=table,
         rows=tuple(rows),

@@ -34,6 +34,7 @@ from typing import Any
 from astrai.dispatch import compiled
 from astrai.dispatch.availability import check
 from astrai.dispatch.loader import ParsedFile, parse_file
+from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.profiles import Profile, View, build_profile, make_view
 from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable, ImplRecord
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
@@ -88,13 +89,17 @@ class Registry:
         # Per process (not per snapshot): a load of another family must not re-probe.
         got = _availability.get(id(record))
         if got is None or got[0] is not record:
-            # The record is stored with its result, so its id cannot be reused meanwhile.
-            got = (record, *check(record.available))
-            _availability[id(record)] = got
+            with _probe_lock:  # concurrent first callers: one runs the probe, all share it
+                got = _availability.get(id(record))
+                if got is None or got[0] is not record:
+                    # Stored with its record, so the id cannot be reused meanwhile.
+                    got = (record, *check(record.available))
+                    _availability[id(record)] = got
         return got[1], got[2]
 
 
-_lock = threading.RLock()
+_lock = threading.RLock()  # guards swaps only: no file is read and no module imported under it
+_probe_lock = threading.RLock()
 #: Probe results, once per process until ``refresh()``: id(record) -> (record, ok, reason).
 _availability: dict[int, tuple[ImplRecord, bool, str]] = {}
 _epochs = itertools.count(1)
@@ -118,6 +123,10 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
     files: list[tuple[int, str]] = []
     problems: list[TableProblem] = []
     for index, p in enumerate(paths):
+        if not os.fspath(p).strip():  # Path("") would be the current directory
+            problems.append(TableProblem(repr(os.fspath(p)), 1, 1,
+                                         "an empty path names no table file or directory"))
+            continue
         path = Path(p)
         try:
             is_dir, exists = path.is_dir(), path.exists()
@@ -153,7 +162,10 @@ def _env_table_paths() -> list[str]:
     return [p for p in raw.split(os.pathsep) if p.strip()]
 
 
-def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Registry:
+def _build(base: Registry | None, paths: list[str], *, replace_all: bool
+           ) -> tuple[Registry, list[str]]:
+    """A new snapshot: ``base`` with the tables under ``paths`` (read and bound here, with
+    no lock held), and the files read. Raises ``TableError`` listing every problem."""
     files, problems = _expand(paths)
     parsed: list[ParsedFile] = [parse_file(f) for _, f in files]
     source_of = {f: index for index, f in files}
@@ -224,7 +236,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool) -> Reg
     aliases.update({f: v for f, v in registered.items() if f in families})
     return Registry(MappingProxyType(families), MappingProxyType(profiles),
                     MappingProxyType(aliases), next(_epochs), MappingProxyType(programmatic),
-                    MappingProxyType(registered))
+                    MappingProxyType(registered)), [f for _, f in files]
 
 
 def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
@@ -303,13 +315,25 @@ def current() -> Registry:
     """The snapshot in force, loading the shipped tables (plus ``ASTR_TABLES``) on first use."""
     state = _state
     if state is None:
-        with _lock:
-            if _state is None:
-                _swap(_build(None, [str(shipped_tables_dir()), *_env_table_paths()],
-                             replace_all=True))
-            state = _state
-    assert state is not None
+        # Read outside the lock (concurrent first callers may each read; one result wins).
+        state = _commit(lambda base: base or _build(
+            None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)[0],
+            first=True)
     return state
+
+
+def _commit(make: Callable[[Registry | None], Registry], *, first: bool = False) -> Registry:
+    """Build a snapshot from the one in force with ``make`` - reading files and importing
+    modules with no lock held - and swap it in if nothing else was swapped meanwhile
+    (else build again on the newer one). The lock only guards the swap itself."""
+    while True:
+        base = _state if first else current()
+        new = make(base)
+        with _lock:
+            if _state is base:
+                if new is not base:
+                    _swap(new)
+                return new
 
 
 def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
@@ -318,22 +342,23 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
     Returns the family names the files defined. Raises ``TableError`` listing every
     problem; on failure the tables in force are unchanged.
     """
-    with _lock:
-        base = current()
-        new = _build(base, [str(p) for p in paths], replace_all=False)
-        files, _ = _expand(str(p) for p in paths)
-        _swap(new)
-    loaded = {f for _, f in files}
-    defined = [n for n, t in new.families.items() if t.source in loaded]
-    return defined
+    read: list[str] = []
+
+    def make(base: Registry | None) -> Registry:
+        new, files = _build(base, [os.fspath(p) for p in paths], replace_all=False)
+        read[:] = files
+        return new
+
+    new = _commit(make)
+    loaded = set(read)
+    return [n for n, t in new.families.items() if t.source in loaded]
 
 
 def reload_tables() -> list[str]:
     """Re-read the shipped tables plus ``ASTR_TABLES``; programmatic families are kept."""
-    with _lock:
-        base = _state
-        new = _build(base, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)
-        _swap(new)
+    new = _commit(lambda base: _build(
+        base, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)[0],
+        first=True)
     return sorted(new.families)
 
 
@@ -341,7 +366,7 @@ def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
     """Every problem in these files (default: shipped + ``ASTR_TABLES``); loads nothing."""
     try:
         if paths:
-            _build(current(), [str(p) for p in paths], replace_all=False)
+            _build(current(), [os.fspath(p) for p in paths], replace_all=False)
         else:
             _build(None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)
     except TableError as exc:
@@ -351,10 +376,13 @@ def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
 
 def refresh() -> None:
     """Forget cached availability probes (and every cached decision)."""
-    with _lock:
-        base = current()
-        _availability.clear()
-        _swap(replace(base, epoch=next(_epochs)))
+    _commit(lambda base: _refreshed(base))
+
+
+def _refreshed(base: Registry | None) -> Registry:
+    assert base is not None
+    _availability.clear()
+    return replace(base, epoch=next(_epochs))
 
 
 def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
@@ -368,15 +396,21 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
     accepted too). A callable provider (and fallback) is called again on
     ``reload_tables()``.
     """
-    with _lock:
-        base = current()
+    problem = family_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"register_family: {problem}")
+
+    def make(base: Registry | None) -> Registry:
+        assert base is not None
         table = _programmatic_table(name, provider, fallback)
         families = dict(base.families)
         families[name] = table
         programmatic = dict(base.programmatic)
         programmatic[name] = (provider, fallback)
-        _swap(Registry(MappingProxyType(families), base.profiles, base.aliases,
-                       next(_epochs), MappingProxyType(programmatic), base.registered_aliases))
+        return Registry(MappingProxyType(families), base.profiles, base.aliases,
+                        next(_epochs), MappingProxyType(programmatic), base.registered_aliases)
+
+    _commit(make)
 
 
 def register_env_alias(family: str, varname: str) -> None:
@@ -384,22 +418,25 @@ def register_env_alias(family: str, varname: str) -> None:
 
     An ``ASTR_OPS`` entry for the family wins when both are set.
     """
-    with _lock:
-        base = current()
+    def make(base: Registry | None) -> Registry:
+        assert base is not None
         base.family(family)
         aliases = dict(base.aliases)
         aliases[family] = varname
         registered = dict(base.registered_aliases)
         registered[family] = varname
-        _swap(replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs),
-                      registered_aliases=MappingProxyType(registered)))
+        return replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs),
+                       registered_aliases=MappingProxyType(registered))
+
+    _commit(make)
 
 
 def _after_fork_in_child() -> None:
     """A forked child starts clean: a fresh lock (the parent's may have been held by
     another thread), no cached decisions or parsed environment, counters from zero."""
-    global _lock
+    global _lock, _probe_lock
     _lock = threading.RLock()
+    _probe_lock = threading.RLock()
     if _state is not None:
         _state.decisions.clear()
     from astrai.dispatch import _log, env

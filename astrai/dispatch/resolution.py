@@ -496,6 +496,8 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
         verdict, detail = row_verdict(state, view, rec, ctx)
         if verdict == MATCH and not rec.faithful:
             detail += f"; enabled by profile {view.enabled[rec.name]}"
+        elif verdict == DISABLED and view.forced is not None and view.forced[0] == rec.name:
+            detail += f" in the chain, but forced by profile {view.forced[1]}"
         rows.append(RowVerdict(rec.name, verdict, detail, rec is view.fallback))
     notes: list[str] = list(view.notes)
     row = origin = error = None
