@@ -23,8 +23,7 @@ from typing import Any, TextIO, cast
 
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import DTYPES, FWD_MODES
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import AXES, Axis, CallContext, format_value
 from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import FamilyTable
@@ -38,8 +37,7 @@ BROKEN_PIPE = 141
 INIT_DIR = "astrai-tables"
 _TABLE_SUFFIXES = (".yaml", ".yml")
 #: The options that describe a call to ``explain`` (without any, it shows the table).
-CALL_OPTIONS = ("--fwd", "--dtype", "--ndim", "--head-dim", "--cache", "--mask", "--no-grad",
-                "--cuda", "--axis")
+CALL_OPTIONS = (*(axis.flag for axis in AXES.values()), "--axis")
 
 
 class UsageError(Exception):
@@ -102,15 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     e = command("explain", "why each row wins or loses for a described call (without call "
                            "options: the family's table, rows in effective order)")
     e.add_argument("family")
-    e.add_argument("--fwd", choices=["none", *FWD_MODES], default=None,
-                   help="forward mode of the call (none: training / plain forward)")
-    e.add_argument("--dtype", default=None, help="a torch dtype name, e.g. bfloat16")
-    e.add_argument("--ndim", default=None, metavar="N", help="number of dimensions (>= 0)")
-    e.add_argument("--head-dim", default=None, metavar="N", help="head dimension (>= 1)")
-    e.add_argument("--cache", action="store_true", help="a KV cache is passed")
-    e.add_argument("--mask", action="store_true", help="an attention mask is passed")
-    e.add_argument("--no-grad", action="store_true", help="autograd is not recording")
-    e.add_argument("--cuda", action="store_true", help="tensors on a CUDA device")
+    for axis in AXES.values():
+        _add_axis_flag(e, axis)
     e.add_argument("--axis", action="append", default=[], metavar="NAME=VALUE",
                    help="a value for one of the family's extra axes")
     e.add_argument("--backend", default=None, metavar="ROW", help="explicit row selection")
@@ -257,17 +248,29 @@ def _check_family(family: str, state: Registry) -> None:
                          f"{', '.join(sorted(state.families))}")
 
 
-def _count(option: str, raw: str | None, minimum: int) -> int | None:
-    """An integer option that must be at least ``minimum``."""
-    if raw is None:
-        return None
+def _add_axis_flag(parser: argparse.ArgumentParser, axis: Axis) -> None:
+    """The ``explain`` option that sets one core axis (declared in ``axes.AXES``)."""
+    if axis.kind == "bool":
+        parser.add_argument(axis.flag, dest=axis.name, action="store_const",
+                            const=not axis.default, default=axis.default,
+                            help=f"{axis.description}: {format_value(not axis.default)}")
+    elif axis.kind == "enum":
+        parser.add_argument(axis.flag, dest=axis.name, default=None,
+                            choices=[*(["none"] if axis.nullable else []), *axis.values],
+                            help=axis.description)
+    else:
+        what = (f"an integer >= {axis.minimum}" if axis.kind == "int"
+                else "a torch dtype name, e.g. bfloat16")
+        parser.add_argument(axis.flag, dest=axis.name, default=None,
+                            metavar="N" if axis.kind == "int" else "DTYPE",
+                            help=f"{axis.description} ({what})")
+
+
+def _axis_value(option: str, axis: Axis, raw: str) -> Any:
     try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise UsageError(f"{option} {raw!r}: expected an integer >= {minimum}")
-    return value
+        return axis.parse(raw)
+    except ValueError as exc:
+        raise UsageError(f"{option} {raw!r}: {exc}") from None
 
 
 def _extra_axes(args: argparse.Namespace, table: FamilyTable) -> dict[str, Any]:
@@ -278,58 +281,22 @@ def _extra_axes(args: argparse.Namespace, table: FamilyTable) -> dict[str, Any]:
         if not sep or name not in axes:
             raise UsageError(f"--axis {item!r}: expected NAME=VALUE with NAME one of: "
                              f"{', '.join(axes) or '(this family has no extra axes)'}")
-        axis = axes[name]
-        value: Any = raw
-        if raw == "none":
-            if not axis.nullable:
-                raise UsageError(f"--axis {item!r}: {name} cannot be none")
-            value = None
-        elif axis.kind == "int":
-            try:
-                value = int(raw)
-            except ValueError:
-                raise UsageError(f"--axis {item!r}: expected an integer") from None
-        elif axis.kind == "bool":
-            if raw not in ("true", "false"):
-                raise UsageError(f"--axis {item!r}: expected true or false")
-            value = raw == "true"
-        elif axis.kind == "dtype":
-            if raw not in DTYPES:
-                raise UsageError(f"--axis {item!r}: unknown dtype {raw!r}"
-                                 f"{did_you_mean(raw, DTYPES)}")
-            value = DTYPES[raw]
-        elif axis.kind == "enum" and raw not in axis.values:
-            raise UsageError(f"--axis {item!r}: expected one of: {', '.join(axis.values)}")
-        extra[name] = value
+        extra[name] = _axis_value("--axis", axes[name], raw)
     return extra
 
 
 def _context(args: argparse.Namespace, state: Registry) -> CallContext:
-    dtype = None
-    if args.dtype is not None:
-        if args.dtype not in DTYPES:
-            raise UsageError(f"unknown dtype {args.dtype!r}{did_you_mean(args.dtype, DTYPES)}")
-        dtype = DTYPES[args.dtype]
-    ndim = _count("--ndim", args.ndim, 0)
-    head_dim = _count("--head-dim", args.head_dim, 1)
-    return CallContext(
-        args.family,
-        fwd=None if args.fwd in (None, "none") else args.fwd,
-        dtype=dtype,
-        device_cuda=args.cuda,
-        ndim=ndim,
-        head_dim=head_dim,
-        has_cache=args.cache,
-        has_mask=args.mask,
-        grad_enabled=not args.no_grad,
-        extra=_extra_axes(args, state.families[args.family]),
-    )
+    values = {name: (getattr(args, name) if axis.kind == "bool" or getattr(args, name) is None
+                     else _axis_value(axis.flag, axis, getattr(args, name)))
+              for name, axis in AXES.items()}
+    return CallContext(args.family, **values,
+                       extra=_extra_axes(args, state.families[args.family]))
 
 
 def _describes_call(args: argparse.Namespace) -> bool:
-    return (args.fwd is not None or args.dtype is not None or args.ndim is not None
-            or args.head_dim is not None or args.cache or args.mask or args.no_grad
-            or args.cuda or bool(args.axis))
+    return bool(args.axis) or any(
+        getattr(args, name) != (axis.default if axis.kind == "bool" else None)
+        for name, axis in AXES.items())
 
 
 def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[str, ...]) -> int:

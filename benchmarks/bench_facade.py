@@ -8,6 +8,7 @@ back to ``[batch, seq, heads*head_dim]``. Target: facade <= 1.10x direct.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from _timing import interleaved_us, paired_ratios
 
 from astrai import ops
 from astrai.dispatch import resolve
-from astrai.ops._contexts import attention_context
+from astrai.ops import context as ops_context
+
+attention_context = functools.partial(ops_context, "attention")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ cache. These tests check that a cached decision is never served when any input c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -41,14 +42,14 @@ from astrai.dispatch import (
     use_profile,
 )
 from astrai.dispatch.resolution import Decision, decide, set_max_decisions
-from astrai.ops._contexts import (
-    attention_context,
-    linear_context,
-    rms_norm_context,
-    rotary_context,
-)
+from astrai.ops import context as ops_context
 from tests import _impls
 from tests.conftest import TOY_TABLE, ctx
+
+attention_context = functools.partial(ops_context, "attention")
+linear_context = functools.partial(ops_context, "linear")
+rms_norm_context = functools.partial(ops_context, "rms_norm")
+rotary_context = functools.partial(ops_context, "rotary")
 
 #: ``TOY_TABLE`` with ``ref`` moved to the top: it then wins every call.
 REF_FIRST = TOY_TABLE.replace(
@@ -155,44 +156,47 @@ class TestDecide:
 
 
 class TestFacadeKey:
-    """The facades build the cache key inline; it must be the key ``decide`` uses."""
+    """Every facade, ``ops.call`` and ``resolve`` take their decision through ``decide``."""
 
     @pytest.mark.parametrize("family", ["attention", "rotary", "rms_norm", "linear"])
-    def test_inline_key_equals_cache_key(self, family: str) -> None:
-        """After one facade call, the only key in the cache is ``cache_key`` of its signature
-        (so a later ``resolve`` of the same call, and the facade itself, hit that entry)."""
+    def test_facade_decides_once_per_signature(self, family: str) -> None:
+        """The first facade call misses, leaving one decision; the next ones hit it. A
+        ``resolve`` of the same call keys on the full context and gets its own entry."""
         q, kv = torch.randn(1, 2, 2, 8), torch.randn(1, 3, 2, 8)
         x, w = torch.randn(2, 4), torch.randn(3, 4)
         freqs = torch.randn(1, 2, 4, 2)
-        calls: dict[str, tuple[Callable[..., Any], Callable[..., CallContext], tuple[Any, ...]]]
-        calls = {
-            "attention": (astrai.ops.attention, attention_context, (q, kv, kv)),
-            "rotary": (astrai.ops.apply_rotary, rotary_context, (q, freqs)),
-            "rms_norm": (astrai.ops.rms_norm, rms_norm_context, (x, torch.ones(4), 1e-6)),
-            "linear": (astrai.ops.linear, linear_context, (x, w)),
+        calls: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+            "attention": (astrai.ops.attention, (q, kv, kv)),
+            "rotary": (astrai.ops.apply_rotary, (q, freqs)),
+            "rms_norm": (astrai.ops.rms_norm, (x, torch.ones(4), 1e-6)),
+            "linear": (astrai.ops.linear, (x, w)),
         }
-        facade, build, args = calls[family]
+        facade, args = calls[family]
         reload_tables()
+        reset_stats()
         facade(*args)
         state = current()
-        expected = resolution.cache_key(family, build(*args).signature(), None, state)
-        assert list(state.decisions) == [expected]
-        reset_stats()
-        resolve(family, build(*args))
+        assert len(state.decisions) == 1
         facade(*args)
-        assert (stats().cache_hits, stats().cache_misses) == (2, 0)
+        facade(*args)
+        assert (stats().cache_hits, stats().cache_misses) == (2, 1)
+        resolve(family, astrai.ops.context(family, *args))
+        resolve(family, astrai.ops.context(family, *args))
+        assert (stats().cache_hits, stats().cache_misses) == (3, 2)
+        assert len(state.decisions) == 2
 
-    def test_hits_counted_on_both_paths(self) -> None:
-        """Inline facade hits, ``decide`` hits and misses all add up in ``stats``."""
+    def test_hits_counted_on_every_path(self) -> None:
+        """Facade hits, ``resolve`` hits and misses all add up in ``stats``."""
         x, w = torch.randn(2, 4), torch.randn(3, 4)
         reset_stats()
-        astrai.ops.linear(x, w)                    # miss (through decide)
-        astrai.ops.linear(x, w)                    # inline hit
-        resolve("linear", linear_context(x, w))    # decide hit
+        astrai.ops.linear(x, w)                    # miss
+        astrai.ops.linear(x, w)                    # hit
+        resolve("linear", linear_context(x, w))    # miss: resolve keys on the full context
+        resolve("linear", linear_context(x, w))    # hit
         astrai.ops.linear(x, w, backend="torch")   # miss: another explicit handle
-        astrai.ops.linear(x, w, backend="torch")   # inline hit (a row name is cacheable)
+        astrai.ops.linear(x, w, backend="torch")   # hit (a row name is cacheable)
         s = stats()
-        assert (s.cache_hits, s.cache_misses) == (3, 2)
+        assert (s.cache_hits, s.cache_misses) == (3, 3)
         assert s.served("linear") == 4
         reset_stats()
         astrai.ops.linear(x, w)

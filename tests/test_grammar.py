@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from astrai.dispatch._parser import MAX_DEPTH
-from astrai.dispatch.axes import CORE_VOCABULARY, DTYPES, KEYWORDS, Axis, Vocabulary
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import CORE_VOCABULARY, DTYPES, KEYWORDS, Axis, CallContext, Vocabulary
 from astrai.dispatch.grammar import (
     AndNode,
     AxisNode,

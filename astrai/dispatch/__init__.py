@@ -8,7 +8,7 @@ fallback row.
 from __future__ import annotations
 
 from astrai.dispatch.availability import Unavailable
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import CallContext
 from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.overrides import (

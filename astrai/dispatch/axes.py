@@ -1,32 +1,45 @@
-"""The axis vocabulary: every axis a spec may test, its type and its allowed values.
+"""The axes of a call: the ONE list of what a call context can be asked.
 
-This is the one place that declares what a call context can be asked. The grammar
-type-checks expressions against it, ``Spec`` reads values through it, and
-``explain`` formats values with it. A family's table may declare extra axes
-(name + type) that exist for that family only.
+Each core axis is declared once, as a field of ``CallContext`` carrying its
+``Axis`` (type, allowed values, default, command-line flag). Everything else is
+derived from that list: ``AXES``, the grammar's vocabulary, ``CallContext``'s
+signature (the decision-cache key), explain's fields and text, the CLI's flags and
+the distributed fingerprint. A family's table may declare extra axes (name +
+type) that exist for that family only; their values travel in ``extra``.
+
+Adding an axis: one field of ``CallContext``, plus the facades' context builders
+that fill it.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AXES",
+    "CORE_AXES",
     "DTYPES",
+    "EMPTY",
     "FWD_MODES",
     "PREDICATES",
     "Axis",
     "AxisKind",
+    "CallContext",
     "Vocabulary",
+    "context_fields",
     "dtype_name",
     "format_context",
     "format_value",
 ]
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
+
+from astrai.dispatch._suggest import did_you_mean
 
 AxisKind = Literal["bool", "int", "enum", "dtype"]
 
@@ -76,7 +89,9 @@ class Axis:
 
     ``kind`` is ``bool`` (stands alone in an expression), ``int`` (ordered),
     ``enum`` (one of ``values``) or ``dtype`` (one of torch's dtype names).
-    ``nullable`` axes may hold ``None`` (written ``none``).
+    ``nullable`` axes may hold ``None`` (written ``none``). A core axis also has its
+    ``default`` and the command-line ``flag`` that sets it (a bool flag sets the value
+    opposite to the default; an int flag takes a value of at least ``minimum``).
     """
 
     name: str
@@ -86,6 +101,9 @@ class Axis:
     description: str = ""
     core: bool = True
     getter: Callable[[Any], Any] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    default: Any = None
+    flag: str = ""
+    minimum: int = 0
 
     def __post_init__(self) -> None:
         if self.getter is None:
@@ -118,21 +136,126 @@ class Axis:
             names.append("none")
         return names
 
+    def parse(self, text: str) -> Any:
+        """A value of this axis from its written form (``none``, ``true``, ``bfloat16``,
+        ``64``); ``ValueError`` saying what was expected."""
+        if text == "none" and self.nullable:
+            return None
+        if self.kind == "bool" and text in ("true", "false"):
+            return text == "true"
+        if self.kind == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {text!r}") from None
+            if value < self.minimum:
+                raise ValueError(f"expected an integer >= {self.minimum}, got {value}")
+            return value
+        if self.kind == "dtype" and text in DTYPES:
+            return DTYPES[text]
+        if self.kind == "enum" and text in self.values:
+            return text
+        return self._refuse(text)
 
-AXES: Mapping[str, Axis] = {
-    a.name: a
-    for a in (
-        Axis("fwd", "enum", FWD_MODES, nullable=True,
-             description="forward mode: none (training / plain forward), prefill or decode"),
-        Axis("dtype", "dtype", nullable=True, description="dtype of the main input"),
-        Axis("device_cuda", "bool", description="the call's tensors are on a CUDA device"),
-        Axis("ndim", "int", nullable=True, description="rank of the main input"),
-        Axis("head_dim", "int", nullable=True, description="attention head size"),
-        Axis("has_cache", "bool", description="a KV cache is passed"),
-        Axis("has_mask", "bool", description="an attention mask is passed"),
-        Axis("grad_enabled", "bool", description="autograd is recording"),
-    )
-}
+    def _refuse(self, text: str) -> Any:
+        if self.kind == "dtype":
+            raise ValueError(f"unknown dtype {text!r}{did_you_mean(text, DTYPES)}")
+        raise ValueError(f"expected {' or '.join(self.value_names())}, got {text!r}")
+
+
+def _axis(kind: AxisKind, default: Any, description: str, *, values: tuple[str, ...] = (),
+          nullable: bool = False, flag: str = "", minimum: int = 0) -> Any:
+    """A ``CallContext`` field that is a core axis (its ``Axis`` rides in the metadata)."""
+    spec = {"kind": kind, "default": default, "description": description, "values": values,
+            "nullable": nullable, "flag": flag, "minimum": minimum}
+    return field(default=default, metadata={"axis": spec})
+
+
+EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a spec may know about a call: the family and one value per axis.
+
+    ``fwd`` is ``None`` for training / a plain forward, else ``"prefill"`` or
+    ``"decode"``. ``extra`` carries the values of axes a family declares in its
+    table. ``raw`` / ``raw_kwargs`` are the original call, so an unregistered
+    implementation object can be probed through its own ``supports_call``;
+    they take no part in equality or hashing.
+    """
+
+    family: str
+    fwd: str | None = _axis("enum", None, "forward mode: none (training / plain forward), "
+                            "prefill or decode", values=FWD_MODES, nullable=True, flag="--fwd")
+    dtype: torch.dtype | None = _axis("dtype", None, "dtype of the main input", nullable=True,
+                                      flag="--dtype")
+    device_cuda: bool = _axis("bool", False, "the call's tensors are on a CUDA device",
+                              flag="--cuda")
+    ndim: int | None = _axis("int", None, "number of dimensions of the main input",
+                             nullable=True, flag="--ndim")
+    head_dim: int | None = _axis("int", None, "attention head size", nullable=True,
+                                 flag="--head-dim", minimum=1)
+    has_cache: bool = _axis("bool", False, "a KV cache is passed", flag="--cache")
+    has_mask: bool = _axis("bool", False, "an attention mask is passed", flag="--mask")
+    grad_enabled: bool = _axis("bool", True, "autograd is recording", flag="--no-grad")
+    extra: Mapping[str, Any] = field(default_factory=lambda: EMPTY, hash=False)
+    raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
+
+    def evolve(self, **changes: Any) -> CallContext:
+        """A copy with the given fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def signature(self) -> tuple[Any, ...]:
+        """The hashable identity of the call: ``(family, *core axis values, extra)``;
+        ``raw`` excluded; computed once."""
+        got = self.__dict__.get("_signature")
+        if got is not None:
+            return got  # type: ignore[no-any-return]
+        extra = tuple(sorted(self.extra.items())) if self.extra else ()
+        got = (self.family, *_read_core(self), extra)
+        object.__setattr__(self, "_signature", got)
+        return got
+
+    @classmethod
+    def of(cls, family: str, names: tuple[str, ...], values: tuple[Any, ...],
+           raw: tuple[Any, ...] = (), raw_kwargs: Mapping[str, Any] = EMPTY) -> CallContext:
+        """The context with these axis values (core axes by name, the rest in ``extra``)."""
+        core: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for name, value in zip(names, values, strict=True):
+            (core if name in AXES else extra)[name] = value
+        return cls(family, **core, extra=extra or EMPTY, raw=raw, raw_kwargs=raw_kwargs)
+
+    def named_values(self) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """Every axis of the call, core then extra: ``(names, values)``."""
+        keys = sorted(self.extra)
+        return ((*CORE_AXES, *keys), (*_read_core(self), *(self.extra[k] for k in keys)))
+
+
+#: The core axes, in declaration order: the one list everything else derives from.
+AXES: Mapping[str, Axis] = MappingProxyType({
+    f.name: Axis(f.name, **f.metadata["axis"])
+    for f in dataclasses.fields(CallContext) if "axis" in f.metadata
+})
+CORE_AXES: tuple[str, ...] = tuple(AXES)
+_read_core = operator.attrgetter(*CORE_AXES)
+
+
+def context_fields(ctx: CallContext) -> dict[str, Any]:
+    """The call's axes by name, typed for JSON: ints, bools, None and strings as they are,
+    a dtype (or any other value) as the name the grammar writes."""
+
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        return format_value(value)
+
+    fields = {name: plain(value) for name, value in zip(CORE_AXES, _read_core(ctx), strict=True)}
+    fields.update({k: plain(v) for k, v in sorted(ctx.extra.items())})
+    return fields
+
 
 #: Named predicates: name -> (expression it abbreviates, axis it reads).
 PREDICATES: Mapping[str, tuple[str, str]] = {

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from astrai.dispatch.axes import CallContext
+
 _scope: tuple[Any, ...] = ((), ())  # the empty scope's compile_key (see overrides.Scope)
 _epoch = 0
 KEY: tuple[Any, ...] = (_epoch, _scope)
@@ -71,20 +73,17 @@ def _assume_constant_result(fn: Any) -> Any:
 
 
 @_assume_constant_result
-def decision_name(family: str, sig: tuple[Any, ...], backend: Any, key: tuple[Any, ...]) -> str:
-    """Decide at trace time; returns the ``IMPLS`` key of the object to call.
+def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], backend: Any,
+                  key: tuple[Any, ...]) -> str:
+    """Decide at trace time for the call with these axis values; returns the ``IMPLS`` key
+    of the object to call.
 
     ``key`` is ``KEY`` as the traced code read it: it is passed so the read (and
     so the guard) is part of the graph.
     """
-    from astrai.dispatch.context import CallContext
     from astrai.dispatch.resolution import evaluate
 
-    (_, fwd, dtype, cuda, ndim, head_dim, has_cache, has_mask, grad, extra) = sig
-    ctx = CallContext(family, fwd=fwd, dtype=dtype, device_cuda=cuda, ndim=ndim,
-                      head_dim=head_dim, has_cache=has_cache, has_mask=has_mask,
-                      grad_enabled=grad, extra=dict(extra))
-    record = evaluate(family, ctx, backend).record
+    record = evaluate(family, CallContext.of(family, names, values), backend).record
     name = impl_key(family, record.name, record.obj)
     if name not in IMPLS:
         raise RuntimeError(

@@ -49,11 +49,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from astrai import __version__
-from astrai.dispatch.axes import format_value
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import AXES, CallContext, format_value
 from astrai.dispatch.env import env_settings
 from astrai.dispatch.overrides import op_backend
 from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable
@@ -71,9 +69,6 @@ NOT_CHECKED = "(not checked)"
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 #: At most this much of a rank's error text travels in its payload.
 _MAX_ERROR_TEXT = 8000
-_DEFAULT_CTX = CallContext("-")
-_AXES = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
-         "grad_enabled")
 
 Contexts = Mapping[str, CallContext] | Iterable[CallContext]
 
@@ -195,8 +190,8 @@ def call_key(ctx: CallContext) -> str:
 
     Axes at their default value are left out; the label is the same in every process.
     """
-    parts = [f"{name}={format_value(getattr(ctx, name))}" for name in _AXES
-             if getattr(ctx, name) != getattr(_DEFAULT_CTX, name)]
+    parts = [f"{name}={format_value(getattr(ctx, name))}" for name, axis in AXES.items()
+             if getattr(ctx, name) != axis.default]
     parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
     return f"{ctx.family}[{' '.join(parts)}]"
 
@@ -528,6 +523,8 @@ def _seconds(timeout: float | timedelta | None) -> float | None:
 
 def _device(group: ProcessGroup | None) -> torch.device:
     """Where the group's collectives take their tensors: NCCL's on this rank's CUDA device."""
+    import torch.distributed as dist  # deferred: ~60 ms, needed only here
+
     if dist.get_backend(group) == dist.Backend.NCCL:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -538,6 +535,8 @@ def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGro
     """``dist.all_gather``, waited for until ``timeout`` seconds after ``start`` at most;
     a timeout or a failure of the collective raises ``PlanMismatchError`` saying which
     all-gather it was and after how long (the backend's error is its ``__cause__``)."""
+    import torch.distributed as dist  # deferred: ~60 ms, needed only here
+
     timed_out = False
     try:
         work = dist.all_gather(out, tensor, group=group, async_op=True)
@@ -558,6 +557,8 @@ def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGro
 def _collective_error(kind: str, what: str, elapsed: float, timeout: float | None,
                       group: ProcessGroup | None,
                       exc: BaseException | None = None) -> PlanMismatchError:
+    import torch.distributed as dist  # deferred: ~60 ms, needed only here
+
     rank, n = dist.get_rank(), dist.get_world_size(group)
     where = f"rank {rank} (of a group of {n})"
     if kind == "timeout":
@@ -597,6 +598,8 @@ def _all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None,
 
 def _gather(payload: dict[str, Any], group: ProcessGroup | None, timeout: float | None = None
             ) -> tuple[list[Any], tuple[int, ...], int]:
+    import torch.distributed as dist  # deferred: ~60 ms, needed only here
+
     if not (dist.is_available() and dist.is_initialized()):
         return [_decode(_encode(payload))], (0,), 0
     index = dist.get_rank(group)

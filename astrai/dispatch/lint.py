@@ -27,8 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from astrai.dispatch.axes import AXES, DTYPES, Axis, format_value
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, format_value
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import current

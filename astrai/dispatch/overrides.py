@@ -48,12 +48,14 @@ class Scope:
     the raw call, so decisions under it are never cached).
     """
 
-    __slots__ = ("cache_token", "compile_key", "ended", "handles", "keys", "outer", "profiles")
+    __slots__ = ("cache_token", "compile_key", "ended", "handles", "keys", "outer", "profiles",
+                 "uncacheable")
 
     def __init__(self, handles: Mapping[str, Any], profiles: tuple[str, ...]) -> None:
         self.handles = MappingProxyType(dict(handles))
         self.profiles = profiles
         self.keys = MappingProxyType({f: handle_key(h) for f, h in handles.items()})
+        self.uncacheable = frozenset(f for f, k in self.keys.items() if k is UNCACHEABLE)
         self.compile_key = (tuple(sorted(self.keys.items())), profiles)
         # The same description as a str: equal scopes give equal tokens, and a str caches
         # its hash, so the decision-cache key does not rehash nested tuples on every call.

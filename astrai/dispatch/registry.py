@@ -56,6 +56,7 @@ class Registry:
     # Caches that belong to this snapshot; a new snapshot starts with empty ones.
     _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
+    made: dict[Any, Any] = field(init=False, default_factory=dict)  # (row id, origin) -> Decision
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -15,7 +15,6 @@ __all__ = [
     "Resolution",
     "Source",
     "active_view",
-    "cache_key",
     "decide",
     "env_overrides",
     "env_selection",
@@ -35,8 +34,7 @@ from typing import Any
 from astrai.dispatch import registry as _registry
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import format_context, format_value
-from astrai.dispatch.context import CallContext
+from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
 from astrai.dispatch.env import (
     ENVIRON_DATA,
     OPS_KEY,
@@ -56,8 +54,10 @@ from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.spec import Spec
-from astrai.dispatch.stats import HITS, MISSES, counter
+from astrai.dispatch.stats import LOOKUPS, MISSES, UNCACHED, counter
 from astrai.errors import ExplicitSelectionError, NoImplementationError
+
+_scope_get = _scope_var.get
 
 
 @dataclass(frozen=True)
@@ -299,12 +299,12 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
 
 # -- resolve, with its decision cache -----------------------------------------
 
-MAX_DECISIONS = 4096
+MAX_DECISIONS = 1 << 16
 _environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
 
 
 def set_max_decisions(n: int) -> None:
-    """Bound the decision cache of each table snapshot to ``n`` entries (default 4096)."""
+    """Bound the decision cache of each table snapshot to ``n`` entries (default 65 536)."""
     global MAX_DECISIONS
     if n < 1:
         raise ValueError(f"the decision cache needs room for at least 1 entry, got {n}")
@@ -330,46 +330,47 @@ class Decision:
                                resolution.origin)
 
 
-def cache_key(family: str, sig: tuple[Any, ...], ekey: Any, state: Registry) -> tuple[Any, ...]:
-    """The decision-cache key of a call; the facades build the same tuple inline.
-
-    Everything a decision depends on besides the snapshot (which owns the cache):
-    the call's signature, the explicit handle's key, the whole ``op_backend`` /
-    ``use_profile`` scope, and the raw values of ``ASTR_OPS`` and the family's alias.
-    """
-    return (*sig, ekey, _scope_var.get().cache_token, _environ_get(OPS_KEY),
-            _environ_get(state.alias_keys.get(family)))
-
-
-def decide(family: str, sig: tuple[Any, ...], explicit: Any,
+def decide(family: str, sig: Any, explicit: Any,
            build: Callable[..., CallContext], args: tuple[Any, ...]) -> Decision:
-    """The decision for a call whose signature is ``sig`` (== ``CallContext.signature()``).
+    """The decision for a call of ``family`` whose axis values are ``sig``: the one hot
+    path behind every facade, ``ops.call`` and ``resolve``.
 
-    On a cache hit this is a few dict lookups; on a miss ``build(*args)`` makes the
-    full ``CallContext`` and the evaluator runs. Calls under a handle whose verdict
-    depends on the raw call (an object with ``supports_call``) are never cached.
+    The cache key holds everything a decision depends on besides the snapshot (which
+    owns the cache): the family and ``sig``, the explicit handle, the whole
+    ``op_backend`` / ``use_profile`` scope, and the raw values of ``ASTR_OPS`` and the
+    family's legacy alias. A hit is a few lookups; on a miss ``build(*args)`` makes
+    the full ``CallContext`` and the evaluator runs. Calls under a handle whose
+    verdict depends on the raw call (an object with ``supports_call``) are never cached.
     """
+    next(LOOKUPS)
     state = _registry._state or current()
-    scope = _scope_var.get()
-    ekey = explicit if explicit is None or type(explicit) is str else handle_key(explicit)
-    if ekey is UNCACHEABLE or scope.keys.get(family) is UNCACHEABLE:
-        return Decision(evaluate(family, build(*args), explicit, state=state))
-    # == cache_key(family, sig, ekey, state), inlined: this is resolve's hot path
-    key = (*sig, ekey, scope.cache_token, _environ_get(OPS_KEY),
+    scope = _scope_get()
+    if explicit is None or explicit.__class__ is str:
+        ekey = explicit
+    else:
+        ekey = handle_key(explicit)
+        if ekey is UNCACHEABLE:
+            return _uncached(state, family, explicit, build(*args))
+    if scope.uncacheable and family in scope.uncacheable:
+        return _uncached(state, family, explicit, build(*args))
+    key = (family, sig, ekey, scope.cache_token, _environ_get(OPS_KEY),
            _environ_get(state.alias_keys.get(family)))
-    decisions = state.decisions
-    got = decisions.get(key)
-    if got is not None:
-        next(HITS)
-        return got  # type: ignore[no-any-return]
-    return miss(state, key, family, explicit, build(*args))
+    got = state.decisions.get(key)
+    if got is None:
+        return miss(state, key, family, explicit, build(*args))
+    return got  # type: ignore[no-any-return]
+
+
+def _uncached(state: Registry, family: str, explicit: Any, ctx: CallContext) -> Decision:
+    next(UNCACHED)
+    return Decision(evaluate(family, ctx, explicit, state=state))
 
 
 def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
          ctx: CallContext) -> Decision:
     """Evaluate ``ctx`` on ``state`` and remember the decision under ``key`` (bounded)."""
     next(MISSES)
-    got = Decision(evaluate(family, ctx, explicit, state=state))
+    got = _decision(state, evaluate(family, ctx, explicit, state=state))
     decisions = state.decisions
     if len(decisions) >= MAX_DECISIONS:
         try:  # drop the oldest entry; another thread may be doing the same
@@ -378,6 +379,16 @@ def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
             pass
     decisions[key] = got
     return got
+
+
+def _decision(state: Registry, res: Resolution) -> Decision:
+    """The ``Decision`` of a resolution: one object per (row, origin) and snapshot,
+    shared by every cache entry that reaches it."""
+    key = (id(res.record), res.origin)
+    got = state.made.get(key)
+    if got is None or got.resolution.record is not res.record:
+        got = state.made[key] = Decision(res)
+    return got  # type: ignore[no-any-return]
 
 
 def _same(ctx: CallContext) -> CallContext:
@@ -458,22 +469,6 @@ class Explanation:
         }
 
 
-def _context_fields(ctx: CallContext) -> dict[str, Any]:
-    """The call's axes, typed for JSON: ints, bools, None and strings as they are, a dtype
-    (or any other value) as the name the grammar writes; ``render`` formats them as text."""
-
-    def plain(value: Any) -> Any:
-        if value is None or isinstance(value, (bool, int, str)):
-            return value
-        return format_value(value)
-
-    fields = {name: plain(getattr(ctx, name)) for name in (
-        "fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
-        "grad_enabled")}
-    fields.update({k: plain(v) for k, v in sorted(ctx.extra.items())})
-    return fields
-
-
 def _row_text(r: RowVerdict) -> str:
     tag = "  (fallback)" if r.fallback else ""
     if r.verdict == MATCH:
@@ -506,7 +501,7 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
         row, origin = res.name, res.origin
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
-    return Explanation(family, _context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
+    return Explanation(family, context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
                        row, origin, error, source=view.table.source)
 
 

@@ -20,8 +20,7 @@ import torch
 from astrai.dispatch.axes import AXES, PREDICATES, Axis, format_value
 
 if TYPE_CHECKING:
-    from astrai.dispatch.axes import Vocabulary
-    from astrai.dispatch.context import CallContext
+    from astrai.dispatch.axes import CallContext, Vocabulary
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,

@@ -99,10 +99,9 @@ from astrai.dispatch.resolution import (
     explanation,
     row_verdict,
 )
-from astrai.dispatch.stats import SLOW
 from astrai.errors import AstraiError, ExplicitSelectionError
 from astrai.ops import attention
-from astrai.ops._contexts import attention_context
+from astrai.ops import context as facade_context
 
 #: The ``attn_implementation`` name that ``register()`` installs.
 ATTN_IMPLEMENTATION = "astrai"
@@ -354,9 +353,8 @@ def _attention_with_weights(
     Resolved, cached and counted like a facade call (``stats()`` shows the row
     that served it); the row's ``with_weights`` computes both.
     """
-    ctx = attention_context(q, k, v, attn_mask=mask, is_causal=causal)
+    ctx = facade_context("attention", q, k, v, attn_mask=mask, is_causal=causal)
     decision = _weights_decision(ctx)
-    next(SLOW)  # a facade call that went through ``decide`` (see astrai.dispatch.stats)
     next(decision.counter)
     with_weights = getattr(decision.obj, WEIGHTS_METHOD)
     out, weights = with_weights(q, k, v, attn_mask=mask, is_causal=causal)
@@ -413,7 +411,7 @@ def call_context(
     both, and knows about ``output_attentions``).
     """
     q, k, v, mask, causal = _facade_arguments(None, query, key, value, attention_mask, is_causal)
-    return attention_context(q, k, v, attn_mask=mask, is_causal=causal)
+    return facade_context("attention", q, k, v, attn_mask=mask, is_causal=causal)
 
 
 def explain_call(

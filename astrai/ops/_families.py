@@ -1,15 +1,27 @@
-"""Input validation of the built-in families: run once per call, before any row.
+"""The built-in families' calls: how each is validated and how its axes are read.
 
-A row's ``when`` decides *which* implementation may serve a well-formed call; these
-checks make sure the call *is* well-formed, so no row is ever handed shapes that
-disagree (a row might otherwise broadcast them into a wrong result). Each raises
-``ValueError`` (or ``TypeError`` for a non-tensor) naming the shapes; the common,
-well-formed case costs a handful of integer comparisons.
+``describe_<family>`` takes a facade's arguments, makes sure the call is
+well-formed, and returns the values of the core axes the family's calls fill
+(``<FAMILY>_READS`` names them, in order). A row's ``when`` decides *which*
+implementation may serve a well-formed call; the checks make sure the call *is*
+well-formed, so no row is ever handed shapes that disagree (a row might otherwise
+broadcast them into a wrong result). A malformed call is a ``ValueError`` (or a
+``TypeError`` for a non-tensor) naming the shapes. The common, well-formed case
+costs a handful of integer comparisons: this runs on every call, once.
 """
 
 from __future__ import annotations
 
-__all__ = ["check_attention", "check_linear", "check_rms_norm", "check_rotary"]
+__all__ = [
+    "ATTENTION_READS",
+    "LINEAR_READS",
+    "RMS_NORM_READS",
+    "ROTARY_READS",
+    "describe_attention",
+    "describe_linear",
+    "describe_rms_norm",
+    "describe_rotary",
+]
 
 from typing import Any
 
@@ -18,6 +30,14 @@ import torch
 from astrai.backends.attention._dense import PAGED_MODES, check_dense
 from astrai.backends.attention._paged import check_paged
 from astrai.backends.rotary import check_rotary_call
+
+_grad = torch.is_grad_enabled
+
+ATTENTION_READS = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
+                   "grad_enabled")
+ROTARY_READS = ("dtype", "device_cuda", "ndim", "head_dim", "grad_enabled")
+RMS_NORM_READS = ("dtype", "device_cuda", "ndim", "grad_enabled")
+LINEAR_READS = RMS_NORM_READS
 
 
 def _tensors(family: str, **tensors: Any) -> None:
@@ -42,8 +62,9 @@ def _attention_slow(q: Any, k: Any, v: Any, kv_cache: Any, layer_id: int, attn_m
         raise ValueError(f"attention needs v's head_dim >= 1; got v {tuple(v.shape)}")
 
 
-def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
-                    layer_id: int, attn_mask: torch.Tensor | None, fwd: str | None) -> None:
+def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
+                       layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
+                       fwd: str | None) -> tuple[Any, ...]:
     """Dense ``[batch, seq, heads, head_dim]`` q/k/v that agree (GQA allowed), or a
     packed ``[tokens, heads, head_dim]`` call that fits its paged batch."""
     if fwd is not None and fwd not in PAGED_MODES:
@@ -58,38 +79,50 @@ def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         else:
             if (b == kb == vb and kn == vn and kh == vh and d == kd and d > 0 < kh and vd > 0
                     and not h % kh and q.dtype == k.dtype == v.dtype):
-                return
+                return (fwd, q.dtype, q.is_cuda, 4, d, False, False, _grad())
     _attention_slow(q, k, v, kv_cache, layer_id, attn_mask, fwd)
+    return (fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1], kv_cache is not None,
+            attn_mask is not None, _grad())
 
 
-def check_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> None:
+def describe_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]:
     """``x`` 3-d or 4-d with an even head_dim, and a ``(cos, sin)`` table that fits it."""
     _tensors("rotary", x=x, freqs_cis=freqs_cis)
     check_rotary_call(x, freqs_cis)
+    return (x.dtype, x.is_cuda, x.dim(), x.shape[-1], _grad())
 
 
-def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:
     """``weight`` is ``[x.shape[-1]]``; ``eps`` is a non-negative number."""
-    _tensors("rms_norm", x=x, weight=weight)
-    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
+    if x.__class__ is not torch.Tensor or weight.__class__ is not torch.Tensor:
+        _tensors("rms_norm", x=x, weight=weight)
+    shape = x.shape
+    if not shape or weight.shape != shape[-1:]:
         raise ValueError(f"rms_norm expects x [..., features] and weight [features]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+    if (eps.__class__ is not float or not eps >= 0) and (
+            isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
+    return (x.dtype, x.is_cuda, len(shape), _grad())
 
 
-def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def describe_linear(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[Any, ...]:
     """``x [..., in]``, ``weight [out, in]``, ``bias [out]`` or ``None``, one dtype."""
-    _tensors("linear", x=x, weight=weight)
-    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+    if x.__class__ is not torch.Tensor or weight.__class__ is not torch.Tensor:
+        _tensors("linear", x=x, weight=weight)
+    shape, wshape = x.shape, weight.shape
+    if not shape or len(wshape) != 2 or wshape[1] != shape[-1]:
         raise ValueError(f"linear expects x [..., in_features] and weight [out_features, "
                          f"in_features]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    dtype = x.dtype
     if bias is not None:
         _tensors("linear", bias=bias)
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"linear bias must have shape ({weight.shape[0]},) to match "
-                             f"weight {tuple(weight.shape)}; got {tuple(bias.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        if tuple(bias.shape) != (wshape[0],):
+            raise ValueError(f"linear bias must have shape ({wshape[0]},) to match "
+                             f"weight {tuple(wshape)}; got {tuple(bias.shape)}")
+    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
         raise ValueError(f"linear expects x, weight and bias of one dtype; got x {x.dtype}, "
                          f"weight {weight.dtype}"
                          + ("" if bias is None else f", bias {bias.dtype}"))
+    return (dtype, x.is_cuda, len(shape), _grad())

@@ -1,0 +1,90 @@
+"""The facade factory: one definition of the hot path, built per family.
+
+A ``FamilyCall`` says what a family's facade call is: its parameters, which of
+them a row takes positionally, the core axes the call fills and the function that
+validates a call and reads them (``describe``). ``route`` turns it into the
+function every call goes through: validate and read the axes once, take the
+decision (baked in at trace time under ``torch.compile``, else from the decision
+cache), count it, and hand back the object to call.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FamilyCall", "route"]
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from astrai.dispatch import compiled
+from astrai.dispatch.axes import CallContext
+from astrai.dispatch.compiled import IMPLS, decision_name
+from astrai.dispatch.resolution import decide
+
+# Dynamo folds this to True while tracing (it cannot trace the ContextVar read in
+# ``decide``); eagerly it is a one-line ``return False``.
+_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class FamilyCall:
+    """One built-in family's facade call (see the module docstring)."""
+
+    family: str
+    params: tuple[str, ...]  # the facade's parameters, ``backend`` left out
+    defaults: tuple[Any, ...]  # their defaults (``inspect.Parameter.empty`` where none)
+    positional: int  # the first ``positional`` are passed to a row positionally
+    reads: tuple[str, ...]  # the core axes ``describe`` returns, in order
+    describe: Callable[..., tuple[Any, ...]]
+
+    @classmethod
+    def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
+           reads: tuple[str, ...], *, positional: int) -> FamilyCall:
+        """The ``FamilyCall`` of ``facade`` (its parameters read off its signature)."""
+        params = [p for p in inspect.signature(facade).parameters.values()
+                  if p.name != "backend"]
+        return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
+                   tuple(p.default for p in params), positional, reads, describe)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The facade's full argument tuple for ``facade(*args, **kwargs)``."""
+        if len(args) > len(self.params):
+            raise TypeError(f"{self.family} takes at most {len(self.params)} arguments "
+                            f"({', '.join(self.params)}), got {len(args)}")
+        full = list(args) + list(self.defaults[len(args):])
+        for name, value in kwargs.items():
+            if name not in self.params[len(args):]:
+                raise TypeError(f"{self.family} got an unexpected or repeated argument "
+                                f"{name!r}; parameters: {', '.join(self.params)}")
+            full[self.params.index(name)] = value
+        missing = [n for n, v in zip(self.params, full, strict=True)
+                   if v is inspect.Parameter.empty]
+        if missing:
+            raise TypeError(f"{self.family} is missing {', '.join(missing)}")
+        return tuple(full)
+
+    def context(self, *args: Any) -> CallContext:
+        """The ``CallContext`` of a call given as the full argument tuple."""
+        cut = self.positional
+        return CallContext.of(self.family, self.reads, self.describe(*args), raw=args[:cut],
+                              raw_kwargs=dict(zip(self.params[cut:], args[cut:], strict=True)))
+
+
+def route(fc: FamilyCall) -> Route:
+    """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call."""
+    family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
+
+    def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
+        values = describe(*args)
+        if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
+            return IMPLS[decision_name(family, reads, values, backend, compiled.KEY)]  # type: ignore[no-any-return]
+        d = decide(family, values, backend, context, args)
+        next(d.counter)
+        return d.call  # type: ignore[no-any-return]
+
+    return pick
