@@ -54,7 +54,7 @@ from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.spec import Spec
-from astrai.dispatch.stats import LOOKUPS, MISSES, UNCACHED, counter
+from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
 _scope_get = _scope_var.get
@@ -341,8 +341,8 @@ def decide(family: str, sig: Any, explicit: Any,
     family's legacy alias. A hit is a few lookups; on a miss ``build(*args)`` makes
     the full ``CallContext`` and the evaluator runs. Calls under a handle whose
     verdict depends on the raw call (an object with ``supports_call``) are never cached.
+    A caller that does not then count a served call bumps ``stats.QUIET``.
     """
-    next(LOOKUPS)
     state = _registry._state or current()
     scope = _scope_get()
     if explicit is None or explicit.__class__ is str:
@@ -400,6 +400,7 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     sig = ctx.signature()
     if sig[0] != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
+    next(QUIET)
     return decide(family, sig, explicit, _same, (ctx,)).resolution
 
 

@@ -9,7 +9,7 @@ user notices a silent fallback: ``stats().served("attention", "math")``.
 
 from __future__ import annotations
 
-__all__ = ["LOOKUPS", "MISSES", "UNCACHED", "UsageStats", "counter", "reset_stats", "stats"]
+__all__ = ["MISSES", "QUIET", "UNCACHED", "UsageStats", "counter", "reset_stats", "stats"]
 
 import itertools
 from collections.abc import Mapping
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 Key = tuple[str, str, str]  # family, row, origin
 
 _counters: dict[Key, itertools.count[int]] = {}
-# Decision-cache counts: every lookup, and those that missed or could not be cached
-# (a handle whose verdict depends on the raw call); the rest were hits.
-LOOKUPS: itertools.count[int] = itertools.count()
+# Decision-cache counts. Every lookup that serves a call bumps that row's usage counter;
+# ``QUIET`` counts the lookups that serve none (``resolve``); ``MISSES`` and ``UNCACHED``
+# (a handle whose verdict depends on the raw call) the ones that were not hits.
+QUIET: itertools.count[int] = itertools.count()
 MISSES: itertools.count[int] = itertools.count()
 UNCACHED: itertools.count[int] = itertools.count()
 _baseline: dict[object, int] = {}
@@ -39,9 +40,9 @@ def _value(c: itertools.count[int]) -> int:
     return int(c.__reduce__()[1][0])  # type: ignore[index]
 
 
-def _hits() -> int:
+def _hits(usage: dict[Key, int]) -> int:
     """All decision-cache hits so far."""
-    return _value(LOOKUPS) - _value(MISSES) - _value(UNCACHED)
+    return sum(usage.values()) + _value(QUIET) - _value(MISSES) - _value(UNCACHED)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def stats(reset: bool = False) -> UsageStats:
     totals = {key: _value(c) for key, c in list(_counters.items())}
     calls = {key: n - _baseline.get(key, 0) for key, n in totals.items()}
     snap = UsageStats({k: n for k, n in calls.items() if n},
-                      _hits() - _baseline.get("hits", 0),
+                      _hits(totals) - _baseline.get("hits", 0),
                       _value(MISSES) - _baseline.get("misses", 0))
     if reset:
         reset_stats()
@@ -95,7 +96,7 @@ def reset_stats() -> None:
     """Zero every counter."""
     totals: dict[Key, int] = {key: _value(c) for key, c in list(_counters.items())}
     base: dict[object, int] = {key: n for key, n in totals.items()}
-    base["hits"] = _hits()
+    base["hits"] = _hits(totals)
     base["misses"] = _value(MISSES)
     _baseline.clear()
     _baseline.update(base)

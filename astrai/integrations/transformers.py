@@ -99,6 +99,7 @@ from astrai.dispatch.resolution import (
     explanation,
     row_verdict,
 )
+from astrai.dispatch.stats import QUIET
 from astrai.errors import AstraiError, ExplicitSelectionError
 from astrai.ops import attention
 from astrai.ops import context as facade_context
@@ -335,6 +336,7 @@ def _weights_decision(ctx: CallContext) -> Decision:
     decision = decide(_FAMILY, sig, None, _same, (ctx,))
     if _returns_weights(decision.obj):
         return decision
+    next(QUIET)  # that lookup serves no call: the one below does
     handle, why = _weights_handle(current(), decision.resolution, ctx)
     if decision.resolution.origin not in ("chain", "fallback"):
         warn_once(why)  # a soft choice of the user's is set aside for this call: say so
