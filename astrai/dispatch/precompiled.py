@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai.dispatch.spec_data import Plain
+from astrai.dispatch.expr.spec import Plain
 
 ARTIFACT = "precompiled.json"
 FORMAT = 1
