@@ -64,12 +64,6 @@ class SpecSyntaxError(AstraiError, ValueError):
         self.column = column
         super().__init__(self.render())
 
-    def located(self, file: str | None, line: int, column: int) -> SpecSyntaxError:
-        """Return a copy placed at ``file:line:column`` (column of the expression's start)."""
-        return SpecSyntaxError(
-            self.message, self.source, self.span, file=file, line=line, column=column + self.span[0]
-        )
-
     def render(self) -> str:
         """``file:line:col: message``, then the expression (at most ``ECHO`` characters
         either side of the error, elided with ``...``) with a caret under the span."""

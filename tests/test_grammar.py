@@ -11,26 +11,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
-from astrai.dispatch._parser import MAX_DEPTH
 from astrai.dispatch.axes import CORE_VOCABULARY, DTYPES, KEYWORDS, Axis, CallContext, Vocabulary
-from astrai.dispatch.grammar import (
-    AndNode,
-    AxisNode,
-    CompareNode,
-    ConstNode,
-    Expr,
-    MemberNode,
-    NotNode,
-    OrNode,
-    PredicateNode,
-    compile_expression,
-    parse_expression,
-    to_spec,
-    to_text,
-)
-from astrai.dispatch.spec import Spec
+from astrai.dispatch.expr._parser import MAX_DEPTH
+from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.errors import ECHO, SpecSyntaxError
 
 WINDOW = Axis("window", "int", nullable=True, core=False)
@@ -77,7 +61,7 @@ def call(**fields: Any) -> CallContext:
 def rendered(text: str, vocabulary: Vocabulary | None = None) -> str:
     """The rendered error that parsing ``text`` raises."""
     with pytest.raises(SpecSyntaxError) as info:
-        parse_expression(text, vocabulary)
+        parse_spec(text, vocabulary)
     return info.value.render()
 
 
@@ -100,13 +84,14 @@ TOKEN_SOUP = [
 def check_compiles_or_fails_cleanly(text: str) -> None:
     """``text`` compiles to a spec whose description round-trips, or fails with a caret."""
     try:
-        spec = compile_expression(text)
+        spec = parse_spec(text)
     except SpecSyntaxError as exc:
         start, end = exc.span
         assert 0 <= start <= end <= len(text)
         assert exc.render().startswith(exc.message)
         return
-    assert compile_expression(spec.description).description == spec.description
+    assert parse_spec(spec.description) == spec
+    assert parse_spec(spec.description).description == spec.description
 
 
 ORDERINGS = ["<", "<=", ">", ">="]
@@ -123,30 +108,30 @@ VALUES: dict[str, list[Any]] = {
 BOOL_AXES = ["has_cache", "has_mask", "device_cuda", "grad_enabled"]
 
 
+#: A reference expression, independent of ``Spec``: ("const", bool), ("axis", name),
+#: ("pred", name), ("cmp", axis, op, value), ("in", axis, values, negated),
+#: ("not", expr), ("and", (expr, ...)), ("or", (expr, ...)).
+Expr = tuple[Any, ...]
+
+
 def _comparisons(axis: str) -> st.SearchStrategy[Expr]:
     values = st.sampled_from(VALUES[axis])
-    equalities = st.builds(
-        CompareNode, axis=st.just(axis), op=st.sampled_from(["==", "!="]), value=values
-    )
-    members = st.builds(
-        MemberNode,
-        axis=st.just(axis),
-        values=st.lists(values, min_size=1, max_size=3).map(tuple),
-        negated=st.booleans(),
+    equalities = st.tuples(st.just("cmp"), st.just(axis), st.sampled_from(["==", "!="]), values)
+    members = st.tuples(
+        st.just("in"), st.just(axis), st.lists(values, min_size=1, max_size=3).map(tuple),
+        st.booleans(),
     )
     if axis not in ("ndim", "head_dim"):
         return equalities | members
     ordered = st.sampled_from([v for v in VALUES[axis] if v is not None])
-    orderings = st.builds(
-        CompareNode, axis=st.just(axis), op=st.sampled_from(ORDERINGS), value=ordered
-    )
+    orderings = st.tuples(st.just("cmp"), st.just(axis), st.sampled_from(ORDERINGS), ordered)
     return equalities | members | orderings
 
 
 LEAVES: st.SearchStrategy[Expr] = st.one_of(
-    st.builds(ConstNode, value=st.booleans()),
-    st.builds(AxisNode, axis=st.sampled_from(BOOL_AXES)),
-    st.builds(PredicateNode, name=st.sampled_from(sorted(CORE_VOCABULARY.predicates))),
+    st.tuples(st.just("const"), st.booleans()),
+    st.tuples(st.just("axis"), st.sampled_from(BOOL_AXES)),
+    st.tuples(st.just("pred"), st.sampled_from(sorted(CORE_VOCABULARY.predicates))),
     *[_comparisons(axis) for axis in VALUES],
 )
 
@@ -154,24 +139,53 @@ LEAVES: st.SearchStrategy[Expr] = st.one_of(
 def _compound(children: st.SearchStrategy[Expr]) -> st.SearchStrategy[Expr]:
     several = st.lists(children, min_size=2, max_size=3).map(tuple)
     return st.one_of(
-        st.builds(NotNode, item=children),
-        st.builds(AndNode, items=several),
-        st.builds(OrNode, items=several),
+        st.tuples(st.just("not"), children),
+        st.tuples(st.just("and"), several),
+        st.tuples(st.just("or"), several),
     )
 
 
 def _depth(node: Expr) -> int:
     """How deeply ``not``, ``and`` and ``or`` nest in ``node``."""
-    if isinstance(node, NotNode):
-        return 1 + _depth(node.item)
-    if isinstance(node, (AndNode, OrNode)):
-        return 1 + max(_depth(item) for item in node.items)
+    if node[0] == "not":
+        return 1 + _depth(node[1])
+    if node[0] in ("and", "or"):
+        return 1 + max(_depth(item) for item in node[1])
     return 0
 
 
 EXPRESSIONS: st.SearchStrategy[Expr] = st.recursive(LEAVES, _compound, max_leaves=10).filter(
     lambda node: _depth(node) < MAX_DEPTH // 2
 )
+
+
+def build(node: Expr) -> Spec:
+    """The spec for ``node``, made with the public combinators (no text involved)."""
+    match node:
+        case ("const", value):
+            return Spec.always() if value else Spec.never()
+        case ("axis", axis):
+            return Spec.has_cache() if axis == "has_cache" else parse_spec(axis)
+        case ("pred", name):
+            return getattr(Spec, name)()  # type: ignore[no-any-return]
+        case ("cmp", axis, op, value):
+            return Spec.compare(axis, op, value)
+        case ("in", axis, values, negated):
+            return Spec.member(axis, values, negated)
+        case ("not", item):
+            return ~build(item)
+        case ("and", items):
+            spec = build(items[0])
+            for item in items[1:]:
+                spec = spec & build(item)
+            return spec
+        case ("or", items):
+            spec = build(items[0])
+            for item in items[1:]:
+                spec = spec | build(item)
+            return spec
+    raise AssertionError(node)
+
 
 GRID = [
     call(fwd=fwd, dtype=dtype, ndim=ndim, head_dim=head_dim, has_cache=cache, has_mask=mask,
@@ -202,24 +216,24 @@ _PREDICATES: dict[str, Callable[[CallContext], bool]] = {
 def evaluate(node: Expr, ctx: CallContext) -> bool:
     """A reference evaluator, written independently of ``Spec``."""
     match node:
-        case ConstNode(value=value):
-            return value
-        case AxisNode(axis=axis):
+        case ("const", value):
+            return bool(value)
+        case ("axis", axis):
             return bool(getattr(ctx, axis))
-        case PredicateNode(name=name):
+        case ("pred", name):
             return _PREDICATES[name](ctx)
-        case CompareNode(axis=axis, op=op, value=value):
+        case ("cmp", axis, op, value):
             got = getattr(ctx, axis)
             if op in ORDERINGS and got is None:
                 return False
             return _OPERATORS[op](got, value)
-        case MemberNode(axis=axis, values=values, negated=negated):
+        case ("in", axis, values, negated):
             return (getattr(ctx, axis) in values) != negated
-        case NotNode(item=item):
+        case ("not", item):
             return not evaluate(item, ctx)
-        case AndNode(items=items):
+        case ("and", items):
             return all(evaluate(i, ctx) for i in items)
-        case OrNode(items=items):
+        case ("or", items):
             return any(evaluate(i, ctx) for i in items)
     raise AssertionError(node)
 
@@ -228,58 +242,47 @@ class TestParseExpression:
     @pytest.mark.parametrize("text", [example for example, _, _ in SPEC_EXAMPLES])
     def test_spec_examples_parse(self, text: str) -> None:
         """Every example of SPEC §4 parses and prints back as itself."""
-        assert to_text(parse_expression(text)) == text
+        assert parse_spec(text).description == text
 
-    def test_builds_typed_nodes(self) -> None:
+    def test_builds_typed_combinators(self) -> None:
         """Values are typed by their axis: enum strings, dtypes, ints, bools and None."""
-        node = parse_expression("fwd in {prefill, none} and dtype == half and ndim >= 3")
-        assert node == AndNode(
-            items=(
-                MemberNode(axis="fwd", values=("prefill", None), span=(0, 22)),
-                CompareNode(axis="dtype", op="==", value=torch.float16, span=(27, 40)),
-                CompareNode(axis="ndim", op=">=", value=3, span=(45, 54)),
-            ),
-            span=(0, 54),
-        )
+        spec = parse_spec("fwd in {prefill, none} and dtype == half and ndim >= 3")
+        assert spec == (Spec.member("fwd", ("prefill", None))
+                        & Spec.compare("dtype", "==", torch.float16)
+                        & Spec.compare("ndim", ">=", 3))
+        assert spec.encode() == ["and", [["in", "fwd", ["prefill", None], False],
+                                         ["cmp", "dtype", "==", {"dtype": "float16"}],
+                                         ["cmp", "ndim", ">=", 3]]]
 
     def test_bool_axis_comparisons(self) -> None:
         """A bool axis compares with true and false, and tests membership."""
-        node = parse_expression("has_cache == true or has_mask not in {false}")
-        assert node == OrNode(
-            items=(
-                CompareNode(axis="has_cache", op="==", value=True, span=(0, 17)),
-                MemberNode(axis="has_mask", values=(False,), negated=True, span=(21, 44)),
-            ),
-            span=(0, 44),
-        )
+        spec = parse_spec("has_cache == true or has_mask not in {false}")
+        assert spec == (Spec.compare("has_cache", "==", True)
+                        | Spec.member("has_mask", (False,), negated=True))
 
     def test_names_axes_and_predicates(self) -> None:
-        """A standing bool axis becomes an AxisNode and a predicate a PredicateNode."""
-        node = parse_expression("not has_cache and inference")
-        assert node == AndNode(
-            items=(
-                NotNode(item=AxisNode(axis="has_cache", span=(4, 13)), span=(0, 13)),
-                PredicateNode(name="inference", span=(18, 27)),
-            ),
-            span=(0, 27),
-        )
+        """A standing bool axis is an atom; a predicate stands for its definition."""
+        spec = parse_spec("not has_cache and inference")
+        assert spec == ~Spec.has_cache() & Spec.inference()
+        negated, named = spec.parts
+        assert (negated.kind, negated.parts[0].kind, named.kind) == ("not", "atom", "named")
+        assert named.parts == (Spec.compare("fwd", "!=", None),)
 
-    def test_parenthesised_span_includes_the_parentheses(self) -> None:
-        """A parenthesised expression's span covers its parentheses."""
-        node = parse_expression("has_cache and ( fwd == decode )")
-        assert isinstance(node, AndNode)
-        assert node.items[1].span == (14, 31)
+    def test_parentheses_leave_no_trace(self) -> None:
+        """A parenthesised expression is the expression itself."""
+        assert parse_spec("has_cache and ( fwd == decode )") == parse_spec(
+            "has_cache and fwd == decode")
 
     def test_precedence(self) -> None:
         """``not`` binds tighter than ``and``, which binds tighter than ``or``."""
-        node = parse_expression("not has_cache and has_mask or device_cuda")
-        assert isinstance(node, OrNode) and isinstance(node.items[0], AndNode)
-        assert isinstance(node.items[0].items[0], NotNode)
+        spec = parse_spec("not has_cache and has_mask or device_cuda")
+        assert spec.kind == "or" and spec.parts[0].kind == "and"
+        assert spec.parts[0].parts[0].kind == "not"
 
     def test_whitespace_is_free(self) -> None:
         """Whitespace between tokens is optional and may be any amount."""
         assert (
-            to_text(parse_expression("\tndim>=3 and(fwd!=none)\n")) == "ndim >= 3 and fwd != none"
+            parse_spec("\tndim>=3 and(fwd!=none)\n").description == "ndim >= 3 and fwd != none"
         )
 
     def test_keywords_are_only_keywords_as_whole_words(self) -> None:
@@ -290,25 +293,25 @@ class TestParseExpression:
             "inner": Axis("inner", "bool", core=False),
         }
         text = "order in {1, 2} or notes and not inner"
-        assert to_text(parse_expression(text, CORE_VOCABULARY.with_extras(extras))) == text
+        assert parse_spec(text, CORE_VOCABULARY.with_extras(extras)).description == text
 
     @pytest.mark.parametrize("keyword", sorted(KEYWORDS))
     def test_keywords_cannot_name_an_axis(self, keyword: str) -> None:
         """A keyword in an axis's place is a syntax error, whatever the vocabulary says."""
         vocabulary = CORE_VOCABULARY.with_extras({keyword: Axis(keyword, "int", core=False)})
         with pytest.raises(SpecSyntaxError):
-            parse_expression(f"{keyword} == 3", vocabulary)
+            parse_spec(f"{keyword} == 3", vocabulary)
 
     def test_extra_axis(self) -> None:
         """An extra axis is accepted in the vocabulary that declares it."""
-        assert parse_expression("window >= 128", WINDOWED) == CompareNode(
-            axis="window", op=">=", value=128, span=(0, 13)
-        )
+        spec = parse_spec("window >= 128", WINDOWED)
+        assert spec.test is not None and spec.test.axis == WINDOW
+        assert spec.encode() == ["cmp", "window", ">=", 128]
 
     def test_errors_are_value_errors(self) -> None:
         """The syntax error is a ValueError carrying the source and span."""
         with pytest.raises(ValueError) as info:
-            parse_expression("ndim == x")
+            parse_spec("ndim == x")
         assert isinstance(info.value, SpecSyntaxError)
         assert (info.value.source, info.value.span) == ("ndim == x", (8, 9))
 
@@ -568,10 +571,10 @@ class TestParseExpression:
     def test_deep_not_chains_never_overflow_the_stack(self) -> None:
         """Thousands of ``not``s are a syntax error, not a RecursionError."""
         with pytest.raises(SpecSyntaxError):
-            parse_expression("not " * 5000 + "has_cache")
+            parse_spec("not " * 5000 + "has_cache")
 
 
-class TestToText:
+class TestDescription:
     @pytest.mark.parametrize(
         ("text", "canonical"),
         [
@@ -595,45 +598,50 @@ class TestToText:
     def test_canonical_text(self, text: str, canonical: str) -> None:
         """Text is printed canonically, equal to the compiled spec's description."""
         expected = canonical
-        assert to_text(parse_expression(text)) == expected
-        assert compile_expression(text).description == expected
+        assert parse_spec(text).description == expected
+        assert parse_spec(expected) == parse_spec(text)
 
     def test_hand_built_nested_ands_flatten(self) -> None:
         """An ``and`` inside an ``and`` prints without parentheses, as the spec does."""
-        inner = AndNode(items=(AxisNode(axis="has_cache"), AxisNode(axis="has_mask")))
-        node = AndNode(items=(inner, ConstNode(value=False)))
-        assert to_text(node) == "has_cache and has_mask and never"
-        assert to_spec(node).description == to_text(node)
+        inner = Spec.has_cache() & parse_spec("has_mask")
+        spec = inner & Spec.never()
+        assert spec.description == "has_cache and has_mask and never"
+        assert len(spec.parts) == 3
 
     def test_or_inside_not_and_and_is_parenthesised(self) -> None:
         """An ``or`` under ``not`` or ``and`` keeps its parentheses."""
-        either = OrNode(items=(AxisNode(axis="has_cache"), PredicateNode(name="training")))
-        node = AndNode(items=(NotNode(item=either), either))
-        assert to_text(node) == "not (has_cache or training) and (has_cache or training)"
+        either = Spec.has_cache() | Spec.training()
+        spec = ~either & either
+        assert spec.description == "not (has_cache or training) and (has_cache or training)"
+        assert parse_spec(spec.description) == spec
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(node=EXPRESSIONS)
     def test_round_trip(self, node: Expr) -> None:
-        """Canonical text parses back to a node with the same canonical text."""
-        text = to_text(node)
-        assert to_text(parse_expression(text)) == text
-        assert to_spec(node).description == text
+        """A spec's description parses back to an equal spec with the same description, and
+        its plain encoding decodes to an equal spec."""
+        spec = build(node)
+        text = spec.description
+        assert parse_spec(text) == spec
+        assert parse_spec(text).description == text
+        assert Spec.decode(spec.encode()) == spec
+        assert Spec.decode(spec.encode()).description == text
 
 
-class TestToSpec:
+class TestMatches:
     @pytest.mark.parametrize(("text", "accepted", "refused"), SPEC_EXAMPLES)
     def test_spec_examples_evaluate(
         self, text: str, accepted: dict[str, Any], refused: dict[str, Any] | None
     ) -> None:
         """Each SPEC §4 example accepts the call it should and refuses the other."""
-        spec = to_spec(parse_expression(text))
+        spec = parse_spec(text)
         assert spec.matches(call(**accepted))
         if refused is not None:
             assert not spec.matches(call(**refused))
 
     def test_extra_axis_reads_the_context_extras(self) -> None:
         """An extra axis reads its value from ``ctx.extra``."""
-        spec = to_spec(parse_expression("window >= 128 and has_cache", WINDOWED), WINDOWED)
+        spec = parse_spec("window >= 128 and has_cache", WINDOWED)
         assert spec.matches(call(has_cache=True, extra={"window": 256}))
         assert not spec.matches(call(has_cache=True, extra={"window": 64}))
         assert not spec.matches(call(has_cache=True))
@@ -643,70 +651,78 @@ class TestToSpec:
         vocabulary = Vocabulary(
             predicates={"long_window": ("window > 4096", "window")}
         ).with_extras({"window": WINDOW})
-        spec = to_spec(parse_expression("long_window", vocabulary), vocabulary)
+        spec = parse_spec("long_window", vocabulary)
         assert spec.description == "long_window"
         assert spec.matches(call(extra={"window": 8192}))
         assert not spec.matches(call(extra={"window": 1024}))
 
-    def test_error_unknown_axis_in_hand_built_node(self) -> None:
-        """A hand-built node naming an unknown axis is refused against its own text."""
-        node = AndNode(items=(AxisNode(axis="has_cache"), AxisNode(axis="has_cahce")))
-        with pytest.raises(SpecSyntaxError) as info:
-            to_spec(node)
-        assert info.value.render() == error(
-            f"unknown axis 'has_cahce' (did you mean 'has_cache'?); expected one of: {CORE_AXES}",
-            "has_cache and has_cahce",
-            "^" + "~" * 22,
-        )
+    def test_error_decoding_an_unknown_axis(self) -> None:
+        """Decoding names its axes in the vocabulary: an unknown one is a ValueError."""
+        with pytest.raises(ValueError, match="not an encoded spec"):
+            Spec.decode(["and", [["axis", "has_cache"], ["axis", "has_cahce"]]])
+
+    def test_error_decoding_garbage(self) -> None:
+        """Data that is not an encoding is a ValueError, never another exception."""
+        for plain in (["xor", []], [], ["cmp", "ndim"], ["in", "fwd", 3, False]):
+            with pytest.raises(ValueError, match="not an encoded spec"):
+                Spec.decode(plain)
+
+    def test_opaque_spec_has_no_encoding(self) -> None:
+        """A spec that calls Python cannot be encoded."""
+        with pytest.raises(TypeError, match="calls Python"):
+            (Spec.of(bool, "python") & Spec.has_cache()).encode()
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(node=EXPRESSIONS)
     def test_truth_table_survives_text(self, node: Expr) -> None:
-        """The compiled node, its reparsed text and a reference evaluator agree on every call."""
-        direct = to_spec(node)
-        reparsed = compile_expression(to_text(node))
+        """The built spec, its reparsed text, its decoded encoding and a reference evaluator
+        agree on every call."""
+        direct = build(node)
+        reparsed = parse_spec(direct.description)
+        decoded = Spec.decode(direct.encode())
         for ctx in GRID:
             expected = evaluate(node, ctx)
             assert direct.matches(ctx) is expected
             assert reparsed.matches(ctx) is expected
+            assert decoded.matches(ctx) is expected
 
 
-class TestCompileExpression:
+class TestParseSpec:
     def test_returns_spec(self) -> None:
         """The result is a Spec whose description is the canonical text."""
-        spec = compile_expression("dtype in {half} and head_dim <= 128")
+        spec = parse_spec("dtype in {half} and head_dim <= 128")
         assert isinstance(spec, Spec)
         assert spec.description == "dtype in {float16} and head_dim <= 128"
 
     def test_parse_spec_uses_the_grammar(self) -> None:
         """``Spec.parse`` compiles through the grammar."""
-        assert Spec.parse("training or no_grad") == compile_expression("training or no_grad")
+        assert Spec.parse("training or no_grad") == parse_spec("training or no_grad")
 
     def test_cached_per_text(self) -> None:
         """Compiling the same text twice returns the same object."""
-        assert compile_expression("has_cache and ndim == 4") is compile_expression(
+        assert parse_spec("has_cache and ndim == 4") is parse_spec(
             "has_cache and ndim == 4"
         )
 
     def test_cached_per_vocabulary(self) -> None:
         """Equal vocabularies share a cache entry; a different vocabulary does not."""
         again = CORE_VOCABULARY.with_extras({"window": WINDOW})
-        spec = compile_expression("window == none", WINDOWED)
-        assert compile_expression("window == none", again) is spec
+        spec = parse_spec("window == none", WINDOWED)
+        assert parse_spec("window == none", again) is spec
         other = CORE_VOCABULARY.with_extras({"window": Axis("window", "int", core=False)})
         with pytest.raises(SpecSyntaxError, match="expected an integer for 'window'"):
-            compile_expression("window == none", other)
+            parse_spec("window == none", other)
 
     def test_extra_axis_only_in_its_vocabulary(self) -> None:
         """An extra axis compiles in its vocabulary and fails in the core one."""
-        assert compile_expression("window > 0", WINDOWED).matches(call(extra={"window": 1}))
+        assert parse_spec("window > 0", WINDOWED).matches(call(extra={"window": 1}))
         with pytest.raises(SpecSyntaxError, match="unknown axis 'window'"):
-            compile_expression("window > 0")
+            parse_spec("window > 0")
 
     def test_error_is_rendered_with_caret(self) -> None:
         """Compilation raises the parser's error unchanged."""
         with pytest.raises(SpecSyntaxError) as info:
-            compile_expression("fwd == prefil")
+            parse_spec("fwd == prefil")
         assert str(info.value) == error(
             "unknown value 'prefil' for 'fwd' (did you mean 'prefill'?); "
             "expected one of: prefill, decode, none",
@@ -737,25 +753,29 @@ class TestCompileExpression:
         self, node: Expr, data: st.DataObject
     ) -> None:
         """A valid expression cut short, or with a token spliced in, never crashes the parser."""
-        text = to_text(node)
+        text = build(node).description
         cut = data.draw(st.integers(min_value=0, max_value=len(text)))
         word = data.draw(st.sampled_from(TOKEN_SOUP))
         check_compiles_or_fails_cleanly(text[:cut])
         check_compiles_or_fails_cleanly(f"{text[:cut]} {word} {text[cut:]}")
 
 
-class TestNodes:
+class TestSpecValues:
     def test_frozen(self) -> None:
-        """Nodes cannot be changed after construction."""
-        node = AxisNode(axis="has_cache")
-        with pytest.raises(ValidationError):
-            node.axis = "has_mask"  # type: ignore[misc, unused-ignore]
+        """Specs cannot be changed after construction."""
+        spec = parse_spec("has_cache")
+        with pytest.raises(AttributeError):
+            spec.axis = "has_mask"  # type: ignore[attr-defined]
 
     def test_hashable(self) -> None:
-        """Equal nodes hash equally."""
-        assert hash(parse_expression("not has_cache")) == hash(parse_expression("not has_cache"))
+        """Equal specs hash equally."""
+        assert hash(parse_spec("not has_cache")) == hash(~Spec.has_cache())
 
-    def test_boolean_nodes_need_two_items(self) -> None:
-        """An ``and`` of one item is refused."""
-        with pytest.raises(ValidationError):
-            AndNode(items=(AxisNode(axis="has_cache"),))
+    def test_junction_of_one_is_the_item(self) -> None:
+        """An ``and`` never holds a single item: it is that item."""
+        spec = parse_spec("(has_cache)")
+        assert spec == Spec.has_cache() and spec.kind == "atom"
+
+    def test_set_order_does_not_matter(self) -> None:
+        """Sets are sets: order and repeats do not change equality."""
+        assert parse_spec("ndim in {3, 2, 3}") == parse_spec("ndim in {2, 3}")

@@ -179,7 +179,7 @@ def test_load_imports_no_pydantic_or_yaml() -> None:
     """Importing astrai and loading the shipped tables imports neither pydantic, PyYAML,
     the expression parser nor the file models (the import-time budget of SPEC §11)."""
     code = ("import sys, astrai.dispatch as d, astrai.ops; d.current(); "
-            "print(sorted(m for m in ('pydantic', 'yaml', 'astrai.dispatch.grammar', "
+            "print(sorted(m for m in ('pydantic', 'yaml', 'astrai.dispatch.expr._parser', "
             "'astrai.dispatch.models', 'astrai.dispatch._yaml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**__import__("os").environ, "ASTR_TABLES": ""})

@@ -11,6 +11,7 @@ from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.env import OPS_ENV
+from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.dispatch.overrides import (
     current_overrides,
     current_profiles,
@@ -45,7 +46,6 @@ from astrai.dispatch.resolution import (
     resolve,
     resolve_plan,
 )
-from astrai.dispatch.spec import Spec, parse_spec
 from astrai.dispatch.stats import UsageStats, reset_stats, stats
 from astrai.errors import (
     AstraiError,

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, format_value
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import current
-from astrai.dispatch.spec import And, Compare, Const, Flag, Member, Named, Not, Or, Spec
 
 #: Above this many combinations, a deterministic sample of this size is analysed.
 MAX_COMBINATIONS = 200_000
@@ -105,24 +105,15 @@ class _Mention:
 
 def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
     """Collect the axes and values ``spec`` tests, and the opaque parts it contains."""
-    if isinstance(spec, (Compare, Member)):
-        got = mentions.setdefault(spec.axis.name, _Mention(spec.axis))
-        if isinstance(spec, Compare):
-            got.values.add(spec.value)
-            got.ordered |= spec.op in _ORDERING
-        else:
-            got.values.update(spec.values)
-    elif isinstance(spec, Flag):
-        mentions.setdefault(spec.axis.name, _Mention(spec.axis))
-    elif isinstance(spec, Named):
-        _walk(spec.inner, mentions, opaque)
-    elif isinstance(spec, Not):
-        _walk(spec.part, mentions, opaque)
-    elif isinstance(spec, (And, Or)):
-        for part in spec.parts:
-            _walk(part, mentions, opaque)
-    elif not isinstance(spec, Const):
+    test = spec.test
+    if test is not None:
+        got = mentions.setdefault(test.axis.name, _Mention(test.axis))
+        got.values.update(test.values)
+        got.ordered |= test.ordering
+    elif spec.kind == "opaque":
         opaque.append(spec.description)
+    for part in spec.parts:
+        _walk(part, mentions, opaque)
 
 
 def _int_domain(values: set[Any]) -> Domain:
@@ -183,15 +174,16 @@ def _combinations(sizes: list[int]) -> tuple[Iterator[tuple[int, ...]], int, boo
 
 def _tri(spec: Spec, ctx: CallContext) -> bool | None:
     """``spec`` on ``ctx`` in three-valued logic: ``None`` where an opaque part decides."""
-    if isinstance(spec, (Compare, Member, Flag, Const)):
+    kind = spec.kind
+    if kind in ("atom", "const"):
         return spec.matches(ctx)
-    if isinstance(spec, Named):
-        return _tri(spec.inner, ctx)
-    if isinstance(spec, Not):
-        got = _tri(spec.part, ctx)
+    if kind == "named":
+        return _tri(spec.parts[0], ctx)
+    if kind == "not":
+        got = _tri(spec.parts[0], ctx)
         return None if got is None else not got
-    if isinstance(spec, (And, Or)):
-        decisive = isinstance(spec, Or)  # the value that settles the whole expression
+    if kind in ("and", "or"):
+        decisive = kind == "or"  # the value that settles the whole expression
         result: bool | None = not decisive
         for part in spec.parts:
             got = _tri(part, ctx)

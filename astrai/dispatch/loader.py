@@ -15,7 +15,6 @@ from __future__ import annotations
 
 __all__ = ["ParsedFile", "build_overlay_rows", "parse_file", "parse_text"]
 
-import functools
 import hashlib
 import os
 import stat
@@ -30,10 +29,9 @@ from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.binding import BindError, bind, missing_requirement
+from astrai.dispatch.expr.spec import Plain, Spec
 from astrai.dispatch.filedata import ProfileData, RowData, TableData
 from astrai.dispatch.records import FamilyTable, ImplRecord
-from astrai.dispatch.spec import Spec
-from astrai.dispatch.spec_data import Plain, build_spec
 from astrai.errors import SpecSyntaxError, TableProblem
 
 if TYPE_CHECKING:
@@ -351,20 +349,15 @@ def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary
         if vocabulary is not CORE_VOCABULARY:
             return Spec.parse(text, vocabulary)
         plain = out.whens.get(path)
-        if plain is None:
-            plain = out.whens[path] = _core_plain(text)
-        return build_spec(plain, vocabulary, lambda: text)
+        if plain is not None:
+            return Spec.decode(plain, vocabulary)
+        spec = Spec.parse(text, vocabulary)
+        out.whens[path] = spec.encode()
+        return spec
     except SpecSyntaxError as exc:
         line, col = _column_of_expression(out, path)
         out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
         return None
-
-
-@functools.lru_cache(maxsize=4096)
-def _core_plain(text: str) -> Plain:
-    from astrai.dispatch.grammar import parse_expression, to_plain
-
-    return to_plain(parse_expression(text, CORE_VOCABULARY))
 
 
 def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec,

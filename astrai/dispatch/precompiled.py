@@ -3,7 +3,7 @@
 ``tables/precompiled.json`` holds, for every shipped table and profile file, keyed by the
 SHA-256 of its bytes: the validated data (the pydantic model's dump), the line of
 every row, and every core-vocabulary ``when`` expression already parsed (the plain
-form of ``spec_data``). A file whose bytes match an entry is built from it by the
+encoding, ``Spec.encode``). A file whose bytes match an entry is built from it by the
 same builders the full path uses; a file that was edited no longer matches and takes
 the full path. ``astrai-ops schema`` regenerates the file and ``--check`` (run in CI,
 and by a test) fails when it is stale. The file is JSON: loading it runs no code.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astrai.dispatch.spec_data import Plain
+from astrai.dispatch.expr.spec import Plain
 
 ARTIFACT = "precompiled.json"
 FORMAT = 1

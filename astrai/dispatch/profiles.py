@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.filedata import OverlayData
 from astrai.dispatch.loader import ParsedFile, build_overlay_rows, compile_when, family_vocabulary
 from astrai.dispatch.records import FamilyTable, ImplRecord
-from astrai.dispatch.spec import Spec
 
 ALL = "*"
 FALLBACK = "fallback"

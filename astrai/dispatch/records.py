@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch.axes import Axis
-from astrai.dispatch.spec import Spec
+from astrai.dispatch.expr.spec import Spec
 
 
 def _always_available() -> bool:

@@ -43,6 +43,7 @@ from astrai.dispatch.env import (
     env_settings,
     raw_get,
 )
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.overrides import (
     UNCACHEABLE,
     current_profiles,
@@ -53,7 +54,6 @@ from astrai.dispatch.overrides import _scope as _scope_var
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.spec import Spec
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 

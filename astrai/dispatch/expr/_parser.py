@@ -1,33 +1,39 @@
-"""Recursive-descent parser for spec expressions; it type-checks names and values as it goes.
+"""Recursive-descent parser for spec expressions (SPEC §4): text -> ``Spec``, type-checked.
 
-Each ``_parse_*`` method's docstring is its grammar rule. The vocabulary decides
-what a name is (an axis or a predicate) and what values an axis takes, so an
-expression that parses is well-typed. Nesting deeper than ``MAX_DEPTH`` levels of
-``(`` and ``not`` is refused, so no input can exhaust the interpreter's stack.
+The grammar (each ``_parse_*`` method's docstring is its rule)::
+
+    expr       := or_expr
+    or_expr    := and_expr ("or" and_expr)*
+    and_expr   := not_expr ("and" not_expr)*
+    not_expr   := "not" not_expr | atom
+    atom       := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE
+    comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") value
+                | AXIS ["not"] "in" "{" value ("," value)* "}"
+    value      := NAME | INT | "none" | "true" | "false"
+
+There is no intermediate tree: as each rule is recognised the parser calls the
+matching constructor of a ``Builder`` - ``spec.py`` passes the ``Spec`` combinators -
+so imports run one way (``spec`` -> ``_parser`` -> ``_tokenizer``). The vocabulary
+decides what a name is (an axis or a predicate) and what values an axis takes, so an
+expression that parses is well-typed; a predicate is built from its own definition
+(an expression over the axes). Nesting deeper than ``MAX_DEPTH`` levels of ``(`` and
+``not`` is refused, so no input can exhaust the interpreter's stack. Every error is a
+``SpecSyntaxError`` with a caret under the offending text.
 """
 
 from __future__ import annotations
 
+__all__ = ["MAX_DEPTH", "Builder", "Value", "parse"]
+
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import cast
+from typing import Generic, Protocol, TypeVar
+
+import torch
 
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch._tokenizer import Token, Tokenizer
 from astrai.dispatch.axes import DTYPES, Axis, Vocabulary
-from astrai.dispatch.grammar import (
-    AndNode,
-    AxisNode,
-    CompareNode,
-    CompareOp,
-    ConstNode,
-    Expr,
-    MemberNode,
-    NotNode,
-    OrNode,
-    PredicateNode,
-    Value,
-)
+from astrai.dispatch.expr._tokenizer import Token, Tokenizer
 
 #: How deeply ``(`` and ``not`` may nest.
 MAX_DEPTH = 64
@@ -37,71 +43,103 @@ MAX_INT_DIGITS = 18
 
 _ORDERING = frozenset({"<", "<=", ">", ">="})
 
+#: A typed value: ``bool`` (bool axes), ``int``, ``str`` (enum axes), a dtype, or ``None``.
+Value = bool | int | str | torch.dtype | None
 
-class Parser:
+T = TypeVar("T")
+
+
+class Builder(Protocol[T]):
+    """What the parser calls as it recognises each form (``spec.py`` builds ``Spec``)."""
+
+    def const(self, value: bool) -> T:
+        """``always`` (true) or ``never``."""
+
+    def flag(self, axis: Axis) -> T:
+        """A bool axis standing alone."""
+
+    def compare(self, axis: Axis, op: str, value: Value) -> T:
+        """``axis <op> value``."""
+
+    def member(self, axis: Axis, values: tuple[Value, ...], negated: bool) -> T:
+        """``axis [not] in {values}``."""
+
+    def named(self, name: str, inner: T) -> T:
+        """A predicate ``name`` standing for ``inner``."""
+
+    def negate(self, item: T) -> T:
+        """``not item``."""
+
+    def all_of(self, items: list[T]) -> T:
+        """``a and b ...`` (two or more)."""
+
+    def any_of(self, items: list[T]) -> T:
+        """``a or b ...`` (two or more)."""
+
+
+def parse(source: str, vocabulary: Vocabulary, build: Builder[T]) -> T:
+    """Parse and type-check ``source`` against ``vocabulary``, building with ``build``."""
+    return Parser(source, vocabulary, build).parse()
+
+
+class Parser(Generic[T]):
     """Parses one expression against one vocabulary."""
 
-    def __init__(self, source: str, vocabulary: Vocabulary) -> None:
+    def __init__(self, source: str, vocabulary: Vocabulary, build: Builder[T]) -> None:
         self._tokens = Tokenizer(source)
         self._vocabulary = vocabulary
+        self._build = build
         self._depth = 0
 
-    def parse(self) -> Expr:
+    def parse(self) -> T:
         """spec := expr END"""
         node = self._parse_expr()
         self._tokens.expect("END", expected="'and', 'or' or end of input")
         return node
 
-    def _parse_expr(self) -> Expr:
+    def _parse_expr(self) -> T:
         """expr := or_expr"""
         return self._parse_or_expr()
 
-    def _parse_or_expr(self) -> Expr:
+    def _parse_or_expr(self) -> T:
         """or_expr := and_expr ("or" and_expr)*"""
         items = [self._parse_and_expr()]
         while self._tokens.consume("OR"):
             items.append(self._parse_and_expr())
-        if len(items) == 1:
-            return items[0]
-        return OrNode(items=tuple(items), span=_covering(items))
+        return items[0] if len(items) == 1 else self._build.any_of(items)
 
-    def _parse_and_expr(self) -> Expr:
+    def _parse_and_expr(self) -> T:
         """and_expr := not_expr ("and" not_expr)*"""
         items = [self._parse_not_expr()]
         while self._tokens.consume("AND"):
             items.append(self._parse_not_expr())
-        if len(items) == 1:
-            return items[0]
-        return AndNode(items=tuple(items), span=_covering(items))
+        return items[0] if len(items) == 1 else self._build.all_of(items)
 
-    def _parse_not_expr(self) -> Expr:
+    def _parse_not_expr(self) -> T:
         """not_expr := "not" not_expr | atom"""
         word = self._tokens.consume("NOT")
         if word is None:
             return self._parse_atom()
         with self._nested(word):
-            item = self._parse_not_expr()
-        return NotNode(item=item, span=(word.position, item.span[1]))
+            return self._build.negate(self._parse_not_expr())
 
-    def _parse_atom(self) -> Expr:
+    def _parse_atom(self) -> T:
         """atom := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE"""
         tokens = self._tokens
         if tokens.check("LEFT_PAREN"):
             opened = tokens.read()
             with self._nested(opened):
                 node = self._parse_expr()
-            closed = tokens.expect(
-                "RIGHT_PAREN", expected="'and', 'or' or ')' to close '('", opened=opened
-            )
-            return node.model_copy(update={"span": (opened.position, closed.end)})
+            tokens.expect("RIGHT_PAREN", expected="'and', 'or' or ')' to close '('",
+                          opened=opened)
+            return node
         if tokens.check("ALWAYS") or tokens.check("NEVER"):
-            word = tokens.read()
-            return ConstNode(value=word.name == "ALWAYS", span=word.span)
+            return self._build.const(tokens.read().name == "ALWAYS")
         if tokens.check("NAME"):
             return self._parse_name(tokens.read())
         tokens.raise_unexpected("an axis, a predicate, 'not', 'always', 'never' or '('")
 
-    def _parse_name(self, name: Token) -> Expr:
+    def _parse_name(self, name: Token) -> T:
         """named_atom := AXIS | comparison | PREDICATE  (told apart by the vocabulary)"""
         tokens = self._tokens
         axis = self._vocabulary.axes.get(name.text)
@@ -117,14 +155,16 @@ class Parser:
                     f"{name.text!r} needs a comparison ({ops}); only bool axes stand alone",
                     name.span,
                 )
-            return AxisNode(axis=name.text, span=name.span)
+            return self._build.flag(axis)
         if name.text in self._vocabulary.predicates:
             if comparing:
                 got, span = tokens.describe_next()
                 tokens.raise_syntax_error(
                     f"{name.text!r} is a predicate and takes no comparison, got {got}", span
                 )
-            return PredicateNode(name=name.text, span=name.span)
+            definition = self._vocabulary.predicates[name.text][0]
+            axes_only = Vocabulary(self._vocabulary.axes, {})
+            return self._build.named(name.text, parse(definition, axes_only, self._build))
         if comparing:
             kind, names = "axis", sorted(self._vocabulary.axes)
         else:
@@ -135,7 +175,7 @@ class Parser:
             name.span,
         )
 
-    def _parse_comparison(self, name: Token, axis: Axis) -> Expr:
+    def _parse_comparison(self, name: Token, axis: Axis) -> T:
         """
         comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") value
                     | AXIS ["not"] "in" set
@@ -150,21 +190,13 @@ class Parser:
                     f"expected ==, !=, in or not in, got {op.text!r}",
                     op.span,
                 )
-            value, last = self._parse_value(axis, ordering=ordering)
-            return CompareNode(
-                axis=axis.name,
-                op=cast(CompareOp, op.text),
-                value=value,
-                span=(name.position, last.end),
-            )
+            value, _ = self._parse_value(axis, ordering=ordering)
+            return self._build.compare(axis, op.text, value)
         negated = tokens.consume("NOT") is not None
         tokens.expect("IN", expected="'in' after 'not'")
-        values, closed = self._parse_set(axis)
-        return MemberNode(
-            axis=axis.name, values=values, negated=negated, span=(name.position, closed.end)
-        )
+        return self._build.member(axis, self._parse_set(axis), negated)
 
-    def _parse_set(self, axis: Axis) -> tuple[tuple[Value, ...], Token]:
+    def _parse_set(self, axis: Axis) -> tuple[Value, ...]:
         """set := "{" value ("," value)* "}" """
         tokens = self._tokens
         opened = tokens.expect("LEFT_BRACE", expected="'{' after 'in'")
@@ -177,8 +209,8 @@ class Parser:
         values = [self._parse_value(axis)[0]]
         while tokens.consume("COMMA"):
             values.append(self._parse_value(axis)[0])
-        closed = tokens.expect("RIGHT_BRACE", expected="',' or '}' to close '{'", opened=opened)
-        return tuple(values), closed
+        tokens.expect("RIGHT_BRACE", expected="',' or '}' to close '{'", opened=opened)
+        return tuple(values)
 
     def _parse_value(self, axis: Axis, *, ordering: bool = False) -> tuple[Value, Token]:
         """value := NAME | INT | "none" | "true" | "false" """
@@ -256,7 +288,3 @@ def _or_list(words: Sequence[str]) -> str:
     """``a, b or c``."""
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
-
-def _covering(items: Sequence[Expr]) -> tuple[int, int]:
-    """The span from the first item's start to the last item's end."""
-    return (items[0].span[0], items[-1].span[1])

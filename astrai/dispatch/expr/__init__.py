@@ -1,0 +1,3 @@
+"""The spec expression language (SPEC §4): ``_tokenizer`` (tokens on demand) ->
+``_parser`` (text -> ``Spec``, type-checked against a vocabulary) -> ``spec`` (the
+combinators, the canonical printer, the plain encoding). Import from ``spec``."""

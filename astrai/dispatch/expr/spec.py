@@ -1,0 +1,674 @@
+"""``Spec``: the one form of a spec expression - evaluated, printed, cached and encoded.
+
+Each combinator is a small frozen, slotted class; ``a & b``, ``a | b`` and ``~a``
+compose them and nested ands and ors flatten. The parser (``_parser``) builds these
+combinators directly from text. This module owns:
+
+- evaluation (``matches``) and, for ``explain``, ``failure(ctx)``: which clause
+  rejected a call and the value the call had;
+- the one canonical printer, ``description``, which parses back to an equal spec
+  (the only place operator precedence is stated for printing: ``precedence``);
+- a plain, JSON-ready encoding (``encode`` / ``Spec.decode``) for the precompiled
+  tables, so loading them needs no parser;
+- a structural view for static analysis (``kind``, ``parts``, ``test``), so tools
+  such as lint never reach into the combinator classes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AxisTest", "Spec", "parse_spec"]
+
+import functools
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+
+from astrai.dispatch.axes import (
+    AXES,
+    CORE_VOCABULARY,
+    DTYPES,
+    Axis,
+    Vocabulary,
+    dtype_name,
+    format_value,
+)
+
+if TYPE_CHECKING:
+    from astrai.dispatch.axes import CallContext
+
+_OPS: dict[str, Callable[[Any, Any], bool]] = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
+
+# Binding strength, for deciding where parentheses go when printing.
+_OR, _AND, _NOT, _ATOM = 1, 2, 3, 4
+
+#: What a spec is, structurally (``Spec.kind``): an ``atom`` tests one axis
+#: (see ``Spec.test``); ``opaque`` calls Python (``Spec.of``) and cannot be analysed.
+Kind = Literal["const", "atom", "named", "not", "and", "or", "opaque"]
+
+#: A spec's plain form (lists, so it survives JSON); see ``Spec.encode``.
+Plain = list[Any]
+
+
+@dataclass(frozen=True)
+class AxisTest:
+    """What an atom tests: its ``axis``, the ``values`` it names, and whether it orders
+    them (``<``, ``<=``, ``>``, ``>=``)."""
+
+    axis: Axis
+    values: tuple[Any, ...]
+    ordering: bool = False
+
+
+class Spec:
+    """A predicate over a call context. Subclasses are frozen and hashable."""
+
+    __slots__ = ()
+    precedence: ClassVar[int] = _ATOM
+    kind: ClassVar[Kind] = "atom"
+
+    # -- evaluation -----------------------------------------------------
+    def matches(self, ctx: CallContext) -> bool:
+        """Whether the call described by ``ctx`` satisfies this spec."""
+        raise NotImplementedError
+
+    def __call__(self, ctx: CallContext) -> bool:
+        return self.matches(ctx)
+
+    def failure(self, ctx: CallContext) -> str | None:
+        """``None`` when ``ctx`` matches, else the clause that failed and the call's value."""
+        if self.matches(ctx):
+            return None
+        return self._reason(ctx)
+
+    def _reason(self, ctx: CallContext) -> str:
+        axes = self.axes()
+        if not axes:
+            return self.description
+        values = ", ".join(f"{a}={format_value(_read(a, ctx))}" for a in sorted(axes))
+        return f"{self.description} (call has {values})"
+
+    def axes(self) -> frozenset[str]:
+        """The names of the axes this spec reads."""
+        return frozenset()
+
+    # -- structure ------------------------------------------------------
+    @property
+    def parts(self) -> tuple[Spec, ...]:
+        """The specs this one is made of: a ``named`` spec's definition, a ``not``'s
+        operand, an ``and``/``or``'s operands; ``()`` for the rest."""
+        return ()
+
+    @property
+    def test(self) -> AxisTest | None:
+        """For an ``atom``: the axis it reads and the values it names; else ``None``."""
+        return None
+
+    def encode(self) -> Plain:
+        """This spec as plain JSON-ready data; ``Spec.decode`` reads it back.
+
+        Forms: ``["const", bool]``, ``["axis", name]``, ``["pred", name, plain]``,
+        ``["cmp", axis, op, value]``, ``["in", axis, [value, ...], negated]``,
+        ``["not", plain]``, ``["and", [plain, ...]]``, ``["or", [plain, ...]]``; a value
+        is ``null``, a bool, an int, a str, or ``{"dtype": name}``.
+        """
+        raise TypeError(f"{self.description!r} calls Python and has no plain form")
+
+    @staticmethod
+    def decode(plain: Plain, vocabulary: Vocabulary = CORE_VOCABULARY) -> Spec:
+        """The spec ``plain`` encodes (see ``encode``), its axes looked up in
+        ``vocabulary``. Raises ``ValueError`` for data that is not such an encoding."""
+        try:
+            return _decode(plain, vocabulary)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"not an encoded spec: {plain!r} ({type(exc).__name__})") from None
+
+    # -- text -----------------------------------------------------------
+    @property
+    def description(self) -> str:
+        """Canonical text of this spec."""
+        raise NotImplementedError
+
+    def _wrapped(self, outer: int) -> str:
+        text = self.description
+        return f"({text})" if self.precedence < outer else text
+
+    def __repr__(self) -> str:
+        return f"Spec({self.description!r})"
+
+    def __str__(self) -> str:
+        return self.description
+
+    # -- composition ----------------------------------------------------
+    def __and__(self, other: Spec) -> Spec:
+        return _And.join((self, other))
+
+    def __or__(self, other: Spec) -> Spec:
+        return _Or.join((self, other))
+
+    def __invert__(self) -> Spec:
+        return _Not(self)
+
+    # -- constructors ---------------------------------------------------
+    @staticmethod
+    def always() -> Spec:
+        """Matches every call."""
+        return _ALWAYS
+
+    @staticmethod
+    def never() -> Spec:
+        """Matches no call."""
+        return _NEVER
+
+    @staticmethod
+    def of(fn: Callable[[CallContext], bool], desc: str) -> Spec:
+        """Wrap an arbitrary callable; ``desc`` is what ``explain`` shows."""
+        return _Fn(fn, desc)
+
+    @staticmethod
+    def compare(axis: str, op: str, value: Any) -> Spec:
+        """``axis <op> value`` for a known core axis."""
+        return _Compare(AXES[axis], op, value)
+
+    @staticmethod
+    def dtype_in(*dtypes: torch.dtype) -> Spec:
+        """The call's dtype is one of ``dtypes``."""
+        return _Member(AXES["dtype"], tuple(dtypes))
+
+    @staticmethod
+    def ndim(n: int) -> Spec:
+        """The main input has rank ``n``."""
+        return _Compare(AXES["ndim"], "==", n)
+
+    @staticmethod
+    def head_dim_in(*dims: int) -> Spec:
+        """The head size is one of ``dims``."""
+        return _Member(AXES["head_dim"], tuple(dims))
+
+    @staticmethod
+    def fwd_in(*modes: str | None) -> Spec:
+        """The forward mode is one of ``modes`` (``None`` = training)."""
+        return _Member(AXES["fwd"], tuple(modes))
+
+    @staticmethod
+    def inference() -> Spec:
+        """``fwd`` is not ``None`` (prefill or decode)."""
+        return predicate("inference")
+
+    @staticmethod
+    def training() -> Spec:
+        """``fwd`` is ``None``."""
+        return predicate("training")
+
+    @staticmethod
+    def no_grad() -> Spec:
+        """Autograd is not recording."""
+        return predicate("no_grad")
+
+    @staticmethod
+    def has_cache() -> Spec:
+        """A KV cache is passed."""
+        return _Flag(AXES["has_cache"])
+
+    @staticmethod
+    def mask_free() -> Spec:
+        """No attention mask is passed."""
+        return predicate("mask_free")
+
+    @staticmethod
+    def cuda_device() -> Spec:
+        """The call's tensors are on a CUDA device."""
+        return predicate("cuda_device")
+
+    @staticmethod
+    def member(axis: str, values: Iterable[Any], negated: bool = False) -> Spec:
+        """``axis in {values}`` (``negated``: ``not in``) for a known core axis."""
+        return _Member(AXES[axis], values, negated)
+
+    @staticmethod
+    def parse(text: str, vocabulary: Vocabulary | None = None) -> Spec:
+        """Parse a spec expression (SPEC §4)."""
+        return parse_spec(text, vocabulary)
+
+
+def parse_spec(text: str, vocabulary: Vocabulary | None = None) -> Spec:
+    """Parse and type-check a spec expression (SPEC §4) against ``vocabulary`` (default:
+    the core axes and predicates); cached per text and vocabulary. Raises
+    ``SpecSyntaxError``."""
+    if vocabulary is None or vocabulary is CORE_VOCABULARY:
+        return _parse_cached(text, _CORE_KEY)
+    try:
+        key = _VocabularyKey(vocabulary)
+    except TypeError:  # something unhashable in a custom vocabulary: skip the cache
+        return _parse(text, vocabulary)
+    return _parse_cached(text, key)
+
+
+def predicate(name: str) -> Spec:
+    """The core predicate ``name`` (``inference``, ``no_grad``...)."""
+    return parse_spec(name)
+
+
+def _parse(text: str, vocabulary: Vocabulary) -> Spec:
+    # The parser is imported on first use: loading precompiled tables never parses.
+    from astrai.dispatch.expr._parser import parse
+
+    return parse(text, vocabulary, _BUILD)
+
+
+class _VocabularyKey:
+    """A hashable stand-in for a ``Vocabulary`` (whose mappings are not hashable)."""
+
+    __slots__ = ("_hash", "_key", "vocabulary")
+
+    def __init__(self, vocabulary: Vocabulary) -> None:
+        self.vocabulary = vocabulary
+        # The getter is compared by identity: equal axes may read differently.
+        axes = tuple((name, axis, axis.getter) for name, axis in vocabulary.axes.items())
+        self._key = (axes, tuple(vocabulary.predicates.items()))
+        self._hash = hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _VocabularyKey) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+_CORE_KEY = _VocabularyKey(CORE_VOCABULARY)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(text: str, key: _VocabularyKey) -> Spec:
+    return _parse(text, key.vocabulary)
+
+
+def _read(axis: str, ctx: CallContext) -> Any:
+    known = AXES.get(axis)
+    if known is not None:
+        return known.getter(ctx)
+    return ctx.extra.get(axis)
+
+
+def _encode_value(value: Any) -> Any:
+    return {"dtype": dtype_name(value)} if isinstance(value, torch.dtype) else value
+
+
+def _decode_value(value: Any) -> Any:
+    return DTYPES[value["dtype"]] if isinstance(value, dict) else value
+
+
+class _Frozen(Spec):
+    """Base for combinators: immutable, equal and hashable by their ``_key``."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key() == self._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Spec is immutable")
+
+    def _set(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+
+class _Const(_Frozen):
+    """``always`` or ``never``."""
+
+    __slots__ = ("value",)
+    kind = "const"
+    value: bool
+
+    def __init__(self, value: bool) -> None:
+        self._set(value=value)
+
+    def matches(self, ctx: CallContext) -> bool:
+        return self.value
+
+    @property
+    def description(self) -> str:
+        return "always" if self.value else "never"
+
+    def encode(self) -> Plain:
+        return ["const", self.value]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.value,)
+
+
+_ALWAYS = _Const(True)
+_NEVER = _Const(False)
+
+
+class _Fn(_Frozen):
+    """An arbitrary callable (``Spec.of``): opaque to analysis, with no plain form."""
+
+    __slots__ = ("desc", "fn")
+    kind = "opaque"
+    fn: Callable[[CallContext], bool]
+    desc: str
+
+    def __init__(self, fn: Callable[[CallContext], bool], desc: str) -> None:
+        self._set(fn=fn, desc=desc)
+
+    def matches(self, ctx: CallContext) -> bool:
+        return bool(self.fn(ctx))
+
+    def _reason(self, ctx: CallContext) -> str:
+        return self.desc
+
+    @property
+    def description(self) -> str:
+        return self.desc
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.fn, self.desc)
+
+
+class _Atom(_Frozen):
+    """A test of one axis; ``_get`` reads the axis off a call."""
+
+    __slots__ = ("_get", "axis")
+    axis: Axis
+    _get: Callable[[Any], Any]
+
+    def __init__(self, axis: Axis) -> None:
+        self._set(axis=axis, _get=axis.getter)
+
+    def _reason(self, ctx: CallContext) -> str:
+        return f"{self.description} (call has {format_value(self._get(ctx))})"
+
+    def axes(self) -> frozenset[str]:
+        return frozenset({self.axis.name})
+
+    @property
+    def test(self) -> AxisTest:
+        return AxisTest(self.axis, ())
+
+
+class _Compare(_Atom):
+    """``axis <op> value``. An ordering test on a ``None`` value is false."""
+
+    __slots__ = ("_fn", "op", "value")
+    op: str
+    value: Any
+    _fn: Callable[[Any, Any], bool]
+
+    def __init__(self, axis: Axis, op: str, value: Any) -> None:
+        if op not in _OPS:
+            raise ValueError(f"unknown comparison operator {op!r}; expected one of {list(_OPS)}")
+        super().__init__(axis)
+        self._set(op=op, value=value, _fn=_OPS[op])
+
+    def matches(self, ctx: CallContext) -> bool:
+        got = self._get(ctx)
+        if self.op not in ("==", "!=") and (got is None or self.value is None):
+            return False
+        return self._fn(got, self.value)
+
+    @property
+    def test(self) -> AxisTest:
+        return AxisTest(self.axis, (self.value,), ordering=self.op not in ("==", "!="))
+
+    @property
+    def description(self) -> str:
+        return f"{self.axis.name} {self.op} {format_value(self.value)}"
+
+    def encode(self) -> Plain:
+        return ["cmp", self.axis.name, self.op, _encode_value(self.value)]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.axis.name, self.op, self.value)
+
+
+class _Member(_Atom):
+    """``axis in {v, ...}`` or ``axis not in {v, ...}``."""
+
+    __slots__ = ("_values", "negated", "values")
+    values: tuple[Any, ...]
+    negated: bool
+    _values: frozenset[Any]
+
+    def __init__(self, axis: Axis, values: Iterable[Any], negated: bool = False) -> None:
+        unique = tuple(dict.fromkeys(values))
+        super().__init__(axis)
+        self._set(values=unique, negated=negated, _values=frozenset(unique))
+
+    def matches(self, ctx: CallContext) -> bool:
+        return (self._get(ctx) in self._values) != self.negated
+
+    @property
+    def test(self) -> AxisTest:
+        return AxisTest(self.axis, self.values)
+
+    @property
+    def description(self) -> str:
+        word = "not in" if self.negated else "in"
+        inner = ", ".join(format_value(v) for v in self.values)
+        return f"{self.axis.name} {word} {{{inner}}}"
+
+    def encode(self) -> Plain:
+        return ["in", self.axis.name, [_encode_value(v) for v in self.values], self.negated]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.axis.name, self._values, self.negated)
+
+
+class _Flag(_Atom):
+    """A bool axis standing alone: ``has_cache``."""
+
+    __slots__ = ()
+    _reason = Spec._reason  # "has_cache (call has has_cache=false)"
+
+    def matches(self, ctx: CallContext) -> bool:
+        return bool(self._get(ctx))
+
+    @property
+    def description(self) -> str:
+        return self.axis.name
+
+    def encode(self) -> Plain:
+        return ["axis", self.axis.name]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.axis.name,)
+
+
+class _Named(_Frozen):
+    """A named predicate (``inference``, ``no_grad``...) standing for its definition."""
+
+    __slots__ = ("inner", "name")
+    kind = "named"
+    name: str
+    inner: Spec
+
+    def __init__(self, name: str, inner: Spec) -> None:
+        self._set(name=name, inner=inner)
+
+    def matches(self, ctx: CallContext) -> bool:
+        return self.inner.matches(ctx)
+
+    def axes(self) -> frozenset[str]:
+        return self.inner.axes()
+
+    @property
+    def parts(self) -> tuple[Spec, ...]:
+        return (self.inner,)
+
+    @property
+    def description(self) -> str:
+        return self.name
+
+    def encode(self) -> Plain:
+        return ["pred", self.name, self.inner.encode()]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.name,)
+
+
+class _Not(_Frozen):
+    __slots__ = ("part",)
+    precedence = _NOT
+    kind = "not"
+    part: Spec
+
+    def __init__(self, part: Spec) -> None:
+        self._set(part=part)
+
+    def matches(self, ctx: CallContext) -> bool:
+        return not self.part.matches(ctx)
+
+    def axes(self) -> frozenset[str]:
+        return self.part.axes()
+
+    @property
+    def parts(self) -> tuple[Spec, ...]:
+        return (self.part,)
+
+    @property
+    def description(self) -> str:
+        return f"not {self.part._wrapped(_NOT)}"
+
+    def encode(self) -> Plain:
+        return ["not", self.part.encode()]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.part,)
+
+
+class _Junction(_Frozen):
+    """``and`` / ``or`` of two or more specs; a nested one of the same kind is spliced in."""
+
+    __slots__ = ("_parts",)
+    word: ClassVar[str]
+    _parts: tuple[Spec, ...]
+
+    def __init__(self, parts: tuple[Spec, ...]) -> None:
+        self._set(_parts=parts)
+
+    @classmethod
+    def join(cls, parts: Iterable[Spec]) -> Spec:
+        flat: list[Spec] = []
+        for p in parts:
+            flat.extend(p.parts if type(p) is cls else (p,))
+        return flat[0] if len(flat) == 1 else cls(tuple(flat))
+
+    @property
+    def parts(self) -> tuple[Spec, ...]:
+        return self._parts
+
+    def axes(self) -> frozenset[str]:
+        return frozenset().union(*(p.axes() for p in self._parts))
+
+    @property
+    def description(self) -> str:
+        return f" {self.word} ".join(p._wrapped(self.precedence + 1) for p in self._parts)
+
+    def encode(self) -> Plain:
+        return [self.word, [p.encode() for p in self._parts]]
+
+    def _key(self) -> tuple[Any, ...]:
+        return self._parts
+
+
+class _And(_Junction):
+    __slots__ = ()
+    precedence = _AND
+    kind = "and"
+    word = "and"
+
+    def matches(self, ctx: CallContext) -> bool:
+        for p in self._parts:
+            if not p.matches(ctx):
+                return False
+        return True
+
+    def _reason(self, ctx: CallContext) -> str:
+        # The first failing clause is the one to blame.
+        for p in self._parts:
+            why = p.failure(ctx)
+            if why is not None:
+                return why
+        return self.description  # pragma: no cover - only reached if matches() was false
+
+
+class _Or(_Junction):
+    __slots__ = ()
+    precedence = _OR
+    kind = "or"
+    word = "or"
+
+    def matches(self, ctx: CallContext) -> bool:
+        for p in self._parts:
+            if p.matches(ctx):
+                return True
+        return False
+
+
+class _Build:
+    """The ``Builder`` the parser drives: one constructor per form of the grammar."""
+
+    def const(self, value: bool) -> Spec:
+        return _ALWAYS if value else _NEVER
+
+    def flag(self, axis: Axis) -> Spec:
+        return _Flag(axis)
+
+    def compare(self, axis: Axis, op: str, value: Any) -> Spec:
+        return _Compare(axis, op, value)
+
+    def member(self, axis: Axis, values: tuple[Any, ...], negated: bool) -> Spec:
+        return _Member(axis, values, negated)
+
+    def named(self, name: str, inner: Spec) -> Spec:
+        return _Named(name, inner)
+
+    def negate(self, item: Spec) -> Spec:
+        return _Not(item)
+
+    def all_of(self, items: list[Spec]) -> Spec:
+        return _And.join(items)
+
+    def any_of(self, items: list[Spec]) -> Spec:
+        return _Or.join(items)
+
+
+_BUILD = _Build()
+
+
+def _decode(plain: Plain, vocabulary: Vocabulary) -> Spec:
+    tag = plain[0]
+    if tag == "const":
+        return _ALWAYS if plain[1] else _NEVER
+    if tag == "axis":
+        return _Flag(vocabulary.axes[plain[1]])
+    if tag == "pred":
+        return _Named(plain[1], _decode(plain[2], vocabulary))
+    if tag == "cmp":
+        return _Compare(vocabulary.axes[plain[1]], plain[2], _decode_value(plain[3]))
+    if tag == "in":
+        values = (_decode_value(v) for v in plain[2])
+        return _Member(vocabulary.axes[plain[1]], values, bool(plain[3]))
+    if tag == "not":
+        return _Not(_decode(plain[1], vocabulary))
+    if tag in ("and", "or"):
+        junction = _And if tag == "and" else _Or
+        return junction.join(_decode(p, vocabulary) for p in plain[1])
+    raise TypeError(tag)
