@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import astrai.dispatch as dispatch
-from astrai.dispatch import _log, env, registry
+from astrai.dispatch import state
 from tests import _impls
 
 #: A family for the precedence tests: one row per source, so each source picks its own row.
@@ -79,20 +79,16 @@ def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run each test against the tables in force before it, with a clean environment."""
     for var in ("ASTR_OPS", "ASTR_BACKEND", "ASTR_TABLES"):
         monkeypatch.delenv(var, raising=False)
-    _log.forget_warnings()
-    env.clear_cache()
-    dispatch.reset_stats()
-    saved = registry._state
+    state.reset()
+    saved = state.snapshot
     _impls.PROBE.update(available=True, calls=0)
     try:
         yield
     finally:
         for family in list(dispatch.current_overrides()):
             dispatch.set_override(family, None)  # a test that forgot its reset_override
-        registry._state = saved
-        _log.forget_warnings()
-        env.clear_cache()
-        dispatch.reset_stats()
+        state.snapshot = saved
+        state.reset()
 
 
 @pytest.fixture

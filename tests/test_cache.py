@@ -35,9 +35,9 @@ from astrai.dispatch import (
     reload_tables,
     reset_override,
     reset_stats,
-    resolution,
     resolve,
     set_override,
+    state,
     stats,
     use_profile,
 )
@@ -539,7 +539,7 @@ class TestBounded:
 
     def test_bound_holds(self, toy: Path) -> None:
         """With room for 8, 50 distinct signatures leave at most 8 entries, all correct."""
-        saved = resolution.MAX_DECISIONS
+        saved = state.max_decisions
         set_max_decisions(8)
         try:
             for n in range(50):
@@ -552,7 +552,7 @@ class TestBounded:
             assert len(current().decisions) <= 8
         finally:
             set_max_decisions(saved)
-        assert resolution.MAX_DECISIONS == saved
+        assert state.max_decisions == saved
 
     def test_rejects_zero(self) -> None:
         """A bound below 1 is refused."""

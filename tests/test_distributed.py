@@ -414,10 +414,10 @@ def _failing_child(rank: int, world: int, root: str, paths: dict[str, str], case
     ``ASTR_TABLES`` names a broken file, so its tables fail to load inside the check."""
     import torch.distributed as dist
 
-    from astrai.dispatch import registry
+    from astrai.dispatch import state
 
     if case == "bad_tables" and rank == 1:
-        assert registry._state is None, "tables already loaded: ASTR_TABLES would be ignored"
+        assert state.snapshot is None, "tables already loaded: ASTR_TABLES would be ignored"
         os.environ["ASTR_TABLES"] = paths["broken"]
     dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank,
                             world_size=world, timeout=GROUP_TIMEOUT)

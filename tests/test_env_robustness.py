@@ -39,14 +39,13 @@ from astrai import ops
 from astrai.dispatch import (
     CallContext,
     TableError,
-    _log,
     current,
-    env,
     load_tables,
     registry,
     reload_tables,
     resolve,
     shipped_tables_dir,
+    state,
 )
 from astrai.errors import AstraiError
 
@@ -151,8 +150,7 @@ TENSORS = Tensors()
 
 def fresh_process_memory(caplog: pytest.LogCaptureFixture) -> None:
     """Forget warnings already given and parsed values, as a new process would."""
-    _log.forget_warnings()
-    env.clear_cache()
+    state.reset()
     caplog.clear()
 
 

@@ -23,10 +23,10 @@ from astrai.dispatch import (
     refresh,
     register_env_alias,
     register_family,
-    registry,
     reload_tables,
     resolve,
     shipped_tables_dir,
+    state,
     use_profile,
 )
 from tests import _impls
@@ -674,7 +674,7 @@ class TestReloadTables:
         """The first use of the tables reads ``ASTR_TABLES`` too."""
         one = write_yaml("one.yaml", ONE_ROW.format(family="fam_one"))
         monkeypatch.setenv("ASTR_TABLES", str(one))
-        monkeypatch.setattr(registry, "_state", None)
+        monkeypatch.setattr(state, "snapshot", None)
         assert "fam_one" in list_families()
 
     def test_reload_drops_loaded_tables(self, toy: Path) -> None:

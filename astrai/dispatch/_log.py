@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import logging
-import threading
+
+from astrai.dispatch import state as process
 
 logger = logging.getLogger("astrai")
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
 
 
 def warn_once(message: str) -> None:
     """Log ``message`` as a warning the first time it is seen in this process."""
-    if message in _warned:
+    if message in process.warned:
         return
-    with _warned_lock:
-        if message in _warned:
+    with process.warned_lock:
+        if message in process.warned:
             return
-        _warned.add(message)
+        process.warned.add(message)
     logger.warning("%s", message)
-
-
-def forget_warnings() -> None:
-    """Allow every warning to be logged again (tests)."""
-    with _warned_lock:
-        _warned.clear()

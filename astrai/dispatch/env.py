@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from astrai.dispatch import state as process
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 
@@ -74,7 +75,6 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) ->
     return EnvSettings(MappingProxyType(backends), tuple(chosen))
 
 
-_parsed: dict[tuple[object, ...], EnvSettings] = {}
 _MAX_PARSED = 64
 
 
@@ -86,7 +86,7 @@ def env_settings(
     raw = environ.get(OPS_ENV, "")
     alias_values = tuple(environ.get(var) for var in aliases.values()) if aliases else ()
     key = (raw, alias_values, epoch)
-    got = _parsed.get(key)
+    got: EnvSettings | None = process.env_parsed.get(key)
     if got is not None:
         return got
     got = parse_ops(raw, families, profiles)
@@ -99,15 +99,10 @@ def env_settings(
             backends[family] = value.strip()
             sources[family] = var
         got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
-    if len(_parsed) >= _MAX_PARSED:
-        _parsed.clear()
-    _parsed[key] = got
+    if len(process.env_parsed) >= _MAX_PARSED:
+        process.env_parsed.clear()
+    process.env_parsed[key] = got
     return got
-
-
-def clear_cache() -> None:
-    """Forget parsed values (after fork, or in tests)."""
-    _parsed.clear()
 
 
 def encoded(name: str) -> Any:
@@ -128,9 +123,3 @@ def raw_get(key: Any) -> Any:
         return ENVIRON_DATA.get(key)
     return os.environ.get(key)  # pragma: no cover - platforms without os.environ._data
 
-
-def cache_key(aliases: Mapping[str, str]) -> tuple[object, ...]:
-    """The raw environment values that decisions depend on (for the decision cache)."""
-    if aliases:
-        return (raw_get(OPS_KEY), tuple(raw_get(encoded(v)) for v in aliases.values()))
-    return (raw_get(OPS_KEY),)

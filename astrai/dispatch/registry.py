@@ -22,9 +22,7 @@ __all__ = [
     "validate",
 ]
 
-import itertools
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import compiled
+from astrai.dispatch import state as process
 from astrai.dispatch.availability import check
 from astrai.dispatch.loader import ParsedFile, parse_file
 from astrai.dispatch.names import family_name_problem
@@ -88,24 +87,17 @@ class Registry:
         if record.available is ALWAYS_AVAILABLE:
             return True, ""
         # Per process (not per snapshot): a load of another family must not re-probe.
-        got = _availability.get(id(record))
+        got = process.probed.get(id(record))
         if got is None or got[0] is not record:
-            with _probe_lock:  # concurrent first callers: one runs the probe, all share it
-                got = _availability.get(id(record))
+            with process.probe_lock:  # concurrent first callers: one runs the probe, all share it
+                got = process.probed.get(id(record))
                 if got is None or got[0] is not record:
                     # Stored with its record, so the id cannot be reused meanwhile.
                     got = (record, *check(record.available))
-                    _availability[id(record)] = got
+                    process.probed[id(record)] = got
         return got[1], got[2]
 
 
-_lock = threading.RLock()  # guards swaps only: no file is read and no module imported under it
-_probe_lock = threading.RLock()
-#: Probe results, once per process until ``refresh()``: id(record) -> (record, ok, reason).
-_availability: dict[int, tuple[ImplRecord, bool, str]] = {}
-_epochs = itertools.count(1)
-_state: Registry | None = None
-_listeners: list[Callable[[], None]] = []
 
 
 def shipped_tables_dir() -> Path:
@@ -236,7 +228,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
         raise TableError(sorted(problems, key=lambda p: (p.file, p.line, p.column)))
     aliases.update({f: v for f, v in registered.items() if f in families})
     return Registry(MappingProxyType(families), MappingProxyType(profiles),
-                    MappingProxyType(aliases), next(_epochs), MappingProxyType(programmatic),
+                    MappingProxyType(aliases), next(process.epochs), MappingProxyType(programmatic),
                     MappingProxyType(registered)), [f for _, f in files]
 
 
@@ -297,30 +289,22 @@ def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
 
 
 def _swap(new: Registry) -> None:
-    global _state
-    _state = new
+    process.snapshot = new
     rows = [(r.family, r.name, r.obj) for t in new.families.values() for r in t.rows]
     rows += [(a.family, a.name, a.obj) for p in new.profiles.values()
              for ov in p.overlays.values() for a in ov.add]
     compiled.note_epoch(new.epoch, rows)
-    for fn in list(_listeners):
-        fn()
-
-
-def on_change(fn: Callable[[], None]) -> None:
-    """Call ``fn`` after every swap (used by caches that must be invalidated)."""
-    _listeners.append(fn)
 
 
 def current() -> Registry:
     """The snapshot in force, loading the shipped tables (plus ``ASTR_TABLES``) on first use."""
-    state = _state
-    if state is None:
+    got = process.snapshot
+    if got is None:
         # Read outside the lock (concurrent first callers may each read; one result wins).
-        state = _commit(lambda base: base or _build(
+        got = _commit(lambda base: base or _build(
             None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)[0],
             first=True)
-    return state
+    return got
 
 
 def _commit(make: Callable[[Registry | None], Registry], *, first: bool = False) -> Registry:
@@ -328,10 +312,10 @@ def _commit(make: Callable[[Registry | None], Registry], *, first: bool = False)
     modules with no lock held - and swap it in if nothing else was swapped meanwhile
     (else build again on the newer one). The lock only guards the swap itself."""
     while True:
-        base = _state if first else current()
+        base = process.snapshot if first else current()
         new = make(base)
-        with _lock:
-            if _state is base:
+        with process.swap_lock:
+            if process.snapshot is base:
                 if new is not base:
                     _swap(new)
                 return new
@@ -382,8 +366,8 @@ def refresh() -> None:
 
 def _refreshed(base: Registry | None) -> Registry:
     assert base is not None
-    _availability.clear()
-    return replace(base, epoch=next(_epochs))
+    process.probed.clear()
+    return replace(base, epoch=next(process.epochs))
 
 
 def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
@@ -409,7 +393,8 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
         programmatic = dict(base.programmatic)
         programmatic[name] = (provider, fallback)
         return Registry(MappingProxyType(families), base.profiles, base.aliases,
-                        next(_epochs), MappingProxyType(programmatic), base.registered_aliases)
+                        next(process.epochs), MappingProxyType(programmatic),
+                        base.registered_aliases)
 
     _commit(make)
 
@@ -426,30 +411,10 @@ def register_env_alias(family: str, varname: str) -> None:
         aliases[family] = varname
         registered = dict(base.registered_aliases)
         registered[family] = varname
-        return replace(base, aliases=MappingProxyType(aliases), epoch=next(_epochs),
+        return replace(base, aliases=MappingProxyType(aliases), epoch=next(process.epochs),
                        registered_aliases=MappingProxyType(registered))
 
     _commit(make)
-
-
-def _after_fork_in_child() -> None:
-    """A forked child starts clean: a fresh lock (the parent's may have been held by
-    another thread), no cached decisions or parsed environment, counters from zero."""
-    global _lock, _probe_lock
-    _lock = threading.RLock()
-    _probe_lock = threading.RLock()
-    if _state is not None:
-        _state.decisions.clear()
-    from astrai.dispatch import _log, env
-    from astrai.dispatch.stats import reset_stats
-
-    env.clear_cache()
-    reset_stats()
-    _log._warned_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def list_families() -> list[str]:

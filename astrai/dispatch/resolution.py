@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import FunctionType, MethodType
 from typing import Any
 
-from astrai.dispatch import registry as _registry
+from astrai.dispatch import state as process
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
@@ -299,16 +299,14 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
 
 # -- resolve, with its decision cache -----------------------------------------
 
-MAX_DECISIONS = 1 << 16
 _environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
 
 
 def set_max_decisions(n: int) -> None:
     """Bound the decision cache of each table snapshot to ``n`` entries (default 65 536)."""
-    global MAX_DECISIONS
     if n < 1:
         raise ValueError(f"the decision cache needs room for at least 1 entry, got {n}")
-    MAX_DECISIONS = n
+    process.max_decisions = n
 
 
 class Decision:
@@ -343,7 +341,7 @@ def decide(family: str, sig: Any, explicit: Any,
     verdict depends on the raw call (an object with ``supports_call``) are never cached.
     A caller that does not then count a served call bumps ``stats.QUIET``.
     """
-    state = _registry._state or current()
+    state = process.snapshot or current()
     scope = _scope_get()
     if explicit is None or explicit.__class__ is str:
         ekey = explicit
@@ -372,7 +370,7 @@ def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
     next(MISSES)
     got = _decision(state, evaluate(family, ctx, explicit, state=state))
     decisions = state.decisions
-    if len(decisions) >= MAX_DECISIONS:
+    if len(decisions) >= process.max_decisions:
         try:  # drop the oldest entry; another thread may be doing the same
             decisions.pop(next(iter(decisions)), None)
         except (StopIteration, RuntimeError):

@@ -2,8 +2,9 @@
 
 Counting is one ``next()`` on an ``itertools.count`` (atomic in CPython), so the
 hot path takes no lock; the decision cache keeps a reference to the counter of
-each decision so a cached call does not even look it up. Counters are never
-replaced: ``reset`` records a baseline that later reads subtract. This is how a
+each decision so a cached call does not even look it up. The counters live in
+``state``; they are never replaced: ``reset`` records a baseline that later reads
+subtract. This is how a
 user notices a silent fallback: ``stats().served("attention", "math")``.
 """
 
@@ -15,34 +16,23 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-Key = tuple[str, str, str]  # family, row, origin
+from astrai.dispatch import state as process
+from astrai.dispatch.state import MISSES, QUIET, UNCACHED
 
-_counters: dict[Key, itertools.count[int]] = {}
-# Decision-cache counts. Every lookup that serves a call bumps that row's usage counter;
-# ``QUIET`` counts the lookups that serve none (``resolve``); ``MISSES`` and ``UNCACHED``
-# (a handle whose verdict depends on the raw call) the ones that were not hits.
-QUIET: itertools.count[int] = itertools.count()
-MISSES: itertools.count[int] = itertools.count()
-UNCACHED: itertools.count[int] = itertools.count()
-_baseline: dict[object, int] = {}
+Key = tuple[str, str, str]  # family, row, origin
 
 
 def counter(family: str, row: str, origin: str) -> itertools.count[int]:
     """The counter of calls of ``family`` served by ``row`` via ``origin``."""
     key = (family, row, origin)
-    c = _counters.get(key)
+    c = process.counters.get(key)
     if c is None:
-        c = _counters.setdefault(key, itertools.count())
+        c = process.counters.setdefault(key, itertools.count())
     return c
 
 
-def _value(c: itertools.count[int]) -> int:
-    return int(c.__reduce__()[1][0])  # type: ignore[index]
-
-
-def _hits(usage: dict[Key, int]) -> int:
-    """All decision-cache hits so far."""
-    return sum(usage.values()) + _value(QUIET) - _value(MISSES) - _value(UNCACHED)
+def _since_reset(c: itertools.count[int], key: object) -> int:
+    return process.count(c) - process.baseline.get(key, 0)
 
 
 @dataclass(frozen=True)
@@ -82,11 +72,14 @@ def stats(reset: bool = False) -> UsageStats:
     While calls are in flight in other threads the hit count may be off by the
     number of those calls; it is exact once they return.
     """
-    totals = {key: _value(c) for key, c in list(_counters.items())}
-    calls = {key: n - _baseline.get(key, 0) for key, n in totals.items()}
-    snap = UsageStats({k: n for k, n in calls.items() if n},
-                      _hits(totals) - _baseline.get("hits", 0),
-                      _value(MISSES) - _baseline.get("misses", 0))
+    calls = {key: _since_reset(c, key) for key, c in list(process.counters.items())}
+    misses = _since_reset(MISSES, "misses")
+    # Every served call bumped a usage counter and ``QUIET`` counts the lookups that
+    # served none; of all those lookups, the ones that missed or were uncacheable were
+    # not hits.
+    hits = (sum(calls.values()) + _since_reset(QUIET, "quiet") - misses
+            - _since_reset(UNCACHED, "uncached"))
+    snap = UsageStats({k: n for k, n in calls.items() if n}, hits, misses)
     if reset:
         reset_stats()
     return snap
@@ -94,9 +87,4 @@ def stats(reset: bool = False) -> UsageStats:
 
 def reset_stats() -> None:
     """Zero every counter."""
-    totals: dict[Key, int] = {key: _value(c) for key, c in list(_counters.items())}
-    base: dict[object, int] = {key: n for key, n in totals.items()}
-    base["hits"] = _hits(totals)
-    base["misses"] = _value(MISSES)
-    _baseline.clear()
-    _baseline.update(base)
+    process.reset_counts()

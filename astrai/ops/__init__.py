@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch import compiled
-from astrai.dispatch import registry as _registry
+from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.compiled import IMPLS, decision_name
 from astrai.dispatch.registry import current
@@ -98,7 +98,7 @@ def context(family: str, *args: Any, **kwargs: Any) -> CallContext:
     fc = FAMILY_CALLS.get(family)
     if fc is not None:
         return fc.context(*fc.bind(args, kwargs))
-    table = (_registry._state or current()).family(family)
+    table = (process.snapshot or current()).family(family)
     return generic_context(family, table.context, tuple(table.axes), args, kwargs)
 
 
@@ -115,7 +115,7 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     facade = _FACADES.get(family)
     if facade is not None:
         return facade(*args, backend=backend, **kwargs)
-    table = (_registry._state or current()).family(family)  # names the known families
+    table = (process.snapshot or current()).family(family)  # names the known families
     ctx = generic_context(family, table.context, tuple(table.axes), args, kwargs)
     if _compiling():
         names, values = ctx.named_values()

@@ -1,0 +1,88 @@
+"""Every piece of process-wide mutable state of the dispatch engine, in one place.
+
+The engine's modules keep no globals of their own that change after import: they
+read and write the names below (the hot path reads ``snapshot`` as a module
+attribute, which costs what a global does). ``reset()`` returns the state a test
+may disturb to a fresh process's (the loaded tables excepted, which tests save and
+restore themselves); ``os.register_at_fork`` runs ``_after_fork_in_child`` once,
+so a forked child starts with fresh locks and no cached decisions or counts.
+
+Per-context state (``op_backend`` / ``use_profile`` scopes) lives in a
+``ContextVar`` in ``sources``; the torch.compile guard key in ``torch_compile``
+is a plain global on purpose (dynamo guards on reading it).
+"""
+
+from __future__ import annotations
+
+__all__ = ["reset"]
+
+import itertools
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astrai.dispatch.registry import Registry
+
+#: The tables in force: one immutable snapshot, swapped whole (``registry``).
+snapshot: Registry | None = None
+#: Guards swaps of ``snapshot`` only: nothing is read or imported under it.
+swap_lock = threading.RLock()
+#: Serialises the first run of each availability probe.
+probe_lock = threading.RLock()
+#: Probe results, once per process until ``refresh()``: id(record) -> (record, ok, reason).
+probed: dict[int, tuple[Any, bool, str]] = {}
+#: Snapshot epochs (every swap takes the next one).
+epochs = itertools.count(1)
+#: The bound of each snapshot's decision cache (``set_max_decisions``).
+max_decisions = 1 << 16
+#: Parsed ``ASTR_OPS`` / alias values, per distinct raw values and epoch (``sources``).
+env_parsed: dict[tuple[object, ...], Any] = {}
+#: Messages already logged by ``warn_once``.
+warned: set[str] = set()
+warned_lock = threading.Lock()
+#: Usage counters per (family, row, origin), and the decision-cache counts (``stats``).
+counters: dict[tuple[str, str, str], itertools.count[int]] = {}
+QUIET: itertools.count[int] = itertools.count()
+MISSES: itertools.count[int] = itertools.count()
+UNCACHED: itertools.count[int] = itertools.count()
+#: What ``stats(reset=True)`` subtracts from the never-replaced counters.
+baseline: dict[object, int] = {}
+
+
+def count(counter: itertools.count[int]) -> int:
+    """How far ``counter`` has counted (without advancing it)."""
+    return int(counter.__reduce__()[1][0])  # type: ignore[index]
+
+
+def reset_counts() -> None:
+    """Start every count from zero: record what later reads subtract (the counters
+    themselves are never replaced: cached decisions hold them)."""
+    base: dict[object, int] = {key: count(c) for key, c in list(counters.items())}
+    base.update(quiet=count(QUIET), misses=count(MISSES), uncached=count(UNCACHED))
+    baseline.clear()
+    baseline.update(base)
+
+
+def reset() -> None:
+    """Forget warnings, parsed environment values, counts and cached decisions."""
+    with warned_lock:
+        warned.clear()
+    env_parsed.clear()
+    reset_counts()
+    if snapshot is not None:
+        snapshot.decisions.clear()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts clean: fresh locks (the parent's may have been held by
+    another thread), no cached decisions or parsed environment, counters from zero."""
+    global swap_lock, probe_lock, warned_lock
+    swap_lock = threading.RLock()
+    probe_lock = threading.RLock()
+    warned_lock = threading.Lock()
+    reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
