@@ -79,6 +79,7 @@ from typing import Any
 
 import torch
 
+from astrai.backends.attention._dense import check_dense
 from astrai.backends.attention.math import WEIGHTS_METHOD
 from astrai.dispatch import (
     OPS_ENV,
@@ -334,6 +335,7 @@ def _attention_with_weights(
     Resolved, cached and counted like a facade call (``stats()`` shows the row
     that served it); the row's ``with_weights`` computes both.
     """
+    check_dense(q, k, v, mask)  # as the facade would: rows do not validate
     ctx = attention_context(q, k, v, attn_mask=mask, is_causal=causal)
     decision = _weights_decision(ctx)
     next(SLOW)  # a facade call that went through ``decide`` (see astrai.dispatch.stats)
