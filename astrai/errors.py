@@ -5,13 +5,16 @@ from __future__ import annotations
 __all__ = [
     "AstraiError",
     "ExplicitSelectionError",
+    "KVCacheFullError",
     "NoImplementationError",
     "PlanMismatchError",
     "ScopeError",
     "SpecSyntaxError",
+    "StaleBatchError",
     "TableError",
     "TableProblem",
     "UnknownFamilyError",
+    "UnsupportedFeatureError",
 ]
 
 from collections.abc import Sequence
@@ -201,3 +204,49 @@ class PlanMismatchError(AstraiError, RuntimeError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (PlanMismatchError, (str(self), self.differences))
+
+
+class KVCacheFullError(AstraiError, MemoryError):
+    """The pool cannot satisfy an allocation: ``requested`` units of ``what``, ``free`` left.
+
+    Raised by ``astrai.kv_cache`` (which re-exports it).
+    """
+
+    def __init__(self, what: str, requested: int, free: int, detail: str = "") -> None:
+        self.what = what
+        self.requested = requested
+        self.free = free
+        self.detail = detail
+        message = f"KV cache full: asked for {requested} {what}, only {free} free"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (KVCacheFullError, (self.what, self.requested, self.free, self.detail))
+
+
+class StaleBatchError(AstraiError, ValueError):
+    """A ``PagedBatch`` used after one of its requests was freed (its row may be reused).
+
+    Raised by ``astrai.kv_cache`` (which re-exports it).
+    """
+
+
+class UnsupportedFeatureError(AstraiError, NotImplementedError):
+    """A transformers attention call uses a feature ``astrai.ops.attention`` cannot express.
+
+    ``feature`` names it, ``value`` is what the call carried, ``hint`` says how to
+    proceed (usually: use ``attn_implementation="sdpa"`` or ``"eager"`` for this model).
+    Raised by ``astrai.integrations.transformers`` (which re-exports it), whose
+    ``ATTN_IMPLEMENTATION`` is the ``'astrai'`` the message names.
+    """
+
+    def __init__(self, feature: str, value: Any, hint: str) -> None:
+        self.feature = feature
+        self.value = value
+        self.hint = hint
+        super().__init__(
+            f"attn_implementation='astrai' does not support {feature} (got {value!r}): {hint}"
+        )
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (UnsupportedFeatureError, (self.feature, self.value, self.hint))

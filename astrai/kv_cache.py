@@ -34,28 +34,9 @@ from typing import Generic, Literal, TypeVar
 
 import torch
 
-from astrai.errors import AstraiError
+from astrai.errors import KVCacheFullError, StaleBatchError
 
 T = TypeVar("T")
-
-
-class KVCacheFullError(AstraiError, MemoryError):
-    """The pool cannot satisfy an allocation: ``requested`` units of ``what``, ``free`` left."""
-
-    def __init__(self, what: str, requested: int, free: int, detail: str = "") -> None:
-        self.what = what
-        self.requested = requested
-        self.free = free
-        self.detail = detail
-        message = f"KV cache full: asked for {requested} {what}, only {free} free"
-        super().__init__(f"{message} ({detail})" if detail else message)
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (KVCacheFullError, (self.what, self.requested, self.free, self.detail))
-
-
-class StaleBatchError(AstraiError, ValueError):
-    """A ``PagedBatch`` used after one of its requests was freed (its row may be reused)."""
 
 
 class KVPool:

@@ -1,8 +1,8 @@
 """Tests of the attention rows (math, torch_native, flash) and of tables/attention.yaml.
 
 Numerics are checked against an independent float64 loop, every pair of faithful
-rows is compared on every call both accept, and each row's ``supports_call``
-is checked against its YAML ``when`` on a grid of real calls.
+rows is compared on every call both accept (by the table's ``when``: rows are
+plain callables whose eligibility is the YAML alone).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
+from astrai import ops
 from astrai.backends.attention.flash import flash_attention, flash_available
 from astrai.backends.attention.math import math_attention
-from astrai.backends.attention.sdpa import sdpa_attention
-from astrai.dispatch import Unavailable, shipped_tables_dir
+from astrai.dispatch import Unavailable, parse_spec, shipped_tables_dir
 from astrai.kv_cache import KVPool, decode_batch, extend_batch, prefill_batch
 from astrai.ops import context as ops_context
 
@@ -29,6 +29,7 @@ attention_context = functools.partial(ops_context, "attention")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROWS = yaml.safe_load((shipped_tables_dir() / "attention.yaml").read_text())["rows"]
+WHEN = {row["name"]: parse_spec(row["when"]) for row in ROWS}
 
 
 def load_impl(path: str) -> Any:
@@ -121,7 +122,7 @@ class TestDenseNumerics:
         kwargs = dict(attn_mask=m_in, is_causal=causal)
         outs = {}
         for name, impl in faithful_rows():
-            if impl.supports_call(q, k, v, **kwargs):
+            if WHEN[name].matches(attention_context(q, k, v, **kwargs)):
                 outs[name] = impl(q, k, v, **kwargs)
                 assert outs[name].shape == (2, sq, 32) and outs[name].dtype == dtype
                 close(outs[name], want, dtype)
@@ -149,16 +150,17 @@ class TestDenseNumerics:
         for a, b in itertools.combinations(grads, 2):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
-    @pytest.mark.parametrize("impl", [math_attention, sdpa_attention], ids=repr)
-    def test_error_bad_dense_shapes(self, impl: Any) -> None:
-        """Mismatched heads, head_dim or mask shapes are ValueErrors naming the problem."""
+    @pytest.mark.parametrize("row", ["math", "torch_native"])
+    def test_error_bad_dense_shapes(self, row: str) -> None:
+        """Mismatched heads, head_dim or mask shapes are ValueErrors naming the problem, raised
+        before any row runs."""
         q, k, v = dense_inputs(torch.float32, 3, 3, heads=4, kv_heads=4)
         with pytest.raises(ValueError, match="not a multiple"):
-            impl(q, k[:, :, :3], v[:, :, :3])
+            ops.attention(q, k[:, :, :3], v[:, :, :3], backend=row)
         with pytest.raises(ValueError, match="head_dim 8 but k has 4"):
-            impl(q, k[..., :4], v)
+            ops.attention(q, k[..., :4], v, backend=row)
         with pytest.raises(ValueError, match="does not broadcast"):
-            impl(q, k, v, attn_mask=torch.ones(2, 3, dtype=torch.bool))
+            ops.attention(q, k, v, attn_mask=torch.ones(2, 3, dtype=torch.bool), backend=row)
 
 
 def sequences(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, d: int,
@@ -228,12 +230,14 @@ class TestPagedNumerics:
         for a, b in itertools.combinations(outs, 2):
             close(a, b, torch.float32)
 
-    @pytest.mark.parametrize("impl", [math_attention, sdpa_attention], ids=repr)
-    def test_error_bad_paged_calls(self, impl: Any) -> None:
-        """Paged calls with a wrong cache, mode, mask, layer or shape raise clearly."""
+    @pytest.mark.parametrize("row", ["math", "torch_native"])
+    def test_error_bad_paged_calls(self, row: str) -> None:
+        """Paged calls with a wrong cache, mode, mask, layer or shape raise clearly, before any
+        row runs."""
         pool = KVPool(1, 32, 2, 8, 4, 8)
         batch = prefill_batch(pool, [2, 3])
         q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+        impl = functools.partial(ops.attention, backend=row)
         with pytest.raises(TypeError, match=r"must be an astrai\.kv_cache\.PagedBatch"):
             impl(q, k, v, kv_cache={"k": 1}, fwd="prefill")
         with pytest.raises(ValueError, match="one new token per request"):
@@ -246,30 +250,6 @@ class TestPagedNumerics:
             impl(q, k, v, kv_cache=batch, layer_id=1, fwd="prefill")
         with pytest.raises(ValueError, match=r"expects k as \[5, 2, 8\]"):
             impl(q, k[:, :1], v, kv_cache=batch, fwd="prefill")
-
-
-def grid_calls() -> list[tuple[tuple[Any, ...], dict[str, Any], bool]]:
-    """Real calls varying dtype, layout, fwd, cache, mask, grad mode and head_dim."""
-    pool = KVPool(1, 16, 2, 8, 2, 8)
-    batch = prefill_batch(pool, [2, 1])
-    calls = []
-    layouts = {"dense": (2, 3), "packed": (3,), "rank2": (3,), "rank5": (1, 2, 3)}
-    for dtype, layout, d in itertools.product(
-        (*DTYPES, torch.float64, torch.int32), layouts, (8, 64, 320)
-    ):
-        lead = layouts[layout]
-        if layout == "rank2":
-            q = torch.zeros(3, d).to(dtype)
-        else:
-            q = torch.zeros(*lead, 4, d).to(dtype)
-        kv = torch.zeros(*q.shape[:-2], 2, d).to(dtype) if q.dim() > 2 else q
-        for fwd, cache, mask, grad in itertools.product(
-            (None, "prefill", "decode"), (None, batch), (None, "bool"), (True, False)
-        ):
-            m = None if mask is None else torch.ones(1, dtype=torch.bool)
-            kwargs = dict(kv_cache=cache, layer_id=0, attn_mask=m, is_causal=True, fwd=fwd)
-            calls.append(((q, kv, kv), kwargs, grad))
-    return calls
 
 
 class TestFlash:

@@ -14,8 +14,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astrai.backends.rotary import complex_rotary, reference_rotary, rotary_freqs, torch_rotary
-from astrai.dispatch import shipped_tables_dir
+from astrai import ops
+from astrai.backends.rotary import reference_rotary, rotary_freqs, torch_rotary
+from astrai.dispatch import ExplicitSelectionError, parse_spec, shipped_tables_dir
 from astrai.ops import context as ops_context
 
 rotary_context = functools.partial(ops_context, "rotary")
@@ -32,6 +33,12 @@ def load_impl(path: str) -> Any:
 
 
 IMPLS = {row["name"]: load_impl(row["impl"]) for row in ROWS}
+WHEN = {row["name"]: parse_spec(row["when"]) for row in ROWS}
+
+
+def accepts(name: str, x: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether the table's ``when`` gives row ``name`` this call (eligibility is the YAML)."""
+    return WHEN[name].matches(rotary_context(x, freqs))
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -104,7 +111,7 @@ class TestRotaryNumerics:
         want = loop_rotary(x, pos)
         outs = {}
         for name, impl in IMPLS.items():
-            if impl.supports_call(x, freqs):
+            if accepts(name, x, freqs):
                 out = impl(x, freqs)
                 assert out.shape == x.shape and out.dtype == dtype
                 close(out, want, dtype)
@@ -143,38 +150,27 @@ class TestRotaryNumerics:
         for impl in IMPLS.values():
             torch.testing.assert_close(norms(impl(x, freqs)), norms(x))
 
-    @pytest.mark.parametrize("impl", list(IMPLS.values()), ids=repr)
-    def test_error_table_does_not_fit(self, impl: Any) -> None:
-        """A freqs_cis of the wrong shape is a ValueError showing the expected shape."""
+    @pytest.mark.parametrize("row", list(IMPLS))
+    def test_error_table_does_not_fit(self, row: str) -> None:
+        """A freqs_cis of the wrong shape is a ValueError showing the expected shape, raised
+        before any row runs."""
         x = torch.randn(2, 5, 3, 8)
         with pytest.raises(ValueError, match=r"expected \[2 or 1, 5, 4, 2\]"):
-            impl(x, rotary_freqs(torch.arange(4), 8).unsqueeze(0))
+            ops.apply_rotary(x, rotary_freqs(torch.arange(4), 8).unsqueeze(0), backend=row)
         with pytest.raises(ValueError, match="does not fit"):
-            impl(x[0], rotary_freqs(torch.arange(4), 8))
+            ops.apply_rotary(x[0], rotary_freqs(torch.arange(4), 8), backend=row)
         with pytest.raises(ValueError, match="even head_dim"):
-            impl(torch.randn(4, 2, 7), torch.zeros(4, 3, 2))
+            ops.apply_rotary(torch.randn(4, 2, 7), torch.zeros(4, 3, 2), backend=row)
 
     def test_error_complex_row_refuses_half_types(self) -> None:
-        """The complex row names the dtypes it takes instead of upcasting."""
+        """The complex row's ``when`` names the dtypes it takes instead of upcasting."""
         x, freqs, _ = make_call("packed", torch.float16)
-        with pytest.raises(ValueError, match="float32/float64"):
-            complex_rotary(x, freqs)
+        with pytest.raises(ExplicitSelectionError,
+                           match=r"'complex'.*requires dtype in \{float32, float64\}"):
+            ops.apply_rotary(x, freqs, backend="complex")
 
 
-def grid_calls() -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """Calls varying dtype, rank, head_dim and grad mode."""
-    calls = []
-    shapes = {2: (5,), 3: (5, 2), 4: (2, 5, 2), 5: (1, 2, 5, 2)}
-    for dtype, ndim, d, grad in itertools.product(
-        (*DTYPES, torch.int64), shapes, (4, 8, 64), (True, False)
-    ):
-        x = torch.zeros(*shapes[ndim], d).to(dtype)
-        freqs = torch.zeros(5, d // 2, 2)
-        calls.append((x, freqs, grad))
-    return calls
-
-
-class TestTableBinding:
+class TestTable:
     def test_table_names_the_module_objects(self) -> None:
         """The rows bind to this module's instances, in the documented order."""
         assert list(IMPLS) == ["complex", "torch", "reference"]

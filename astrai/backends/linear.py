@@ -10,14 +10,15 @@
 - ``fp8``: per-tensor-scaled float8 (e4m3) operands multiplied by
   ``torch._scaled_mm``, on CUDA GPUs of compute capability >= 8.9 (Ada, Hopper);
   ``fp8_available`` says why not elsewhere.
+
+Rows are plain functions: ``tables/linear.yaml``'s ``when`` decides which calls
+each serves, and the facade (``astrai.ops.linear``) validates shapes and dtypes
+before any row runs, so a row does neither.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "Bf16Linear",
-    "Fp8Linear",
-    "TorchLinear",
     "bf16_linear",
     "fp8_available",
     "fp8_linear",
@@ -29,9 +30,6 @@ import torch.nn.functional as F
 
 from astrai.dispatch.availability import Unavailable
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_BF16_INPUTS = (torch.float32, torch.float64)
-_FP8_OUTPUTS = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MIN_CAPABILITY = (8, 9)
 _FP8_ALIGN = 16  # _scaled_mm wants every matrix dimension a multiple of 16
 _fp8_ready = False  # set once fp8_available() has said yes in this process
@@ -52,56 +50,21 @@ def fp8_available() -> bool | Unavailable:
     return True
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"linear expects x [..., in_features] and weight [out_features, in_features]; "
-            f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},); got {tuple(bias.shape)}")
+def torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` as it is: ``x @ weight.T + bias`` in ``x``'s dtype (the facade checked
+    that x, weight and bias share it)."""
+    return F.linear(x, weight, bias)
 
 
-class _Linear:
-    """Shared ``supports_call``: ``x`` of rank >= 1 and one of ``_dtypes``."""
-
-    _dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES
-
-    def supports_call(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> bool:
-        """Whether this row accepts ``x``."""
-        return x.dim() >= 1 and x.dtype in self._dtypes
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class TorchLinear(_Linear):
-    """``F.linear`` in ``x``'s dtype (weight and bias cast to it)."""
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x @ weight.T + bias``."""
-        _check(x, weight, bias)
-        b = None if bias is None else bias.to(x.dtype)
-        return F.linear(x, weight.to(x.dtype), b)
-
-
-class Bf16Linear(_Linear):
-    """Computes in bfloat16 and casts back; for float32/float64 inputs."""
-
-    _dtypes = _BF16_INPUTS
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x @ weight.T + bias`` at bfloat16 precision, returned in ``x``'s dtype."""
-        _check(x, weight, bias)
-        b = None if bias is None else bias.to(torch.bfloat16)
-        out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), b)
-        return out.to(x.dtype)
+def bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` computed in bfloat16 and returned in ``x``'s dtype."""
+    b = None if bias is None else bias.to(torch.bfloat16)
+    out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), b)
+    return out.to(x.dtype)
 
 
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,53 +87,29 @@ def _round_up(n: int) -> int:
     return -(-n // _FP8_ALIGN) * _FP8_ALIGN
 
 
-class Fp8Linear(_Linear):
-    """Per-tensor-scaled float8 e4m3 matmul via ``torch._scaled_mm`` (CUDA, cc >= 8.9)."""
-
-    _dtypes = _FP8_OUTPUTS
-
-    def supports_call(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> bool:
-        """CUDA ``x`` of rank >= 1 in float16, bfloat16 or float32."""
-        return x.is_cuda and super().supports_call(x, weight, bias)
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x @ weight.T + bias`` with float8 operands, returned in ``x``'s dtype."""
-        global _fp8_ready
-        if not _fp8_ready:
-            ok = fp8_available()
-            if not ok:
-                raise RuntimeError(f"the fp8 linear row cannot run: {ok}")
-            _fp8_ready = True
-        if not x.is_cuda or x.dtype not in _FP8_OUTPUTS:
-            raise ValueError(
-                f"the fp8 linear row takes CUDA float16/bfloat16/float32 x; got {x.dtype} "
-                f"on {x.device}"
-            )
-        _check(x, weight, bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        m, k = x2.shape
-        n = weight.shape[0]
-        mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
-        xq, x_scale = _quantize(_pad_to(x2, mp, kp))
-        wq, w_scale = _quantize(_pad_to(weight, np_, kp))
-        # mat2 must be column-major: the transpose of a row-major [n, k] weight is.
-        out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
-        if isinstance(out, tuple):  # torch < 2.4 also returned the output's amax
-            out = out[0]
-        out = out[:m, :n]
-        if bias is not None:
-            out = out + bias.to(x.dtype)
-        return out.reshape(*lead, n)
-
-
-#: The ``torch`` row (fallback) of ``tables/linear.yaml``.
-torch_linear = TorchLinear()
-#: The ``bf16`` row (non-faithful) of ``tables/linear.yaml``.
-bf16_linear = Bf16Linear()
-#: The ``fp8`` row (non-faithful) of ``tables/linear.yaml``.
-fp8_linear = Fp8Linear()
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with per-tensor-scaled float8 e4m3 operands via
+    ``torch._scaled_mm`` (CUDA, cc >= 8.9), returned in ``x``'s dtype."""
+    global _fp8_ready
+    if not _fp8_ready:
+        ok = fp8_available()
+        if not ok:
+            raise RuntimeError(f"the fp8 linear row cannot run: {ok}")
+        _fp8_ready = True
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+    xq, x_scale = _quantize(_pad_to(x2, mp, kp))
+    wq, w_scale = _quantize(_pad_to(weight, np_, kp))
+    # mat2 must be column-major: the transpose of a row-major [n, k] weight is.
+    out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    if isinstance(out, tuple):  # torch < 2.4 also returned the output's amax
+        out = out[0]
+    out = out[:m, :n]
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.reshape(*lead, n)

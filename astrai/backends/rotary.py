@@ -10,14 +10,17 @@ are adjacent elements ``(2i, 2i+1)`` (the RoFormer / original LLaMA layout):
     out[2i+1] = x[2i] * sin + x[2i+1] * cos
 
 The output keeps ``x``'s shape and dtype. ``rotary_freqs`` builds the table.
+
+Rows are plain functions: ``tables/rotary.yaml``'s ``when`` decides which calls
+each serves, and the facade (``astrai.ops.apply_rotary``) validates the call with
+``check_rotary_call`` before any row runs, so a row does neither. Each row gives
+``freqs_cis`` a broadcast axis for the heads (``unsqueeze(-3)``), which lines it up
+with ``x`` viewed as pairs ``[..., heads, head_dim/2, 2]`` for every accepted layout.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "ComplexRotary",
-    "ReferenceRotary",
-    "TorchRotary",
     "check_rotary_call",
     "complex_rotary",
     "reference_rotary",
@@ -27,7 +30,6 @@ __all__ = [
 
 import torch
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _COMPLEX_DTYPES = (torch.float32, torch.float64)
 
 
@@ -79,89 +81,45 @@ def check_rotary_call(x: torch.Tensor, freqs_cis: torch.Tensor) -> None:
         raise ValueError(f"freqs_cis must be floating point, got {table.dtype}")
 
 
-def _cos_sin(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate a call; ``cos``/``sin`` shaped to broadcast against ``x``'s pair halves.
-
-    The results are ``[b|1, seq, 1, head_dim/2]`` (dense) or ``[tokens, 1, head_dim/2]``
-    (packed), in ``freqs_cis``'s dtype.
-    """
-    check_rotary_call(x, freqs_cis)
-    table = freqs_cis
-    if x.dim() == 4 and table.dim() == 3:
-        table = table.unsqueeze(0)
-    table = table.unsqueeze(-3)  # a broadcast axis for the heads
-    return table[..., 0], table[..., 1]
-
-
-class _Rotary:
-    """Shared ``supports_call`` of the rotary rows: ``x`` 3-d or 4-d, of ``_dtypes``."""
-
-    _dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES
-
-    def supports_call(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> bool:
-        """Whether this row accepts ``x`` (rank 3 or 4, a dtype it computes in)."""
-        return x.dim() in (3, 4) and x.dtype in self._dtypes
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class TorchRotary(_Rotary):
-    """Real arithmetic on whole vectors: ``x * cos + swap_pairs(x) * (-sin, +sin)``.
+def torch_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Real arithmetic per pair, ``(x0 c - x1 s, x0 s + x1 c)``, on whole tensors.
 
     Computes in ``x``'s dtype for float32/float64, in float32 for half types.
     """
+    dtype = x.dtype
+    compute = dtype if dtype in _COMPLEX_DTYPES else torch.float32
+    if dtype is not compute:
+        x = x.to(compute)
+    if freqs_cis.dtype is not compute:
+        freqs_cis = freqs_cis.to(compute)
+    x0, x1 = torch.unflatten(x, -1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cis.unsqueeze(-3).unbind(-1)  # a broadcast axis for the heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+    return out if dtype is compute else out.to(dtype)
 
-    def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated pairwise; same shape and dtype."""
-        cos, sin = _cos_sin(x, freqs_cis)
-        compute = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        xc = x.to(compute)
-        cos_full = cos.to(compute).repeat_interleave(2, dim=-1)
-        sin = sin.to(compute)
-        sin_signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        swapped = xc.reshape(*x.shape[:-1], -1, 2).flip(-1).flatten(-2)  # (x1, x0) per pair
-        return torch.addcmul(xc * cos_full, swapped, sin_signed).to(x.dtype)
 
-
-class ComplexRotary(_Rotary):
+def complex_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Pairs viewed as complex numbers and multiplied by ``cos + i sin``.
 
-    ``torch.view_as_complex`` needs float32 or float64 storage, so this row takes
-    only those dtypes (no silent upcast of half types).
+    ``torch.view_as_complex`` needs float32 or float64 storage, so the table's
+    ``when`` gives this row only those dtypes (no silent upcast of half types);
+    ``freqs_cis``, whose last axis is ``(cos, sin)``, is itself viewed as complex.
     """
-
-    _dtypes = _COMPLEX_DTYPES
-
-    def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated pairwise; same shape and dtype."""
-        if x.dtype not in _COMPLEX_DTYPES:
-            raise ValueError(f"the complex rotary row takes float32/float64, got {x.dtype}")
-        cos, sin = _cos_sin(x, freqs_cis)
-        rot = torch.complex(cos.to(x.dtype), sin.to(x.dtype))
-        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
-        return torch.view_as_real(xc * rot).flatten(-2)
+    if freqs_cis.dtype is not x.dtype:
+        freqs_cis = freqs_cis.to(x.dtype)
+    rot = torch.view_as_complex(freqs_cis.unsqueeze(-3).contiguous())  # [..., 1, d/2]
+    xc = torch.view_as_complex(torch.unflatten(x, -1, (-1, 2)).contiguous())
+    return torch.view_as_real(xc * rot).flatten(-2)
 
 
-class ReferenceRotary(_Rotary):
+def reference_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """The fallback: each pair rotated explicitly in float32 (float64 for float64 input)."""
-
-    def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated pairwise; same shape and dtype."""
-        cos, sin = _cos_sin(x, freqs_cis)
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xw = x.to(compute)
-        cos, sin = cos.to(compute), sin.to(compute)
-        even, odd = xw[..., 0::2], xw[..., 1::2]
-        out = torch.empty_like(xw)
-        out[..., 0::2] = even * cos - odd * sin
-        out[..., 1::2] = even * sin + odd * cos
-        return out.to(x.dtype)
-
-
-#: The ``torch`` row of ``tables/rotary.yaml``.
-torch_rotary = TorchRotary()
-#: The ``complex`` row of ``tables/rotary.yaml``.
-complex_rotary = ComplexRotary()
-#: The ``reference`` row (fallback) of ``tables/rotary.yaml``.
-reference_rotary = ReferenceRotary()
+    compute = torch.promote_types(x.dtype, torch.float32)
+    table = freqs_cis.unsqueeze(-3).to(compute)
+    cos, sin = table[..., 0], table[..., 1]
+    xw = x.to(compute)
+    even, odd = xw[..., 0::2], xw[..., 1::2]
+    out = torch.empty_like(xw)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out.to(x.dtype)

@@ -100,7 +100,7 @@ from astrai.dispatch.resolution import (
     row_verdict,
 )
 from astrai.dispatch.stats import QUIET
-from astrai.errors import AstraiError, ExplicitSelectionError
+from astrai.errors import ExplicitSelectionError, UnsupportedFeatureError
 from astrai.ops import attention
 from astrai.ops import context as facade_context
 
@@ -118,26 +118,6 @@ _REFUSED_KWARGS: dict[str, str] = {
     "sinks": "attention sinks",
     "position_bias": "an additive position bias (e.g. T5 / ALiBi style)",
 }
-
-
-class UnsupportedFeatureError(AstraiError, NotImplementedError):
-    """A transformers attention call uses a feature ``astrai.ops.attention`` cannot express.
-
-    ``feature`` names it, ``value`` is what the call carried, ``hint`` says how to
-    proceed (usually: use ``attn_implementation="sdpa"`` or ``"eager"`` for this model).
-    """
-
-    def __init__(self, feature: str, value: Any, hint: str) -> None:
-        self.feature = feature
-        self.value = value
-        self.hint = hint
-        super().__init__(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} does not support {feature} "
-            f"(got {value!r}): {hint}"
-        )
-
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (UnsupportedFeatureError, (self.feature, self.value, self.hint))
 
 
 def _refuse(feature: str, value: Any, hint: str | None = None) -> UnsupportedFeatureError:

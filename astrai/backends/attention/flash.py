@@ -8,12 +8,14 @@ back to back and runs ``flash_attn_varlen_func`` with ``qo_indptr`` /
 the bottom-right corner, which is exactly the per-request rule of ``_paged``.
 
 flash-attn is imported lazily, on first use; ``flash_available`` says why the
-row cannot run where the package or a suitable GPU is missing.
+row cannot run where the package or a suitable GPU is missing. The row is a plain
+function: which calls it serves (CUDA, fp16/bf16, head_dim <= 256, no mask) is
+``tables/attention.yaml``'s ``when`` alone, and the facade validates the call first.
 """
 
 from __future__ import annotations
 
-__all__ = ["FlashAttention", "flash_attention", "flash_available"]
+__all__ = ["flash_attention", "flash_available"]
 
 import importlib
 import importlib.util
@@ -22,12 +24,11 @@ from typing import Any
 
 import torch
 
-from astrai.backends.attention._dense import PAGED_MODES, check_dense, merge_heads
-from astrai.backends.attention._paged import check_paged, packed_kv, store_kv
+from astrai.backends.attention._dense import merge_heads
+from astrai.backends.attention._paged import packed_kv, store_kv
 from astrai.dispatch.availability import Unavailable
+from astrai.kv_cache import PagedBatch
 
-_DTYPES = (torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
 _MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer.
 
 _module: ModuleType | None = None
@@ -64,72 +65,31 @@ def _flash() -> ModuleType:
     return _module
 
 
-class FlashAttention:
-    """flash-attn kernels, dense or over a paged cache."""
-
-    def supports_call(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any = None,
-        layer_id: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        fwd: str | None = None,
-    ) -> bool:
-        """CUDA, fp16/bf16, head_dim <= 256, no mask; dense 4-d or 3-d paged prefill/decode."""
-        if not q.is_cuda or q.dtype not in _DTYPES or q.shape[-1] > _MAX_HEAD_DIM:
-            return False
-        if attn_mask is not None:
-            return False
-        if kv_cache is None:
-            return q.dim() == 4
-        return q.dim() == 3 and fwd in PAGED_MODES
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any = None,
-        layer_id: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        fwd: str | None = None,
-    ) -> torch.Tensor:
-        """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
-        fa = _flash()
-        if not q.is_cuda:
-            raise ValueError(f"flash attention needs CUDA tensors; q is on {q.device}")
-        if q.dtype not in _DTYPES:
-            raise ValueError(f"flash attention needs float16 or bfloat16; q is {q.dtype}")
-        if q.shape[-1] > _MAX_HEAD_DIM:
-            raise ValueError(f"flash attention supports head_dim <= 256; q has {q.shape[-1]}")
-        if kv_cache is None:
-            if attn_mask is not None:
-                raise ValueError("flash attention takes no attn_mask (use is_causal)")
-            check_dense(q, k, v, None)
-            return merge_heads(fa.flash_attn_func(q, k, v, causal=is_causal))
-
-        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
-        store_kv(batch, layer_id, k, v)
-        k_ctx, v_ctx = packed_kv(batch, layer_id)
-        out = fa.flash_attn_varlen_func(
-            q,
-            k_ctx.to(q.dtype),
-            v_ctx.to(q.dtype),
-            cu_seqlens_q=batch.qo_indptr.to(torch.int32),
-            cu_seqlens_k=batch.kv_indptr.to(torch.int32),
-            max_seqlen_q=batch.max_extend_len,
-            max_seqlen_k=batch.max_seq_len,
-            causal=True,
-        )
-        return merge_heads(out)
-
-    def __repr__(self) -> str:
-        return "FlashAttention()"
-
-
-#: The ``flash`` row of ``tables/attention.yaml``.
-flash_attention = FlashAttention()
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: Any = None,
+    layer_id: int = 0,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    fwd: str | None = None,
+) -> torch.Tensor:
+    """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype (mask-free calls)."""
+    fa = _module or _flash()
+    if kv_cache is None:
+        return merge_heads(fa.flash_attn_func(q, k, v, causal=is_causal))
+    batch: PagedBatch = kv_cache
+    store_kv(batch, layer_id, k, v)
+    k_ctx, v_ctx = packed_kv(batch, layer_id)
+    out = fa.flash_attn_varlen_func(
+        q,
+        k_ctx.to(q.dtype),
+        v_ctx.to(q.dtype),
+        cu_seqlens_q=batch.qo_indptr.to(torch.int32),
+        cu_seqlens_k=batch.kv_indptr.to(torch.int32),
+        max_seqlen_q=batch.max_extend_len,
+        max_seqlen_k=batch.max_seq_len,
+        causal=True,
+    )
+    return merge_heads(out)

@@ -25,14 +25,9 @@ from typing import Any
 
 import torch
 
-from astrai.backends.attention._dense import (
-    FLOAT_DTYPES,
-    PAGED_MODES,
-    causal_keep,
-    check_dense,
-    merge_heads,
-)
-from astrai.backends.attention._paged import check_paged, context_kv, store_kv
+from astrai.backends.attention._dense import causal_keep, merge_heads
+from astrai.backends.attention._paged import context_kv, store_kv
+from astrai.kv_cache import PagedBatch
 
 #: The method through which a row returns the attention probabilities with its output.
 WEIGHTS_METHOD = "with_weights"
@@ -80,25 +75,11 @@ def _attend(
 
 
 class MathAttention:
-    """Reference attention: dense ``[batch, seq, heads, head_dim]`` or paged packed tokens."""
+    """Reference attention: dense ``[batch, seq, heads, head_dim]`` or paged packed tokens.
 
-    def supports_call(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any = None,
-        layer_id: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        fwd: str | None = None,
-    ) -> bool:
-        """Floating dtypes; dense 4-d without a cache, or 3-d paged prefill/decode unmasked."""
-        if q.dtype not in FLOAT_DTYPES:
-            return False
-        if kv_cache is None:
-            return q.dim() == 4
-        return q.dim() == 3 and fwd in PAGED_MODES and attn_mask is None
+    An instance rather than a function only to carry ``with_weights``; which calls
+    it serves is the table's ``when`` alone, and the facade validates them first.
+    """
 
     def __call__(
         self,
@@ -113,10 +94,9 @@ class MathAttention:
     ) -> torch.Tensor:
         """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
         if kv_cache is None:
-            check_dense(q, k, v, attn_mask)
             return merge_heads(_attend(q, k, v, attn_mask, is_causal)[0]).to(q.dtype)
 
-        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
+        batch: PagedBatch = kv_cache
         store_kv(batch, layer_id, k, v)
         outputs = []
         start = 0
@@ -144,15 +124,15 @@ class MathAttention:
         ``output`` is ``[batch, q_len, heads * head_dim]`` and ``weights`` the
         softmax probabilities ``[batch, heads, q_len, k_len]`` (per query head under
         GQA; zero on a query row that may see no key), both in ``q``'s dtype.
-        The arguments are the facade's; a paged call (``kv_cache``) has no single
-        weight matrix and is a ``ValueError``.
+        The arguments are the facade's, validated as the facade does
+        (``astrai.backends.attention._dense.check_dense``) by the caller; a paged call
+        (``kv_cache``) has no single weight matrix and is a ``ValueError``.
         """
         if kv_cache is not None:
             raise ValueError(
                 "math: attention weights are returned for dense [batch, seq, heads, head_dim] "
                 "calls only, not for the paged (kv_cache) path"
             )
-        check_dense(q, k, v, attn_mask)
         out, weights = _attend(q, k, v, attn_mask, is_causal)
         return merge_heads(out).to(q.dtype), weights.to(q.dtype)
 

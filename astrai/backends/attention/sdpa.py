@@ -5,31 +5,24 @@ it, else by repeating key/value heads). The paged path gathers every request's
 context into one padded ``[batch, max_seq_len, ...]`` tensor and runs a single
 SDPA call with a mask that encodes both the ragged lengths and the per-request
 causal rule; decode steps skip the query padding entirely.
+
+The row is a plain function: ``tables/attention.yaml``'s ``when`` decides which
+calls it serves, and the facade (``astrai.ops.attention``) validates the call
+before any row runs; called directly, it relies on SDPA's own shape checks.
 """
 
 from __future__ import annotations
 
-__all__ = ["SdpaAttention", "sdpa_attention"]
+__all__ = ["sdpa_attention"]
 
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.attention._dense import (
-    FLOAT_DTYPES,
-    PAGED_MODES,
-    check_dense,
-    merge_heads,
-    merge_masks,
-)
-from astrai.backends.attention._paged import (
-    check_paged,
-    padded_keep,
-    padded_kv,
-    store_kv,
-    token_coords,
-)
+from astrai.backends.attention._dense import merge_heads, merge_masks
+from astrai.backends.attention._paged import padded_keep, padded_kv, store_kv, token_coords
+from astrai.kv_cache import PagedBatch
 
 #: ``enable_gqa`` arrived in torch 2.5.
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -52,112 +45,69 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
-class SdpaAttention:
-    """Attention via PyTorch's fused SDPA kernels, dense or over a paged cache."""
-
-    def supports_call(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any = None,
-        layer_id: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        fwd: str | None = None,
-    ) -> bool:
-        """Floating dtypes; dense 4-d without a cache, or 3-d paged prefill/decode unmasked."""
-        if q.dtype not in FLOAT_DTYPES:
-            return False
-        if kv_cache is None:
-            return q.dim() == 4
-        return q.dim() == 3 and fwd in PAGED_MODES and attn_mask is None
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any = None,
-        layer_id: int = 0,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        fwd: str | None = None,
-    ) -> torch.Tensor:
-        """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype."""
-        if kv_cache is None and attn_mask is None and _HAS_GQA:
-            # Hot path (dense, no mask). The facade validated the call before any row ran
-            # (astrai.ops._checks), so only the causal rule's square case is tested here;
-            # called directly, this row relies on SDPA's own shape checks.
-            qs, ks, vs = q.shape, k.shape, v.shape
-            if not is_causal or qs[1] == ks[1]:
-                try:
-                    if is_causal or qs[2] != ks[2]:
-                        out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    is_causal=is_causal, enable_gqa=qs[2] != ks[2])
-                    else:
-                        out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-                except RuntimeError:
-                    check_dense(q, k, v, attn_mask)
-                    raise
-                if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
-                    return out.reshape(qs[0], 1, qs[2] * vs[-1])
-                return out.transpose(1, 2).flatten(-2)
-        if kv_cache is None:
-            return self._dense(q, k, v, attn_mask, is_causal)
-        return self._paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
-
-    def _dense(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        is_causal: bool,
-    ) -> torch.Tensor:
-        check_dense(q, k, v, attn_mask)
-        q_len, k_len = q.shape[1], k.shape[1]
-        if is_causal and attn_mask is None and q_len == k_len:
-            # SDPA's own causal flag is top-left aligned, which equals ours when square.
-            mask, causal = None, True
-        else:
-            mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device)
-            causal = False
-        out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
-        return merge_heads(out.transpose(1, 2))
-
-    def _paged(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: Any,
-        layer_id: int,
-        fwd: str | None,
-        attn_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        batch = check_paged(q, k, v, kv_cache, layer_id, fwd, attn_mask)
-        store_kv(batch, layer_id, k, v)
-        k_pad, v_pad = padded_kv(batch, layer_id)  # [B, L, Hkv, D]
-        k_pad = k_pad.to(q.dtype).transpose(1, 2)
-        v_pad = v_pad.to(q.dtype).transpose(1, 2)
-        q_len = batch.max_extend_len
-        if q_len == 1:
-            # Decode (or a prefill of one token each): token i is request i's only query.
-            q_pad = q.unsqueeze(1)
-        else:
-            owner, offset = token_coords(batch)
-            q_pad = q.new_zeros(batch.batch_size, q_len, *q.shape[1:])
-            q_pad = q_pad.index_put((owner, offset), q)
-        out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, padded_keep(batch, q_len), False)
-        out = out.transpose(1, 2)  # [B, q_len, H, D]
-        if q_len == 1:
-            return merge_heads(out[:, 0])
-        return merge_heads(out[owner, offset])
-
-    def __repr__(self) -> str:
-        return "SdpaAttention()"
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: Any = None,
+    layer_id: int = 0,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    fwd: str | None = None,
+) -> torch.Tensor:
+    """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype, via PyTorch's SDPA."""
+    if kv_cache is not None:
+        return _paged(q, k, v, kv_cache, layer_id)
+    if attn_mask is None and _HAS_GQA:
+        # Hot path (dense, no mask): only the causal rule's square case is tested here.
+        qs, ks, vs = q.shape, k.shape, v.shape
+        if not is_causal or qs[1] == ks[1]:
+            if is_causal or qs[2] != ks[2]:
+                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            is_causal=is_causal, enable_gqa=qs[2] != ks[2])
+            else:
+                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
+                return out.reshape(qs[0], 1, qs[2] * vs[-1])
+            return out.transpose(1, 2).flatten(-2)
+    return _dense(q, k, v, attn_mask, is_causal)
 
 
-#: The ``torch_native`` row of ``tables/attention.yaml``.
-sdpa_attention = SdpaAttention()
+def _dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    q_len, k_len = q.shape[1], k.shape[1]
+    if is_causal and attn_mask is None and q_len == k_len:
+        # SDPA's own causal flag is top-left aligned, which equals ours when square.
+        mask, causal = None, True
+    else:
+        mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device)
+        causal = False
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+    return merge_heads(out.transpose(1, 2))
+
+
+def _paged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch, layer_id: int
+) -> torch.Tensor:
+    store_kv(batch, layer_id, k, v)
+    k_pad, v_pad = padded_kv(batch, layer_id)  # [B, L, Hkv, D]
+    k_pad = k_pad.to(q.dtype).transpose(1, 2)
+    v_pad = v_pad.to(q.dtype).transpose(1, 2)
+    q_len = batch.max_extend_len
+    if q_len == 1:
+        # Decode (or a prefill of one token each): token i is request i's only query.
+        q_pad = q.unsqueeze(1)
+    else:
+        owner, offset = token_coords(batch)
+        q_pad = q.new_zeros(batch.batch_size, q_len, *q.shape[1:])
+        q_pad = q_pad.index_put((owner, offset), q)
+    out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, padded_keep(batch, q_len), False)
+    out = out.transpose(1, 2)  # [B, q_len, H, D]
+    if q_len == 1:
+        return merge_heads(out[:, 0])
+    return merge_heads(out[owner, offset])
