@@ -24,10 +24,10 @@ from typing import Any, TextIO, cast
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, Axis, CallContext, format_value
-from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import FamilyTable
 from astrai.dispatch.registry import TABLES_ENV, Registry
+from astrai.dispatch.sources import OPS_ENV
 from astrai.errors import AstraiError
 
 OK, PROBLEMS, USAGE = 0, 1, 2
@@ -211,7 +211,7 @@ def _source(table: FamilyTable) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from astrai.dispatch.resolution import active_view
+    from astrai.dispatch.sources import active_view
 
     state = registry.current()
     print(f"{OPS_ENV}={os.environ.get(OPS_ENV, '')!r}")
@@ -301,9 +301,7 @@ def _describes_call(args: argparse.Namespace) -> bool:
 
 def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[str, ...]) -> int:
     """``explain FAMILY`` with no call: the table as resolution sees it, and no verdict."""
-    from astrai.dispatch.env import env_settings
-    from astrai.dispatch.overrides import use_profile
-    from astrai.dispatch.resolution import active_view
+    from astrai.dispatch.sources import active_view, env_settings, use_profile
 
     if args.backend is not None:
         raise UsageError(f"--backend needs a described call; give at least one of "
@@ -332,8 +330,8 @@ def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[st
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from astrai.dispatch.overrides import use_profile
     from astrai.dispatch.resolution import explanation
+    from astrai.dispatch.sources import use_profile
 
     state = registry.current()
     _check_family(args.family, state)

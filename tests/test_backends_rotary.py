@@ -178,3 +178,27 @@ class TestTable:
         assert yaml.safe_load((shipped_tables_dir() / "rotary.yaml").read_text())[
             "fallback"
         ] == "reference"
+
+
+def test_fast_check_agrees_with_full_check() -> None:
+    """The facade's fast acceptance of a rotary call is exactly the full check's."""
+    from astrai.backends.rotary import check_rotary_call
+    from astrai.ops._families import describe_rotary
+
+    xs = [(2, 5, 3, 8), (1, 5, 3, 8), (5, 3, 8), (2, 5, 3, 7), (2, 5, 3, 0), (5, 8), (2, 5)]
+    tables = [(2, 5, 4, 2), (1, 5, 4, 2), (3, 5, 4, 2), (5, 4, 2), (2, 4, 4, 2), (5, 4, 3),
+              (4, 4, 2), (5, 3, 2), (1, 5, 3, 2), (5, 0, 2), (4, 2), ()]
+    for xshape, tshape in itertools.product(xs, tables):
+        for tdtype in (torch.float32, torch.int64):
+            x, t = torch.zeros(xshape), torch.zeros(tshape, dtype=tdtype)
+            try:
+                check_rotary_call(x, t)
+                full = True
+            except ValueError:
+                full = False
+            try:
+                describe_rotary(x, t)
+                fast = True
+            except ValueError:
+                fast = False
+            assert fast == full, (xshape, tshape, tdtype)

@@ -1,7 +1,7 @@
 """The facades under ``torch.compile``: no graph breaks, eager numerics, guarded decisions.
 
 While tracing, each facade takes its decision once and bakes it into the graph; the
-graph is guarded on ``astrai.dispatch.compiled.KEY`` (table epoch + scope), so a
+graph is guarded on ``astrai.dispatch.state.compile_key`` (table epoch + scope), so a
 changed override, a table load or a ``refresh()`` recompiles.
 """
 
@@ -20,8 +20,8 @@ from torch import nn
 
 import astrai.ops
 from astrai.backends.rotary import rotary_freqs
-from astrai.dispatch import compiled, load_tables, op_backend, refresh
-from astrai.dispatch.overrides import EMPTY_SCOPE
+from astrai.dispatch import load_tables, op_backend, refresh, state
+from astrai.dispatch.sources import EMPTY_SCOPE
 
 #: An ``rms_norm`` table whose first row is ``_marked_rms_norm`` (output: all 3.0).
 MARKED_TABLE = """\
@@ -164,8 +164,7 @@ class TestGuards:
         """After leaving the scope the graph compiled before it is reused (no recompile)."""
         # The state of a fresh process, before any scope was ever entered or left.
         fresh = EMPTY_SCOPE.compile_key
-        monkeypatch.setattr(compiled, "_scope", fresh)
-        monkeypatch.setattr(compiled, "KEY", (compiled._epoch, fresh))
+        monkeypatch.setattr(state, "compile_key", (state.compile_key[0], fresh))
         fn, counter = _counted(_norm)
         x, w = torch.randn(3, 8), torch.ones(8)
         fn(x, w)

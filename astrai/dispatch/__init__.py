@@ -10,17 +10,7 @@ from __future__ import annotations
 from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.distributed import AgreedPlan, check_agreement
-from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.expr.spec import Spec, parse_spec
-from astrai.dispatch.overrides import (
-    current_overrides,
-    current_profiles,
-    get_override,
-    op_backend,
-    reset_override,
-    set_override,
-    use_profile,
-)
 from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.registry import (
     TABLES_ENV,
@@ -35,16 +25,26 @@ from astrai.dispatch.registry import (
     shipped_tables_dir,
 )
 from astrai.dispatch.resolution import (
-    PRECEDENCE,
     NoImplementationError,
     Resolution,
-    Source,
-    env_overrides,
-    env_selection,
     explain,
     explain_plan,
     resolve,
     resolve_plan,
+)
+from astrai.dispatch.sources import (
+    OPS_ENV,
+    PRECEDENCE,
+    Source,
+    current_overrides,
+    current_profiles,
+    env_overrides,
+    env_selection,
+    get_override,
+    op_backend,
+    reset_override,
+    set_override,
+    use_profile,
 )
 from astrai.dispatch.stats import UsageStats, reset_stats, stats
 from astrai.errors import (

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from astrai.dispatch import compiled
 from astrai.dispatch import state as process
+from astrai.dispatch._environ import encoded
 from astrai.dispatch.availability import check
 from astrai.dispatch.loader import ParsedFile, parse_file
 from astrai.dispatch.names import family_name_problem
@@ -59,7 +59,6 @@ class Registry:
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        from astrai.dispatch.env import encoded
 
         # Per family, its legacy variable's name as os.environ stores it (hot path).
         object.__setattr__(self, "alias_keys",
@@ -293,7 +292,9 @@ def _swap(new: Registry) -> None:
     rows = [(r.family, r.name, r.obj) for t in new.families.values() for r in t.rows]
     rows += [(a.family, a.name, a.obj) for p in new.profiles.values()
              for ov in p.overlays.values() for a in ov.add]
-    compiled.note_epoch(new.epoch, rows)
+    for family, name, obj in rows:
+        process.publish(family, name, obj)
+    process.note_epoch(new.epoch)
 
 
 def current() -> Registry:

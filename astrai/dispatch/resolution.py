@@ -14,10 +14,7 @@ __all__ = [
     "NoImplementationError",
     "Resolution",
     "Source",
-    "active_view",
     "decide",
-    "env_overrides",
-    "env_selection",
     "explain",
     "explain_plan",
     "explanation",
@@ -32,53 +29,32 @@ from types import FunctionType, MethodType
 from typing import Any
 
 from astrai.dispatch import state as process
+from astrai.dispatch._environ import ENVIRON_DATA, raw_get
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
-from astrai.dispatch.env import (
-    ENVIRON_DATA,
-    OPS_KEY,
-    PROFILE_KEY,
-    EnvSettings,
-    env_settings,
-    raw_get,
-)
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.overrides import (
-    UNCACHEABLE,
-    current_profiles,
-    get_override,
-    handle_key,
-)
-from astrai.dispatch.overrides import _scope as _scope_var
 from astrai.dispatch.profiles import View
 from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
+from astrai.dispatch.sources import (
+    OPS_KEY,
+    PRECEDENCE,
+    UNCACHEABLE,
+    Source,
+    _env,
+    _scope,
+    active_profiles,
+    active_view,
+    check_handle,
+    handle_key,
+)
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
-_scope_get = _scope_var.get
+_scope_get = _scope.get
 
 
-@dataclass(frozen=True)
-class Source:
-    """One place a decision can come from. ``strict`` sources raise instead of falling through."""
-
-    origin: str
-    strict: bool
-    label: str
-
-
-#: Resolution order, highest precedence first (SPEC §3).
-PRECEDENCE: tuple[Source, ...] = (
-    Source("explicit", strict=True, label="the explicit argument"),
-    Source("context", strict=True, label="an op_backend scope"),
-    Source("env", strict=False, label="the environment"),
-    Source("profile", strict=False, label="an active profile"),
-    Source("chain", strict=False, label="the table order"),
-    Source("fallback", strict=False, label="the fallback row"),
-)
-_HANDLES = ("explicit", "context", "env")
 
 
 @dataclass(frozen=True)
@@ -124,37 +100,26 @@ def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, 
     return MATCH, rec.spec.description
 
 
-def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
-    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes."""
-    scoped = current_profiles()
-    names = (*env.profiles, *scoped) if scoped else env.profiles
-    return tuple(n for n in names if n in state.profiles)
+def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
+           implicit: bool = True) -> bool:
+    """Whether ``row_verdict`` would say MATCH, without building its words (the
+    evaluator's fast path; the words are built only for explain and errors)."""
+    if implicit and (rec.name in view.disabled
+                     or (not rec.faithful and rec.name not in view.enabled)):
+        return False
+    return state.availability(rec)[0] and rec.spec.matches(ctx)
 
 
-def _env(state: Registry) -> EnvSettings:
-    return env_settings(state.families, state.profiles, state.aliases, state.epoch)
 
 
-def env_overrides() -> dict[str, str]:
-    """The parsed environment, as the seed returns it: ``{family: row}`` from ``ASTR_OPS``
-    and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
-    when profiles are active. Malformed entries and unknown names warn once and are
-    dropped, as everywhere."""
-    env = _env(current())
-    out = dict(env.backends)
-    if env.profiles:
-        out[PROFILE_KEY] = "+".join(env.profiles)
-    return out
 
 
-def env_selection(family: str) -> str | None:
-    """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
-    return _env(current()).backends.get(family)
 
 
-def active_view(state: Registry, family: str) -> View:
-    """``family`` under the profiles active in this context."""
-    return state.view(family, active_profiles(state, _env(state)))
+
+
+
+
 
 
 def _adhoc(family: str, obj: Any) -> ImplRecord:
@@ -168,12 +133,7 @@ def _adhoc(family: str, obj: Any) -> ImplRecord:
     return ImplRecord(family, str(name), obj, spec, source="ad hoc object")
 
 
-def check_handle(family: str, handle: Any, names: list[str]) -> None:
-    """A selection handle is a row name or a callable implementation object."""
-    if isinstance(handle, str) or callable(handle):
-        return
-    raise TypeError(f"a {family} backend must be a row name or a callable implementation "
-                    f"object, not {type(handle).__name__} {handle!r}; rows: {', '.join(names)}")
+
 
 
 def _lookup(view: View, handle: Any) -> ImplRecord | None:
@@ -184,20 +144,6 @@ def _lookup(view: View, handle: Any) -> ImplRecord | None:
             return rec
     check_handle(view.table.name, handle, view.row_names())
     return _adhoc(view.table.name, handle)
-
-
-def _handle_for(origin: str, family: str, explicit: Any, env: EnvSettings) -> Any:
-    if origin == "explicit":
-        return explicit
-    if origin == "context":
-        return get_override(family)
-    return env.backends.get(family)
-
-
-def _describe_source(source: Source, family: str, env: EnvSettings) -> str:
-    if source.origin == "env":
-        return f"{env.source_of(family)} ({family}={env.backends.get(family)})"
-    return source.label
 
 
 def _why(verdict: str, detail: str) -> str:
@@ -237,12 +183,10 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     handled = False
     for source in PRECEDENCE:
         origin = source.origin
-        if origin in _HANDLES:
-            handle = _handle_for(origin, family, explicit, env)
-            if handle is None:
-                continue
+        handle = source.handle(family, explicit, env)
+        if handle is not None:
             rec = _lookup(view, handle)
-            where = _describe_source(source, family, env)
+            where = source.where(family, env)
             if rec is None:
                 names = view.row_names()
                 msg = f"Unknown {family} implementation: {handle!r}"
@@ -255,6 +199,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                     notes.append(f"{origin}: {handle!r} names no row; ignored")
                 continue
             handled = True
+            # Words and verdict at once: an object's supports_call is probed once per call.
             verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
             if verdict == MATCH:
                 return Resolution(rec, origin)
@@ -275,21 +220,21 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             row, prof = view.forced
             rec = view.fallback if row == view.fallback.name else view.row(row)
             assert rec is not None
-            verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
-            if verdict == MATCH:
+            if serves(state, view, rec, ctx, implicit=False):
                 if notes is not None:
                     notes.append(f"profile {prof} forces {row}")
                 return Resolution(rec, origin)
             if notes is not None:
+                why = _why(*row_verdict(state, view, rec, ctx, implicit=False))
                 notes.append(f"profile {prof} forces {row}, which cannot serve this call "
-                             f"({_why(verdict, detail)}); falling through")
+                             f"({why}); falling through")
         elif origin == "chain":
             for rec in view.rows:
-                if row_verdict(state, view, rec, ctx)[0] == MATCH:
+                if serves(state, view, rec, ctx):
                     return Resolution(rec, origin)  # the seed's origin, fallback row or not
-        else:
+        elif origin == "fallback":
             rec = view.fallback
-            if row_verdict(state, view, rec, ctx, implicit=False)[0] != MATCH:
+            if not serves(state, view, rec, ctx, implicit=False):
                 raise _no_row(state, view, ctx)
             if notes is not None:
                 notes.append(f"no row of the chain matched; the fallback {rec.name} serves")

@@ -49,6 +49,37 @@ UNCACHED: itertools.count[int] = itertools.count()
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
 
+# -- torch.compile support (see ``torch_compile``) ---------------------------------
+#: Every object a decision taken at trace time may return, by ``impl_key``: dynamo
+#: reads this dict as it was when tracing started, so objects are published beforehand.
+impls: dict[str, Any] = {}
+#: The guard of compiled decisions: ``(table epoch, scope most recently entered or
+#: left)``. A plain global: dynamo installs a value guard on reading it, so a reload, a
+#: ``refresh()`` or another scope recompiles.
+compile_key: tuple[Any, ...] = (0, ((), ()))
+
+
+def impl_key(family: str, name: str, obj: Any) -> str:
+    """The ``impls`` key of an implementation object."""
+    return f"{family}.{name}@{id(obj):x}"
+
+
+def publish(family: str, name: str, obj: Any) -> None:
+    """Make ``obj`` reachable from traced code (see ``impls``)."""
+    impls[impl_key(family, name, obj)] = obj
+
+
+def note_epoch(epoch: int) -> None:
+    """A new table snapshot is in force (its rows are published by the registry)."""
+    global compile_key
+    compile_key = (epoch, compile_key[1])
+
+
+def note_scope(scope_key: tuple[Any, ...]) -> None:
+    """A scope was entered or left; ``scope_key`` describes the scope now in force."""
+    global compile_key
+    compile_key = (compile_key[0], scope_key)
+
 
 def count(counter: itertools.count[int]) -> int:
     """How far ``counter`` has counted (without advancing it)."""

@@ -93,12 +93,12 @@ from astrai.dispatch.registry import Registry
 from astrai.dispatch.resolution import (
     MATCH,
     Decision,
-    active_view,
     decide,
     evaluate,
     explanation,
     row_verdict,
 )
+from astrai.dispatch.sources import active_view
 from astrai.dispatch.stats import QUIET
 from astrai.errors import ExplicitSelectionError, UnsupportedFeatureError
 from astrai.ops import attention

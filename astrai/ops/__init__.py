@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 
-from astrai.dispatch import compiled
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.compiled import IMPLS, decision_name
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide
+from astrai.dispatch.torch_compile import compiling, decision_name
 from astrai.ops._contexts import generic_context
-from astrai.ops._facade import FamilyCall, _compiling, route
+from astrai.ops._facade import FamilyCall, route
 from astrai.ops._families import (
     ATTENTION_READS,
     LINEAR_READS,
@@ -117,9 +116,10 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         return facade(*args, backend=backend, **kwargs)
     table = (process.snapshot or current()).family(family)  # names the known families
     ctx = generic_context(family, table.context, tuple(table.axes), args, kwargs)
-    if _compiling():
+    if compiling():
         names, values = ctx.named_values()
-        return IMPLS[decision_name(family, names, values, backend, compiled.KEY)](*args, **kwargs)
+        return process.impls[decision_name(family, names, values, backend,
+                                           process.compile_key)](*args, **kwargs)
     d = decide(family, ctx.signature(), backend, _same, (ctx,))
     next(d.counter)
     return d.call(*args, **kwargs)

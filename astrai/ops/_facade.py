@@ -17,16 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from astrai.dispatch import compiled
+from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.compiled import IMPLS, decision_name
 from astrai.dispatch.resolution import decide
-
-# Dynamo folds this to True while tracing (it cannot trace the ContextVar read in
-# ``decide``); eagerly it is a one-line ``return False``.
-_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+from astrai.dispatch.torch_compile import compiling, decision_name
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
 
@@ -81,8 +75,9 @@ def route(fc: FamilyCall) -> Route:
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
-        if _compiling():  # before anything dynamo cannot trace (ContextVar.get)
-            return IMPLS[decision_name(family, reads, values, backend, compiled.KEY)]  # type: ignore[no-any-return]
+        if compiling():  # before anything dynamo cannot trace (ContextVar.get)
+            return process.impls[decision_name(family, reads, values, backend,  # type: ignore[no-any-return]
+                                               process.compile_key)]
         d = decide(family, values, backend, context, args)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]

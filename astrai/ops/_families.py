@@ -86,10 +86,26 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
 
 
 def describe_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]:
-    """``x`` 3-d or 4-d with an even head_dim, and a ``(cos, sin)`` table that fits it."""
+    """``x`` 3-d or 4-d with an even head_dim, and a ``(cos, sin)`` table that fits it:
+    ``[batch or 1, seq, head_dim/2, 2]`` (or ``[seq, ...]``) for 4-d x, ``[tokens, ...]``
+    for packed x."""
+    try:  # the common call: shape unpacking and integer comparisons only
+        xs, ts = x.shape, freqs_cis.shape
+        n, d = len(xs), xs[-1]
+        if n == 4:
+            fits = ((len(ts) == 4 and ts[1] == xs[1] and (ts[0] == 1 or ts[0] == xs[0]))
+                    or (len(ts) == 3 and ts[0] == xs[1]))
+        else:
+            fits = n == 3 and len(ts) == 3 and ts[0] == xs[0]
+        if (fits and d >= 2 and not d % 2 and ts[-2] == d >> 1 and ts[-1] == 2
+                and freqs_cis.is_floating_point()):
+            return (x.dtype, x.is_cuda, n, d, _grad())
+    except (AttributeError, IndexError, TypeError):
+        pass  # not tensors, or 0-d: the full check says which
     _tensors("rotary", x=x, freqs_cis=freqs_cis)
-    check_rotary_call(x, freqs_cis)
-    return (x.dtype, x.is_cuda, x.dim(), x.shape[-1], _grad())
+    check_rotary_call(x, freqs_cis)  # raises, naming the shapes
+    raise AssertionError(f"rotary: call not described: {tuple(x.shape)}, "
+                         f"{tuple(freqs_cis.shape)}")  # pragma: no cover
 
 
 def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:

@@ -1,0 +1,430 @@
+"""Where a decision can come from, besides the table: the precedence sources (SPEC §3).
+
+``PRECEDENCE`` states the order once, as objects: the explicit argument, the
+``op_backend`` scope, the environment (``ASTR_OPS`` or a family's legacy alias),
+profile forcing, the table's chain, the fallback row. This module owns the state
+behind the first three and the profiles in force:
+
+- ``op_backend(...)`` / ``use_profile(...)`` scopes live in a ``ContextVar`` holding
+  immutable ``Scope``s, so they are per thread and per asyncio task. String names are
+  validated eagerly (``ValueError`` before the body runs); implementation objects pass
+  through. A scope must end where it began and in order (innermost first): a
+  generator that yields inside ``with op_backend(...)`` leaves its scope in force in
+  the caller while suspended, and closing it later (or from another thread) ends a
+  scope that is not the innermost one - that raises ``ScopeError`` instead of silently
+  restoring the wrong scope; enter the scope around the loop that drives the generator.
+- ``ASTR_OPS="attention=flash,rotary=torch,profile=reference+low-precision"``:
+  comma-separated ``key=value``; keys are family names or ``profile``. Malformed
+  entries, unknown families and unknown profiles warn once each through the ``astrai``
+  logger and are dropped, never fatal. Parsing is cached per distinct raw value (and
+  table epoch), so a changed value takes effect on the next call.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OPS_ENV",
+    "PRECEDENCE",
+    "PROFILE_KEY",
+    "EnvSettings",
+    "Scope",
+    "Source",
+    "active_profiles",
+    "active_view",
+    "check_handle",
+    "current_overrides",
+    "current_profiles",
+    "current_scope",
+    "env_overrides",
+    "env_selection",
+    "env_settings",
+    "get_override",
+    "handle_key",
+    "op_backend",
+    "parse_ops",
+    "reset_override",
+    "set_override",
+    "use_profile",
+]
+
+import os
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from astrai.dispatch import state as process
+from astrai.dispatch._environ import encoded, raw_get
+from astrai.dispatch._log import warn_once
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.profiles import View
+from astrai.dispatch.registry import Registry, current
+from astrai.errors import ScopeError
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a decision can come from. ``strict`` sources raise instead of falling through."""
+
+    origin: str
+    strict: bool
+    label: str
+
+    def handle(self, family: str, explicit: Any, env: EnvSettings) -> Any:
+        """The row name or object this source selects for ``family``, or ``None``
+        (profile forcing, the chain and the fallback select through the table)."""
+        if self.origin == "explicit":
+            return explicit
+        if self.origin == "context":
+            return _scope.get().handles.get(family)
+        if self.origin == "env":
+            return env.backends.get(family)
+        return None
+
+    def where(self, family: str, env: EnvSettings) -> str:
+        """Where the selection came from, in words (the variable, for the environment)."""
+        if self.origin == "env":
+            return f"{env.source_of(family)} ({family}={env.backends.get(family)})"
+        return self.label
+
+
+#: Resolution order, highest precedence first (SPEC §3).
+PRECEDENCE: tuple[Source, ...] = (
+    Source("explicit", strict=True, label="the explicit argument"),
+    Source("context", strict=True, label="an op_backend scope"),
+    Source("env", strict=False, label="the environment"),
+    Source("profile", strict=False, label="an active profile"),
+    Source("chain", strict=False, label="the table order"),
+    Source("fallback", strict=False, label="the fallback row"),
+)
+
+# -- the environment: ASTR_OPS and legacy aliases -----------------------------
+
+OPS_ENV = "ASTR_OPS"
+PROFILE_KEY = "profile"
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the environment asks for: a row per family, and profiles in order."""
+
+    backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    profiles: tuple[str, ...] = ()
+    sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def source_of(self, family: str) -> str:
+        """Which variable named ``family``'s row (``ASTR_OPS`` or the legacy alias)."""
+        return self.sources.get(family, OPS_ENV)
+
+
+def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) -> EnvSettings:
+    """Parse an ``ASTR_OPS`` value, warning once per problem and dropping bad entries."""
+    backends: dict[str, str] = {}
+    chosen: list[str] = []
+    for entry in raw.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        key, sep, value = entry.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            warn_once(f"{OPS_ENV}: ignoring malformed entry {entry!r}; expected "
+                      f"'family=row' or 'profile=name[+name...]'")
+            continue
+        if key == PROFILE_KEY:
+            for name in value.split("+"):
+                name = name.strip()
+                if not name:
+                    warn_once(f"{OPS_ENV}: ignoring an empty profile name in {entry!r}")
+                elif name in profiles:
+                    chosen.append(name)
+                else:
+                    warn_once(f"{OPS_ENV}: ignoring unknown profile {name!r}"
+                              f"{did_you_mean(name, profiles)}; known profiles: "
+                              f"{', '.join(sorted(profiles)) or '(none)'}")
+            continue
+        if key not in families:
+            warn_once(f"{OPS_ENV}: ignoring unknown family {key!r}"
+                      f"{did_you_mean(key, families)}; known families: "
+                      f"{', '.join(sorted(families))}, or 'profile'")
+            continue
+        if key in backends and backends[key] != value:
+            warn_once(f"{OPS_ENV}: {key!r} is given twice; using {value!r}")
+        backends[key] = value
+    return EnvSettings(MappingProxyType(backends), tuple(chosen))
+
+
+_MAX_PARSED = 64
+
+
+def env_settings(
+    families: Collection[str], profiles: Collection[str], aliases: Mapping[str, str], epoch: int
+) -> EnvSettings:
+    """The settings for the environment as it is now (cached per distinct raw values,
+    read without decoding them)."""
+    key = (raw_get(OPS_KEY), tuple(raw_get(encoded(v)) for v in aliases.values()), epoch)
+    got: EnvSettings | None = process.env_parsed.get(key)
+    if got is not None:
+        return got
+    environ = os.environ
+    alias_values = tuple(environ.get(var) for var in aliases.values())
+    got = parse_ops(environ.get(OPS_ENV, ""), families, profiles)
+    if aliases:
+        backends = dict(got.backends)
+        sources: dict[str, str] = {}
+        for (family, var), value in zip(aliases.items(), alias_values, strict=True):
+            if value is None or not value.strip() or family in backends:
+                continue
+            backends[family] = value.strip()
+            sources[family] = var
+        got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
+    if len(process.env_parsed) >= _MAX_PARSED:
+        process.env_parsed.clear()
+    process.env_parsed[key] = got
+    return got
+
+
+OPS_KEY = encoded(OPS_ENV)
+
+
+# -- scopes: op_backend and use_profile ------------------------------------------
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class Scope:
+    """Immutable per-context state: ``op_backend`` handles and ``use_profile`` names.
+
+    ``keys`` holds, per family, the hashable form of the handle that keys the
+    decision cache (``None`` when the handle is an object whose verdict depends on
+    the raw call, so decisions under it are never cached).
+    """
+
+    __slots__ = ("cache_token", "compile_key", "ended", "handles", "keys", "outer", "profiles",
+                 "uncacheable")
+
+    def __init__(self, handles: Mapping[str, Any], profiles: tuple[str, ...]) -> None:
+        self.handles = MappingProxyType(dict(handles))
+        self.profiles = profiles
+        self.keys = MappingProxyType({f: handle_key(h) for f, h in handles.items()})
+        self.uncacheable = frozenset(f for f, k in self.keys.items() if k is UNCACHEABLE)
+        self.compile_key = (tuple(sorted(self.keys.items())), profiles)
+        # The same description as a str: equal scopes give equal tokens, and a str caches
+        # its hash, so the decision-cache key does not rehash nested tuples on every call.
+        self.cache_token = repr(self.compile_key)
+        # Set when entered: the scope it was entered over, and whether it has ended.
+        self.outer: Scope | None = None
+        self.ended = False
+
+    def describe(self) -> str:
+        """The scope in words: its selections and profiles."""
+        parts = [f"{f}={h if isinstance(h, str) else _object_name(f, h)}"
+                 for f, h in self.handles.items()]
+        parts += [f"profile={p}" for p in self.profiles]
+        return f"op_backend({', '.join(parts)})" if parts else "no scope"
+
+
+def _enter(scope: Scope) -> Token[Scope]:
+    for family, handle in scope.handles.items():
+        if not isinstance(handle, str):
+            process.publish(family, _object_name(family, handle), handle)
+    scope.outer = _scope.get()
+    token = _scope.set(scope)
+    process.note_scope(scope.compile_key)
+    return token
+
+
+def _leave(token: Token[Scope], scope: Scope | None = None) -> None:
+    """End ``scope`` (entered with ``token``). Only the innermost scope of this context
+    may end: anything else raises ``ScopeError`` (the scope is marked ended, so it never
+    comes back when an inner one ends later)."""
+    here = _scope.get()
+    if scope is not None and here is not scope:
+        scope.ended = True
+        raise ScopeError(
+            f"{scope.describe()} ended where it is not the innermost scope (that is "
+            f"{here.describe()}): scopes must end in the reverse order they began, in the "
+            f"thread or task that began them. A generator suspended inside 'with "
+            f"op_backend(...)' and closed later, or from another thread, does this; enter "
+            f"the scope around the loop that drives the generator instead.")
+    try:
+        _scope.reset(token)
+    except (ValueError, RuntimeError):  # a token of another Context, or used twice
+        if scope is not None:
+            scope.ended = True
+        raise ScopeError(
+            "reset_override: this token belongs to another thread or task, or was already "
+            "used; reset it where set_override returned it, once") from None
+    if scope is not None:
+        scope.ended = True
+    restored = outer = _scope.get()
+    while outer.ended and outer.outer is not None:  # skip scopes that ended out of order
+        outer = outer.outer
+    if outer is not restored:
+        _scope.set(outer)
+    process.note_scope(_scope.get().compile_key)
+
+
+def handle_key(handle: Any) -> Any:
+    """How a selection handle enters the decision-cache key (``UNCACHEABLE`` if it can't)."""
+    if handle is None or isinstance(handle, str):
+        return handle
+    if callable(getattr(handle, "supports_call", None)):
+        return UNCACHEABLE  # its verdict depends on the raw call
+    return ("obj", id(handle))  # the scope keeps the object alive
+
+
+UNCACHEABLE = ("uncacheable",)
+
+
+def _object_name(family: str, obj: Any) -> str:
+    """The row name an implementation object resolves under (its row's, or its own)."""
+    state = current()
+    table = state.families.get(family)
+    if table is not None:
+        for rec in table.rows:
+            if rec.obj is obj:
+                return rec.name
+    return str(getattr(obj, "name", None) or getattr(obj, "__name__", None)
+               or type(obj).__name__)
+EMPTY_SCOPE = Scope(_EMPTY, ())
+_scope: ContextVar[Scope] = ContextVar("astrai_scope", default=EMPTY_SCOPE)
+
+
+def current_scope() -> Scope:
+    """The scope in force in this thread / task."""
+    return _scope.get()
+
+
+def current_overrides() -> Mapping[str, Any]:
+    """The ``op_backend`` overrides in force in this thread / task."""
+    return _scope.get().handles
+
+
+def current_profiles() -> tuple[str, ...]:
+    """The profiles activated in code (``use_profile``) for this thread / task, in order."""
+    return _scope.get().profiles
+
+
+def _validate(family: str, handle: Any) -> None:
+    state = current()
+    if family not in state.families:
+        raise ValueError(f"Unknown family: {family!r}{did_you_mean(family, state.families)}; "
+                         f"known families: {', '.join(sorted(state.families))}")
+    names = active_view(state, family).row_names()
+    check_handle(family, handle, names)
+    if isinstance(handle, str):
+        if handle not in names:
+            raise ValueError(f"Unknown {family} implementation: {handle!r}"
+                             f"{did_you_mean(handle, names)}; rows: {', '.join(names)}")
+
+
+def _with_handles(handles: Mapping[str, Any]) -> Scope:
+    scope = _scope.get()
+    merged = dict(scope.handles)
+    for family, handle in handles.items():
+        if handle is None:
+            merged.pop(family, None)
+        else:
+            merged[family] = handle
+    return Scope(merged, scope.profiles)
+
+
+def set_override(family: str, handle: Any) -> Token[Scope]:
+    """Select ``handle`` (a row name or an implementation object; ``None`` clears) for
+    ``family`` in this context until ``reset_override(token)``."""
+    if handle is not None:
+        _validate(family, handle)
+    return _enter(_with_handles({family: handle}))
+
+
+def get_override(family: str) -> Any:
+    """The override for ``family`` in this context, or ``None``."""
+    return _scope.get().handles.get(family)
+
+
+def reset_override(token: Token[Scope]) -> None:
+    """Undo the ``set_override`` that returned ``token``."""
+    _leave(token)
+
+
+@contextmanager
+def op_backend(**handles: Any) -> Iterator[None]:
+    """Within the block, use these rows (or objects) per family: strict selection.
+
+    ``with op_backend(attention="torch_native", rotary="torch"): ...``
+    """
+    for family, handle in handles.items():
+        if handle is not None:
+            _validate(family, handle)
+    scope = _with_handles(handles)
+    token = _enter(scope)
+    try:
+        yield
+    finally:
+        _leave(token, scope)
+
+
+@contextmanager
+def use_profile(*names: str) -> Iterator[None]:
+    """Within the block, apply these profiles (after any from ``ASTR_OPS``), in order."""
+    known = current().profiles
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown profile {name!r}{did_you_mean(name, known)}; "
+                             f"known profiles: {', '.join(sorted(known)) or '(none)'}")
+    scope = _scope.get()
+    inner = Scope(scope.handles, (*scope.profiles, *names))
+    token = _enter(inner)
+    try:
+        yield
+    finally:
+        _leave(token, inner)
+
+
+# -- what is in force for a call ---------------------------------------------------
+
+def _env(state: Registry) -> EnvSettings:
+    return env_settings(state.families, state.profiles, state.aliases, state.epoch)
+
+
+def env_overrides() -> dict[str, str]:
+    """The parsed environment, as the seed returns it: ``{family: row}`` from ``ASTR_OPS``
+    and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
+    when profiles are active. Malformed entries and unknown names warn once and are
+    dropped, as everywhere."""
+    env = _env(current())
+    out = dict(env.backends)
+    if env.profiles:
+        out[PROFILE_KEY] = "+".join(env.profiles)
+    return out
+
+
+def env_selection(family: str) -> str | None:
+    """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
+    return _env(current()).backends.get(family)
+
+
+
+
+
+def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
+    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes."""
+    scoped = current_profiles()
+    names = (*env.profiles, *scoped) if scoped else env.profiles
+    return tuple(n for n in names if n in state.profiles)
+
+
+def active_view(state: Registry, family: str) -> View:
+    """``family`` under the profiles active in this context."""
+    return state.view(family, active_profiles(state, _env(state)))
+
+
+def check_handle(family: str, handle: Any, names: list[str]) -> None:
+    """A selection handle is a row name or a callable implementation object."""
+    if isinstance(handle, str) or callable(handle):
+        return
+    raise TypeError(f"a {family} backend must be a row name or a callable implementation "
+                    f"object, not {type(handle).__name__} {handle!r}; rows: {', '.join(names)}")
