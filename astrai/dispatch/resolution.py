@@ -42,17 +42,17 @@ from astrai.dispatch.sources import (
     PRECEDENCE,
     UNCACHEABLE,
     Source,
-    _env,
-    _scope,
     active_profiles,
     active_view,
     check_handle,
+    current_scope,
+    env_now,
     handle_key,
 )
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
-_scope_get = _scope.get
+_scope_get = current_scope
 
 
 
@@ -178,7 +178,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     """
     state = state or current()
     state.family(family)  # UnknownFamilyError (a KeyError) names the known families
-    env = _env(state)
+    env = env_now(state)
     view = state.view(family, active_profiles(state, env))
     handled = False
     for source in PRECEDENCE:

@@ -35,6 +35,7 @@ __all__ = [
     "current_overrides",
     "current_profiles",
     "current_scope",
+    "env_now",
     "env_overrides",
     "env_selection",
     "env_settings",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
@@ -293,9 +294,8 @@ EMPTY_SCOPE = Scope(_EMPTY, ())
 _scope: ContextVar[Scope] = ContextVar("astrai_scope", default=EMPTY_SCOPE)
 
 
-def current_scope() -> Scope:
-    """The scope in force in this thread / task."""
-    return _scope.get()
+#: The scope in force in this thread / task (the ContextVar's own getter: hot path).
+current_scope: Callable[[], Scope] = _scope.get
 
 
 def current_overrides() -> Mapping[str, Any]:
@@ -386,7 +386,8 @@ def use_profile(*names: str) -> Iterator[None]:
 
 # -- what is in force for a call ---------------------------------------------------
 
-def _env(state: Registry) -> EnvSettings:
+def env_now(state: Registry) -> EnvSettings:
+    """What the environment asks of the tables in ``state``, now."""
     return env_settings(state.families, state.profiles, state.aliases, state.epoch)
 
 
@@ -395,7 +396,7 @@ def env_overrides() -> dict[str, str]:
     and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
     when profiles are active. Malformed entries and unknown names warn once and are
     dropped, as everywhere."""
-    env = _env(current())
+    env = env_now(current())
     out = dict(env.backends)
     if env.profiles:
         out[PROFILE_KEY] = "+".join(env.profiles)
@@ -404,7 +405,8 @@ def env_overrides() -> dict[str, str]:
 
 def env_selection(family: str) -> str | None:
     """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
-    return _env(current()).backends.get(family)
+    got: str | None = env_now(current()).backends.get(family)
+    return got
 
 
 
@@ -419,7 +421,7 @@ def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
 
 def active_view(state: Registry, family: str) -> View:
     """``family`` under the profiles active in this context."""
-    return state.view(family, active_profiles(state, _env(state)))
+    return state.view(family, active_profiles(state, env_now(state)))
 
 
 def check_handle(family: str, handle: Any, names: list[str]) -> None:

@@ -26,6 +26,7 @@ __all__ = [
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from astrai.backends.attention._dense import PAGED_MODES, check_dense
 from astrai.backends.attention._paged import check_paged
@@ -110,35 +111,39 @@ def describe_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]
 
 def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:
     """``weight`` is ``[x.shape[-1]]``; ``eps`` is a non-negative number."""
-    if x.__class__ is not torch.Tensor or weight.__class__ is not torch.Tensor:
-        _tensors("rms_norm", x=x, weight=weight)
-    shape = x.shape
-    if not shape or weight.shape != shape[-1:]:
+    if isinstance(x, Tensor) and isinstance(weight, Tensor):
+        shape, ws = x.shape, weight.shape
+        if (len(ws) == 1 and shape and ws[0] == shape[-1] and eps.__class__ is float
+                and eps >= 0):  # the common call: nothing but integer comparisons
+            return (x.dtype, x.is_cuda, len(shape), _grad())
+    _tensors("rms_norm", x=x, weight=weight)
+    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm expects x [..., features] and weight [features]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if (eps.__class__ is not float or not eps >= 0) and (
-            isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
-    return (x.dtype, x.is_cuda, len(shape), _grad())
+    return (x.dtype, x.is_cuda, x.dim(), _grad())
 
 
 def describe_linear(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> tuple[Any, ...]:
     """``x [..., in]``, ``weight [out, in]``, ``bias [out]`` or ``None``, one dtype."""
-    if x.__class__ is not torch.Tensor or weight.__class__ is not torch.Tensor:
-        _tensors("linear", x=x, weight=weight)
-    shape, wshape = x.shape, weight.shape
-    if not shape or len(wshape) != 2 or wshape[1] != shape[-1]:
+    if bias is None and isinstance(x, Tensor) and isinstance(weight, Tensor):
+        shape, ws = x.shape, weight.shape
+        dtype = x.dtype
+        if len(ws) == 2 and shape and ws[1] == shape[-1] and weight.dtype == dtype:
+            return (dtype, x.is_cuda, len(shape), _grad())  # the common call
+    _tensors("linear", x=x, weight=weight)
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear expects x [..., in_features] and weight [out_features, "
                          f"in_features]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    dtype = x.dtype
     if bias is not None:
         _tensors("linear", bias=bias)
-        if tuple(bias.shape) != (wshape[0],):
-            raise ValueError(f"linear bias must have shape ({wshape[0]},) to match "
-                             f"weight {tuple(wshape)}; got {tuple(bias.shape)}")
-    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"linear bias must have shape ({weight.shape[0]},) to match "
+                             f"weight {tuple(weight.shape)}; got {tuple(bias.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"linear expects x, weight and bias of one dtype; got x {x.dtype}, "
                          f"weight {weight.dtype}"
                          + ("" if bias is None else f", bias {bias.dtype}"))
-    return (dtype, x.is_cuda, len(shape), _grad())
+    return (x.dtype, x.is_cuda, x.dim(), _grad())
