@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from astrai import dispatch
-from astrai.dispatch import filedata, loader, models, precompiled, registry
+from astrai.dispatch import loader, models, precompiled, registry
 from astrai.dispatch.registry import shipped_tables_dir
 
 SHIPPED = sorted(p for p in shipped_tables_dir().rglob("*.yaml"))
@@ -162,17 +162,14 @@ class TestArtifact:
         with pytest.raises(dispatch.TableError):
             precompiled.build_artifact(tmp_path)
 
-    @pytest.mark.parametrize(("plain", "model"), [
-        (filedata.AxisData, models.AxisModel), (filedata.RowData, models.RowModel),
-        (filedata.TableData, models.TableFile), (filedata.OverlayData, models.FamilyOverlayModel),
-        (filedata.ProfileData, models.ProfileFile),
-    ])
-    def test_plain_forms_match_models(self, plain: type, model: type) -> None:
-        """The builders' plain dataclasses have exactly the models' fields."""
-        assert {f.name for f in dataclasses.fields(plain)} == set(model.model_fields)
-
-    def test_supported_version(self) -> None:
-        assert loader.SUPPORTED_VERSION == models.SUPPORTED_VERSION
+    @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+    def test_entry_data_is_the_format_dump(self, path: Path) -> None:
+        """An entry's data is exactly what the format models dump for the file: the fast
+        path reads the one file format, not a copy of it."""
+        entry = precompiled.lookup(path.read_bytes())
+        assert entry is not None
+        model = models.TableFile if entry.kind == "table" else models.ProfileFile
+        assert model.model_validate(entry.data).model_dump(mode="json") == entry.data
 
 
 def test_load_imports_no_pydantic_or_yaml() -> None:

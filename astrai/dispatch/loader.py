@@ -30,7 +30,6 @@ from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.binding import BindError, bind, missing_requirement
 from astrai.dispatch.expr.spec import Plain, Spec
-from astrai.dispatch.filedata import ProfileData, RowData, TableData
 from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.errors import SpecSyntaxError, TableProblem
 
@@ -48,24 +47,27 @@ _PATTERN_MEANS = {
     "requires": "a module name such as flash_attn",
 }
 _NAME_MEANS = "a valid name (letters, digits, '_', '.', '-', starting with a letter or '_')"
-SUPPORTED_VERSION = 1  # == models.SUPPORTED_VERSION (a test keeps them equal)
+#: A file's validated data: the format model's ``model_dump(mode="json")`` (full path)
+#: or the same dump stored in the precompiled artifact (fast path).
+Data = Mapping[str, Any]
 
 
 @dataclass
 class ParsedFile:
-    """One file after validation: a family table, a profile model, or problems."""
+    """One file after validation: a family table, a profile's data, or problems."""
 
     file: str
     kind: str  # "table" | "profile" | "unknown"
     located: Located | None = None
     table: FamilyTable | None = None
-    profile: ProfileData | None = None
+    profile: Data | None = None  # built into a ``Profile`` against the families
     revision: str = ""
     problems: list[TableProblem] = field(default_factory=list)
     text: str | None = None  # kept on the fast path, to find exact positions on demand
     dump: dict[str, Any] | None = None  # the validated model's JSON dump (full path)
     lines: dict[PathT, tuple[int, int]] = field(default_factory=dict)  # rows' positions
     whens: dict[PathT, Plain] = field(default_factory=dict)  # parsed core-vocabulary `when`s
+    rejected: set[PathT] = field(default_factory=set)  # `when`s the format already reported
 
     def where(self, path: PathT, *, key: bool = False) -> tuple[int, int]:
         """1-based ``(line, column)`` of ``path`` in the file (``(1, 1)`` if unknown)."""
@@ -153,9 +155,9 @@ def _from_precompiled(file: str, text: str, entry: precompiled.Entry) -> ParsedF
                      lines=dict(entry.lines), whens=dict(entry.whens))
     try:
         if entry.kind == "table":
-            out.table = _build_table(out, TableData.from_dict(entry.data))
+            out.table = _build_table(out, entry.data)
         else:
-            out.profile = ProfileData.from_dict(entry.data)
+            out.profile = entry.data
     except (KeyError, TypeError, ValueError):
         return None
     if out.problems or (out.kind == "table" and out.table is None):
@@ -195,22 +197,25 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
     if not _check_version(out, data):
         return out
     model_cls: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
+    context = {"vocabulary": _declared_vocabulary(data)} if out.kind == "table" else None
     try:
-        model = model_cls.model_validate(data)
+        model = model_cls.model_validate(data, context=context)
     except ValidationError as exc:
         _report_validation(out, exc)
         if out.kind == "table":
             _check_rows_anyway(out, data)
         return out
     out.dump = model.model_dump(mode="json")
-    if isinstance(model, TableFile):
-        out.table = _build_table(out, TableData.from_dict(out.dump))
+    if out.kind == "table":
+        out.table = _build_table(out, out.dump)
     else:
-        out.profile = ProfileData.from_dict(out.dump)
+        out.profile = out.dump
     return out
 
 
 def _check_version(out: ParsedFile, data: dict[str, Any]) -> bool:
+    from astrai.dispatch.models import SUPPORTED_VERSION
+
     version = data.get("version")
     if version is None:
         out.problem((), f"missing 'version' (this astrai reads version {SUPPORTED_VERSION})")
@@ -242,7 +247,11 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
             real = real[:-1]
         dotted = ".".join(str(p) for p in loc if p in real) or "(top level)"
         etype = err["type"]
-        if etype == "extra_forbidden":
+        error = err.get("ctx", {}).get("error")
+        if isinstance(error, SpecSyntaxError):  # a `when` the parser rejected (``models.When``)
+            _spec_problem(out, real, error)
+            out.rejected.add(real)
+        elif etype == "extra_forbidden":
             model = _model_at(out, real[:-1])
             valid = sorted(model.model_fields) if model else []
             out.problem(real, f"unknown key {loc[-1]!r}{did_you_mean(str(loc[-1]), valid)}; "
@@ -266,14 +275,13 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     rows = data.get("rows")
     if not isinstance(rows, list):
         return
-    good: list[tuple[int, RowData]] = []
+    good: list[tuple[int, Data]] = []
     vocabulary = _declared_vocabulary(data)
     for i, raw in enumerate(rows):
-        try:
-            good.append((i, RowData.from_dict(RowModel.model_validate(raw).model_dump())))
-        except ValidationError:  # already reported; its expression may still be wrong too
-            if isinstance(raw, dict) and isinstance(raw.get("when"), str) and raw["when"]:
-                compile_when(out, ("rows", i, "when"), raw["when"], vocabulary)
+        try:  # the structure only: the expressions were checked with the whole file
+            good.append((i, RowModel.model_validate(raw).model_dump(mode="json")))
+        except ValidationError:  # already reported
+            pass
     build_overlay_rows(out, ("rows",), str(data.get("family")), good, vocabulary)
     fallback = data.get("fallback")
     # Every row that has a name counts, even one with other problems (already reported).
@@ -289,17 +297,14 @@ def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
 
     from astrai.dispatch.models import AxisModel
 
-    axes: dict[str, Axis] = {}
     declared = data.get("axes")
-    for raw in declared if isinstance(declared, list) else []:
+    well_formed: list[tuple[int, Data]] = []
+    for i, raw in enumerate(declared if isinstance(declared, list) else []):
         try:
-            decl = AxisModel.model_validate(raw)
+            well_formed.append((i, AxisModel.model_validate(raw).model_dump(mode="json")))
         except ValidationError:
             continue
-        if decl.name not in CORE_VOCABULARY.axes:
-            axes[decl.name] = Axis(decl.name, decl.type, tuple(decl.values),
-                                   nullable=decl.nullable, core=False)
-    return family_vocabulary(axes)
+    return family_vocabulary(_family_axes(None, well_formed))
 
 
 def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
@@ -339,12 +344,21 @@ def _column_of_expression(out: ParsedFile, path: PathT) -> tuple[int, int]:
     return line, col
 
 
+def _spec_problem(out: ParsedFile, path: PathT, exc: SpecSyntaxError) -> None:
+    """Record an expression's syntax error at its file position, caret and all."""
+    line, col = _column_of_expression(out, path)
+    out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
+
+
 def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
     """Parse a row's expression; a syntax error is recorded with the file position.
 
     With the core vocabulary the parsed form is kept in ``out.whens`` (what the
-    precompiled tables store), or taken from there on the fast path.
+    precompiled tables store), or taken from there on the fast path. An expression
+    the format's validation already rejected (``out.rejected``) is not reported again.
     """
+    if path in out.rejected:
+        return None
     try:
         if vocabulary is not CORE_VOCABULARY:
             return Spec.parse(text, vocabulary)
@@ -355,27 +369,28 @@ def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary
         out.whens[path] = spec.encode()
         return spec
     except SpecSyntaxError as exc:
-        line, col = _column_of_expression(out, path)
-        out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
+        _spec_problem(out, path, exc)
         return None
 
 
-def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec,
+def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
              priority: int) -> ImplRecord | None:
     """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
+    requires: list[str] = row["requires"]
     try:
-        impl = bind(row.impl, row.requires)
+        impl = bind(row["impl"], requires)
     except BindError as exc:
         out.problem((*path, "impl"), str(exc))
         return None
     probe: Callable[[], Any] | None = None
-    missing = impl.missing or missing_requirement(row.requires)
+    missing = impl.missing or missing_requirement(requires)
+    available: str | None = row["available"]
     if missing is not None:
         reason = missing
         probe = lambda: Unavailable(reason)  # noqa: E731
-    elif row.available is not None:
+    elif available is not None:
         try:
-            bound = bind(row.available, row.requires)
+            bound = bind(available, requires)
         except BindError as exc:
             out.problem((*path, "available"), str(exc))
             return None
@@ -383,7 +398,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec
             missing = bound.missing
             probe = lambda: Unavailable(missing)  # noqa: E731
         elif not callable(bound.obj):
-            out.problem((*path, "available"), f"{row.available!r} is not callable")
+            out.problem((*path, "available"), f"{available!r} is not callable")
             return None
         else:
             probe = bound.obj
@@ -392,12 +407,12 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: RowData, spec: Spec
     kwargs: dict[str, Any] = {} if probe is None else {"available": probe}
     return ImplRecord(
         family=family,
-        name=row.name,
+        name=row["name"],
         obj=impl.obj,
         spec=spec,
         priority=priority,
-        faithful=row.faithful,
-        description=row.description,
+        faithful=row["faithful"],
+        description=row["description"],
         source=f"{out.file}:{line}",
         **kwargs,
     )
@@ -408,43 +423,55 @@ def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
     return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
 
 
-def _build_table(out: ParsedFile, model: TableData) -> FamilyTable | None:
+def _family_axes(out: ParsedFile | None, declared: list[tuple[int, Data]]) -> dict[str, Axis]:
+    """A table's extra axes from its ``axes:`` declarations given as ``(index, axis)``;
+    a bad declaration is left out (and recorded in ``out``, when given)."""
     axes: dict[str, Axis] = {}
-    for i, decl in enumerate(model.axes):
-        if decl.name in CORE_VOCABULARY.axes or decl.name in CORE_VOCABULARY.predicates:
-            out.problem(("axes", i, "name"), f"axis {decl.name!r} is already a core axis")
+    for i, decl in declared:
+        name = decl["name"]
+        if name in CORE_VOCABULARY.axes or name in CORE_VOCABULARY.predicates:
+            problem = ("name", f"axis {name!r} is already a core axis")
+        elif name in axes:
+            problem = ("name", f"duplicate axis {name!r}")
+        elif (decl["type"] == "enum") != bool(decl["values"]):
+            problem = ("", "'values' is required for an enum axis and only for one")
+        else:
+            axes[name] = Axis(name, decl["type"], tuple(decl["values"]),
+                              nullable=decl["nullable"], description=decl["description"],
+                              core=False)
             continue
-        if decl.name in axes:
-            out.problem(("axes", i, "name"), f"duplicate axis {decl.name!r}")
-            continue
-        if (decl.type == "enum") != bool(decl.values):
-            out.problem(("axes", i), "'values' is required for an enum axis and only for one")
-            continue
-        axes[decl.name] = Axis(decl.name, decl.type, tuple(decl.values), nullable=decl.nullable,
-                               description=decl.description, core=False)
+        if out is not None:
+            out.problem(("axes", i, problem[0]) if problem[0] else ("axes", i), problem[1])
+    return axes
+
+
+def _build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
+    """A validated table's data (a format dump) -> ``FamilyTable``, rows bound."""
+    axes = _family_axes(out, list(enumerate(data["axes"])))
     vocabulary = family_vocabulary(axes)
-    rows = build_overlay_rows(out, ("rows",), model.family, list(enumerate(model.rows)),
+    rows = build_overlay_rows(out, ("rows",), data["family"], list(enumerate(data["rows"])),
                               vocabulary)
-    names = list(dict.fromkeys(r.name for r in model.rows))
-    if model.fallback not in names:
-        _no_fallback(out, model.fallback, names)
+    names = list(dict.fromkeys(r["name"] for r in data["rows"]))
+    if data["fallback"] not in names:
+        _no_fallback(out, data["fallback"], names)
     builder: Any = None
-    if model.context is not None:
+    context: str | None = data["context"]
+    if context is not None:
         try:
-            builder = bind(model.context).obj
+            builder = bind(context).obj
         except BindError as exc:
             out.problem(("context",), str(exc))
         else:
             if not callable(builder):
-                out.problem(("context",), f"{model.context!r} is not callable")
+                out.problem(("context",), f"{context!r} is not callable")
     if out.problems or rows is None:
         return None
     return FamilyTable(
-        name=model.family,
+        name=data["family"],
         rows=tuple(rows),
-        fallback=model.fallback,
-        description=model.description,
-        env_alias=model.env_alias,
+        fallback=data["fallback"],
+        description=data["description"],
+        env_alias=data["env_alias"],
         axes=MappingProxyType(axes),
         source=out.file,
         revision=out.revision,
@@ -453,22 +480,22 @@ def _build_table(out: ParsedFile, model: TableData) -> FamilyTable | None:
 
 
 def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
-                       rows: list[tuple[int, RowData]],
+                       rows: list[tuple[int, Data]],
                        vocabulary: Vocabulary) -> list[ImplRecord] | None:
-    """Compile and bind rows given as ``(index, row)`` (a table's, or a profile's ``add``).
-
-    Every row is checked even after a failing one, so all problems are reported.
+    """Compile and bind rows given as ``(index, row data)`` (a table's, or a profile's
+    ``add``). Every row is checked even after a failing one, so all problems are reported.
     """
     seen: set[str] = set()
     records: list[ImplRecord] = []
     ok = True
     for i, row in rows:
         rpath = (*path, i)
-        if row.name in seen:
-            out.problem((*rpath, "name"), f"duplicate row name {row.name!r}")
+        name = row["name"]
+        if name in seen:
+            out.problem((*rpath, "name"), f"duplicate row name {name!r}")
             ok = False
-        seen.add(row.name)
-        spec = compile_when(out, (*rpath, "when"), row.when, vocabulary)
+        seen.add(name)
+        spec = compile_when(out, (*rpath, "when"), row["when"], vocabulary)
         rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=i)
         if spec is None or rec is None:
             ok = False

@@ -18,8 +18,18 @@ __all__ = [
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+)
 
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 
 SUPPORTED_VERSION = 1
@@ -49,7 +59,22 @@ ModuleName = Annotated[
     StrictStr,
     Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", description="an importable module name"),
 ]
+
+
+def _parse_when(text: str, info: ValidationInfo) -> str:
+    """Parse a row's expression with the file's vocabulary (``context["vocabulary"]``,
+    built from the table's ``axes:``). A ``SpecSyntaxError`` is a ``ValueError``: the
+    validation error carries it, and the loader renders it with its file position.
+    Without a vocabulary (a profile's rows: their family is only known when the
+    profile is built) the expression is parsed then."""
+    vocabulary = (info.context or {}).get("vocabulary")
+    if vocabulary is not None:
+        Spec.parse(text, vocabulary)
+    return text
+
+
 Expression = Annotated[StrictStr, Field(min_length=1, description="a spec expression (SPEC §4)")]
+When = Annotated[Expression, AfterValidator(_parse_when)]
 
 
 class _Model(BaseModel):
@@ -71,7 +96,7 @@ class RowModel(_Model):
 
     name: Name
     impl: ImportPath = Field(description="the implementation object, bound at load time")
-    when: Expression = Field(default="always", description="which calls this row can serve")
+    when: When = Field(default="always", description="which calls this row can serve")
     available: ImportPath | None = Field(
         default=None, description="zero-argument probe: can this row run on this machine?"
     )

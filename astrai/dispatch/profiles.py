@@ -14,10 +14,10 @@ __all__ = ["FamilyOverlay", "Profile", "View", "build_profile", "make_view"]
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.filedata import OverlayData
 from astrai.dispatch.loader import ParsedFile, build_overlay_rows, compile_when, family_vocabulary
 from astrai.dispatch.records import FamilyTable, ImplRecord
 
@@ -146,7 +146,7 @@ def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Pr
     assert model is not None
     overlays: dict[str, FamilyOverlay] = {}
     before = len(parsed.problems)
-    for family, ov in model.families.items():
+    for family, ov in model["families"].items():
         path = ("families", family)
         if family == ALL:
             known = sorted({r.name for t in families.values() for r in t.rows})
@@ -162,22 +162,24 @@ def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Pr
         overlays[family] = _build_overlay(parsed, path, family, ov, table, known)
     if len(parsed.problems) > before:
         return None
-    return Profile(model.profile, MappingProxyType(overlays), model.description,
+    return Profile(model["profile"], MappingProxyType(overlays), model["description"],
                    parsed.file, parsed.revision)
 
 
 def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
-                   ov: OverlayData, table: FamilyTable | None,
+                   ov: Mapping[str, Any], table: FamilyTable | None,
                    known: list[str]) -> FamilyOverlay:
+    """One family's overlay data (a format dump) -> ``FamilyOverlay``, checked against
+    the family's rows (or every family's, for ``"*"``)."""
     added: list[ImplRecord] = []
-    if ov.add:
+    if ov["add"]:
         if table is None:
             parsed.problem((*path, "add"), "'add' needs a family, not '*'", key=True)
         else:
             added = build_overlay_rows(parsed, (*path, "add"), family,
-                                       list(enumerate(ov.add)),
+                                       list(enumerate(ov["add"])),
                                        family_vocabulary(table.axes)) or []
-    names = [*known, *(a.name for a in ov.add)]
+    names = [*known, *(a["name"] for a in ov["add"])]
 
     def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
         for i, name in enumerate(values):
@@ -189,16 +191,16 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
                                f"{key}: row {name!r} does not exist in {where}"
                                f"{did_you_mean(name, names)}; rows: {', '.join(names)}")
 
-    if ov.force is not None:
-        check("force", [ov.force], allow_fallback=True)
-    check("order", ov.order)
-    check("disable", ov.disable)
-    check("enable", ov.enable)
-    if ov.fallback is not None:
-        check("fallback", [ov.fallback])
+    if ov["force"] is not None:
+        check("force", [ov["force"]], allow_fallback=True)
+    check("order", ov["order"])
+    check("disable", ov["disable"])
+    check("enable", ov["enable"])
+    if ov["fallback"] is not None:
+        check("fallback", [ov["fallback"]])
     when: dict[str, Spec] = {}
     vocabulary = family_vocabulary(table.axes if table is not None else {})
-    for name, text in ov.when.items():
+    for name, text in ov["when"].items():
         if name not in names:
             parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"
                                                   f"{did_you_mean(name, names)}; rows: "
@@ -207,5 +209,6 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
         spec = compile_when(parsed, (*path, "when", name), text, vocabulary)
         if spec is not None:
             when[name] = spec
-    return FamilyOverlay(family, ov.force, tuple(ov.order), tuple(ov.disable),
-                         tuple(ov.enable), MappingProxyType(when), ov.fallback, tuple(added))
+    return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
+                         tuple(ov["enable"]), MappingProxyType(when), ov["fallback"],
+                         tuple(added))

@@ -208,7 +208,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
     for pf in parsed:
         if pf.profile is None:
             continue
-        name = pf.profile.profile
+        name = pf.profile["profile"]
         if (name in seen_profiles and seen_profiles[name] != pf.file
                 and source_of[seen_profiles[name]] == source_of[pf.file]):
             problems.append(TableProblem(pf.file, *pf.where(("profile",)),
@@ -216,7 +216,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
                                          f"{seen_profiles[name]}"))
         seen_profiles[name] = pf.file
     for pf in parsed:
-        if pf.profile is None or seen_profiles[pf.profile.profile] != pf.file:
+        if pf.profile is None or seen_profiles[pf.profile["profile"]] != pf.file:
             continue  # replaced by a later source: not built against the final tables
         already = len(pf.problems)
         prof = build_profile(pf, families)
