@@ -82,7 +82,7 @@ class TestFormatValidatesWhen:
         from pydantic import ValidationError
 
         from astrai.dispatch.axes import CORE_VOCABULARY
-        from astrai.dispatch.models import RowModel
+        from astrai.dispatch.tables.format import RowModel
         from astrai.errors import SpecSyntaxError
 
         with pytest.raises(ValidationError) as info:
@@ -99,7 +99,7 @@ class TestFormatValidatesWhen:
         from pydantic import ValidationError
 
         from astrai.dispatch.axes import CORE_VOCABULARY, Axis
-        from astrai.dispatch.models import RowModel
+        from astrai.dispatch.tables.format import RowModel
 
         row = {**WHEN_ROW, "when": "fused"}
         extra = CORE_VOCABULARY.with_extras({"fused": Axis("fused", "bool", (), core=False)})

@@ -18,7 +18,7 @@ __all__ = [
 import torch
 import torch.nn.functional as F
 
-from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.tables.model import Unavailable
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -7,7 +7,6 @@ fallback row.
 
 from __future__ import annotations
 
-from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.env import OPS_ENV
@@ -21,7 +20,6 @@ from astrai.dispatch.overrides import (
     set_override,
     use_profile,
 )
-from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.registry import (
     TABLES_ENV,
     current,
@@ -47,6 +45,7 @@ from astrai.dispatch.resolution import (
     resolve_plan,
 )
 from astrai.dispatch.stats import UsageStats, reset_stats, stats
+from astrai.dispatch.tables.model import FamilyTable, ImplRecord, Unavailable
 from astrai.errors import (
     AstraiError,
     ExplicitSelectionError,

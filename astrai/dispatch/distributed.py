@@ -54,9 +54,9 @@ from astrai import __version__
 from astrai.dispatch.axes import AXES, CallContext, format_value
 from astrai.dispatch.env import env_settings
 from astrai.dispatch.overrides import op_backend
-from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import MATCH, active_profiles, evaluate, row_verdict
+from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, FamilyTable
 from astrai.errors import PlanMismatchError
 
 if TYPE_CHECKING:

@@ -32,11 +32,18 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import compiled
-from astrai.dispatch.availability import check
-from astrai.dispatch.loader import ParsedFile, parse_file
 from astrai.dispatch.names import family_name_problem
-from astrai.dispatch.profiles import Profile, View, build_profile, make_view
-from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable, ImplRecord
+from astrai.dispatch.tables.artifact import shipped_tables_dir
+from astrai.dispatch.tables.load import ParsedFile, build_profile, parse_file
+from astrai.dispatch.tables.model import (
+    ALWAYS_AVAILABLE,
+    FamilyTable,
+    ImplRecord,
+    Profile,
+    View,
+    check,
+    make_view,
+)
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
 
 TABLES_ENV = "ASTR_TABLES"
@@ -106,15 +113,6 @@ _availability: dict[int, tuple[ImplRecord, bool, str]] = {}
 _epochs = itertools.count(1)
 _state: Registry | None = None
 _listeners: list[Callable[[], None]] = []
-
-
-def shipped_tables_dir() -> Path:
-    """Where the shipped tables are: inside the package (wheel) or the repo's ``tables/``."""
-    here = Path(__file__).resolve().parent.parent
-    packaged = here / "tables"
-    if packaged.is_dir():
-        return packaged
-    return here.parent / "tables"
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]

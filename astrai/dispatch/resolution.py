@@ -51,10 +51,9 @@ from astrai.dispatch.overrides import (
     handle_key,
 )
 from astrai.dispatch.overrides import _scope as _scope_var
-from astrai.dispatch.profiles import View
-from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
+from astrai.dispatch.tables.model import ImplRecord, View
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
 _scope_get = _scope_var.get

@@ -24,7 +24,7 @@ import torch
 
 from astrai.backends.attention._dense import PAGED_MODES, check_dense, merge_heads
 from astrai.backends.attention._paged import check_paged, packed_kv, store_kv
-from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.tables.model import Unavailable
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256

@@ -1,42 +1,55 @@
-"""Reading table and profile files: YAML -> pydantic models -> engine objects.
+"""Reading table and profile files into engine objects; every problem at once.
 
-Every problem in a file is collected (not only the first) and reported as
-``file:line:col: message``. Nothing here touches the live registry; the
-registry swaps in what this module builds only when everything is valid.
+Owns the way from a file to ``FamilyTable`` (``parse_file``) and to ``Profile``
+(``build_profile``, once the families it changes are known): reading the bytes
+safely, YAML with positions (``_yaml``), validation against the one file format
+(``format``), binding ``module:attribute`` paths (``_bind``), and building the
+engine objects (``model``). Every problem in a file is collected (not only the
+first) and reported as ``file:line:col: message``. Nothing here touches the live
+registry; the registry swaps in what this module builds only when everything is
+valid.
 
-A file whose bytes match a precompiled shipped file (``precompiled``) skips the
-YAML and pydantic stages: its validated data, row positions and parsed
-expressions come from the precompiled form, and the same builders run on them.
-pydantic and PyYAML are imported only when some file needs the full path; a
-problem found on the fast path reads the file's YAML then, for exact positions.
+A file whose bytes match a precompiled shipped file (``artifact``) skips the YAML and
+pydantic stages: its validated data (the same format dump), row positions and parsed
+expressions come from the artifact, and the same builders run on them. pydantic and
+PyYAML are imported only when some file needs the full path; a problem found on the
+fast path reads the file's YAML then, for exact positions.
 """
 
 from __future__ import annotations
 
-__all__ = ["ParsedFile", "build_overlay_rows", "parse_file", "parse_text"]
+__all__ = ["ParsedFile", "build_overlay_rows", "build_profile", "parse_file", "parse_text",
+           "validate_directory"]
 
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from astrai.dispatch import precompiled
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
-from astrai.dispatch.binding import BindError, bind, missing_requirement
 from astrai.dispatch.expr.spec import Plain, Spec
-from astrai.dispatch.records import FamilyTable, ImplRecord
-from astrai.errors import SpecSyntaxError, TableProblem
+from astrai.dispatch.tables import artifact
+from astrai.dispatch.tables._bind import BindError, bind, missing_requirement
+from astrai.dispatch.tables.model import (
+    ALL,
+    FALLBACK,
+    FamilyOverlay,
+    FamilyTable,
+    ImplRecord,
+    Profile,
+    Unavailable,
+)
+from astrai.errors import SpecSyntaxError, TableError, TableProblem
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ValidationError
 
-    from astrai.dispatch._yaml import Located
+    from astrai.dispatch.tables._yaml import Located
 
 PathT = tuple[Any, ...]
 #: What a value that fails a format pattern should look like, by key.
@@ -74,7 +87,7 @@ class ParsedFile:
         if not key and path in self.lines:
             return self.lines[path]
         if self.located is None and self.text is not None:
-            from astrai.dispatch._yaml import YamlProblem, load_located
+            from astrai.dispatch.tables._yaml import YamlProblem, load_located
 
             try:
                 self.located = load_located(self.text)
@@ -140,7 +153,7 @@ def parse_file(path: str | Path) -> ParsedFile:
         return ParsedFile(name, "unknown", problems=[
             TableProblem(name, 1, 1, f"file is not UTF-8 text: {exc.reason}")
         ])
-    entry = precompiled.lookup(data)
+    entry = artifact.lookup(data)
     if entry is not None:
         fast = _from_precompiled(name, text, entry)
         if fast is not None:
@@ -148,7 +161,7 @@ def parse_file(path: str | Path) -> ParsedFile:
     return parse_text(text, name)
 
 
-def _from_precompiled(file: str, text: str, entry: precompiled.Entry) -> ParsedFile | None:
+def _from_precompiled(file: str, text: str, entry: artifact.Entry) -> ParsedFile | None:
     """Build a shipped file from its precompiled form; ``None`` if anything goes wrong
     (the caller then takes the full path, which reports the problem properly)."""
     out = ParsedFile(file, entry.kind, revision=entry.revision, text=text,
@@ -156,9 +169,12 @@ def _from_precompiled(file: str, text: str, entry: precompiled.Entry) -> ParsedF
     try:
         if entry.kind == "table":
             out.table = _build_table(out, entry.data)
-        else:
+        else:  # built once the families are known; its shape is checked now
+            if not (isinstance(entry.data["profile"], str)
+                    and all(isinstance(ov, dict) for ov in entry.data["families"].values())):
+                return None
             out.profile = entry.data
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
     if out.problems or (out.kind == "table" and out.table is None):
         return None
@@ -169,8 +185,8 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
     """Validate the text of a table or profile file (told apart by ``family:``/``profile:``)."""
     from pydantic import ValidationError
 
-    from astrai.dispatch._yaml import YamlProblem, load_located
-    from astrai.dispatch.models import ProfileFile, TableFile
+    from astrai.dispatch.tables._yaml import YamlProblem, load_located
+    from astrai.dispatch.tables.format import ProfileFile, TableFile
 
     out = ParsedFile(file, "unknown", revision=hashlib.sha256(text.encode()).hexdigest()[:16])
     try:
@@ -214,7 +230,7 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
 
 
 def _check_version(out: ParsedFile, data: dict[str, Any]) -> bool:
-    from astrai.dispatch.models import SUPPORTED_VERSION
+    from astrai.dispatch.tables.format import SUPPORTED_VERSION
 
     version = data.get("version")
     if version is None:
@@ -270,7 +286,7 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     """After a structural error, still check every well-formed row: all problems at once."""
     from pydantic import ValidationError
 
-    from astrai.dispatch.models import RowModel
+    from astrai.dispatch.tables.format import RowModel
 
     rows = data.get("rows")
     if not isinstance(rows, list):
@@ -295,7 +311,7 @@ def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
     """The family's vocabulary from its well-formed ``axes`` declarations, if any."""
     from pydantic import ValidationError
 
-    from astrai.dispatch.models import AxisModel
+    from astrai.dispatch.tables.format import AxisModel
 
     declared = data.get("axes")
     well_formed: list[tuple[int, Data]] = []
@@ -314,7 +330,7 @@ def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
 
 def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
     """The model class that validates the mapping at ``path`` (for listing valid keys)."""
-    from astrai.dispatch.models import (
+    from astrai.dispatch.tables.format import (
         AxisModel,
         FamilyOverlayModel,
         ProfileFile,
@@ -502,3 +518,95 @@ def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
             continue
         records.append(rec)
     return records if ok else None
+
+
+# -- profiles ------------------------------------------------------------
+
+def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Profile | None:
+    """Check a parsed profile against the families it names; problems go to ``parsed``."""
+    model = parsed.profile
+    assert model is not None
+    overlays: dict[str, FamilyOverlay] = {}
+    before = len(parsed.problems)
+    for family, ov in model["families"].items():
+        path = ("families", family)
+        if family == ALL:
+            known = sorted({r.name for t in families.values() for r in t.rows})
+            table = None
+        elif family not in families:
+            parsed.problem(path, f"unknown family {family!r}"
+                                 f"{did_you_mean(family, families)}; known families: "
+                                 f"{', '.join(sorted(families)) or '(none)'}, or '*'", key=True)
+            continue
+        else:
+            table = families[family]
+            known = table.row_names()
+        overlays[family] = _build_overlay(parsed, path, family, ov, table, known)
+    if len(parsed.problems) > before:
+        return None
+    return Profile(model["profile"], MappingProxyType(overlays), model["description"],
+                   parsed.file, parsed.revision)
+
+
+def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
+                   ov: Mapping[str, Any], table: FamilyTable | None,
+                   known: list[str]) -> FamilyOverlay:
+    """One family's overlay data (a format dump) -> ``FamilyOverlay``, checked against
+    the family's rows (or every family's, for ``"*"``)."""
+    added: list[ImplRecord] = []
+    if ov["add"]:
+        if table is None:
+            parsed.problem((*path, "add"), "'add' needs a family, not '*'", key=True)
+        else:
+            added = build_overlay_rows(parsed, (*path, "add"), family,
+                                       list(enumerate(ov["add"])),
+                                       family_vocabulary(table.axes)) or []
+    names = [*known, *(a["name"] for a in ov["add"])]
+
+    def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
+        for i, name in enumerate(values):
+            if allow_fallback and name == FALLBACK:
+                continue
+            if name not in names:
+                where = f"family {family!r}" if table is not None else "any family"
+                parsed.problem((*path, key, i) if key != "force" else (*path, key),
+                               f"{key}: row {name!r} does not exist in {where}"
+                               f"{did_you_mean(name, names)}; rows: {', '.join(names)}")
+
+    if ov["force"] is not None:
+        check("force", [ov["force"]], allow_fallback=True)
+    check("order", ov["order"])
+    check("disable", ov["disable"])
+    check("enable", ov["enable"])
+    if ov["fallback"] is not None:
+        check("fallback", [ov["fallback"]])
+    when: dict[str, Spec] = {}
+    vocabulary = family_vocabulary(table.axes if table is not None else {})
+    for name, text in ov["when"].items():
+        if name not in names:
+            parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"
+                                                  f"{did_you_mean(name, names)}; rows: "
+                                                  f"{', '.join(names)}", key=True)
+            continue
+        spec = compile_when(parsed, (*path, "when", name), text, vocabulary)
+        if spec is not None:
+            when[name] = spec
+    return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
+                         tuple(ov["enable"]), MappingProxyType(when), ov["fallback"],
+                         tuple(added))
+
+
+def validate_directory(directory: Path) -> list[ParsedFile]:
+    """Every table and profile under ``directory``, validated the full way (profiles
+    built against those tables), for writing the artifact. Raises ``TableError`` listing
+    every problem."""
+    paths = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml"))
+    parsed = [parse_text(p.read_bytes().decode("utf-8"), str(p)) for p in paths]
+    families = {pf.table.name: pf.table for pf in parsed if pf.table is not None}
+    for pf in parsed:
+        if pf.profile is not None:
+            build_profile(pf, families)  # parses the profiles' expressions into pf.whens
+    problems = [prob for pf in parsed for prob in pf.problems]
+    if problems:
+        raise TableError(problems)
+    return parsed

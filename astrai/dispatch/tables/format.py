@@ -1,7 +1,13 @@
-"""Pydantic models of the table and profile files (schema version 1).
+"""The table and profile file formats (schema version 1): the only definition of them.
 
-These models are the single definition of the file formats: the loader validates
-against them and ``schemas/*.schema.json`` is generated from them.
+The pydantic models here validate every file that takes the full path (``load``),
+including each row's ``when``, which is parsed against the file's vocabulary (the
+design's "pydantic-validated grammar"; see ``When``). What a valid file yields is
+the model's ``model_dump(mode="json")``: ``load`` builds the engine objects from
+that dump, and the precompiled artifact (``artifact``) stores that same dump, so the
+fast path reads this one format without importing pydantic. The JSON Schemas under
+``schemas/`` are generated from these models (``render_schemas``; ``astrai-ops
+schema --check`` fails when the checked-in files drift).
 """
 
 from __future__ import annotations
@@ -14,8 +20,14 @@ __all__ = [
     "RowModel",
     "TableFile",
     "json_schemas",
+    "render_schemas",
+    "schemas_dir",
+    "stale_schemas",
+    "write_schemas",
 ]
 
+import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -169,3 +181,39 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "table.schema.json": TableFile.model_json_schema(),
         "profile.schema.json": ProfileFile.model_json_schema(),
     }
+
+
+def schemas_dir() -> Path:
+    """The checked-in ``schemas/`` folder (the repo's, or the copy inside a wheel)."""
+    here = Path(__file__).resolve().parents[2]  # astrai/
+    packaged = here / "schemas"
+    return packaged if packaged.is_dir() else here.parent / "schemas"
+
+
+def render_schemas() -> dict[str, str]:
+    """``{file name: text}`` exactly as the files should read."""
+    return {name: json.dumps(schema, indent=2, sort_keys=True) + "\n"
+            for name, schema in json_schemas().items()}
+
+
+def stale_schemas(directory: Path | None = None) -> list[str]:
+    """Names of schema files that are missing or differ from the models."""
+    directory = directory or schemas_dir()
+    stale = []
+    for name, text in render_schemas().items():
+        path = directory / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            stale.append(name)
+    return stale
+
+
+def write_schemas(directory: Path | None = None) -> list[Path]:
+    """(Re)write every schema file; returns the paths written."""
+    directory = directory or schemas_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render_schemas().items():
+        path = directory / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
