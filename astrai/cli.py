@@ -24,10 +24,9 @@ from typing import Any, TextIO, cast
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, Axis, CallContext, format_value
-from astrai.dispatch.profiles import View
-from astrai.dispatch.records import FamilyTable
 from astrai.dispatch.registry import TABLES_ENV, Registry
 from astrai.dispatch.sources import OPS_ENV
+from astrai.dispatch.tables.model import FamilyTable, View
 from astrai.errors import AstraiError
 
 OK, PROBLEMS, USAGE = 0, 1, 2
@@ -419,12 +418,12 @@ def _cmd_lint(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    from astrai.dispatch.precompiled import ARTIFACT, render_artifact
-    from astrai.dispatch.registry import shipped_tables_dir
-    from astrai.dispatch.schemas import schemas_dir, stale_schemas, write_schemas
+    from astrai.dispatch.tables.artifact import ARTIFACT, render_artifact, shipped_tables_dir
+    from astrai.dispatch.tables.format import schemas_dir, stale_schemas, write_schemas
+    from astrai.dispatch.tables.load import validate_directory
 
     tables = shipped_tables_dir()
-    artifact, compiled = tables / ARTIFACT, render_artifact(tables)
+    artifact, compiled = tables / ARTIFACT, render_artifact(tables, validate_directory(tables))
     if args.check:
         stale = [schemas_dir() / name for name in stale_schemas()]
         if not artifact.is_file() or artifact.read_text(encoding="utf-8") != compiled:
@@ -451,7 +450,7 @@ def _schema_ref(path: Path) -> str:
 def _repoint_schema(text: str, origin: Path) -> str:
     """``text`` of the shipped file ``origin`` with its ``$schema=`` modeline made absolute,
     so that editors still find the shipped schema from wherever the copy lives."""
-    from astrai.dispatch.schemas import schemas_dir
+    from astrai.dispatch.tables.format import schemas_dir
 
     def fix(m: re.Match[str]) -> str:
         ref = m.group(2)

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_us, per_call_us
 
 import astrai.dispatch as d
-from astrai.dispatch.availability import check
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import MAX_DECISIONS
+from astrai.dispatch.tables.model import check
 
 ROW = """  - name: r{i}
     impl: astrai.backends.linear:torch_linear

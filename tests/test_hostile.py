@@ -216,7 +216,7 @@ class TestTableFiles:
 
     def test_error_oversized_file(self, tmp_path: Path) -> None:
         """A file above the cap is refused with the cap in the message; nothing loads."""
-        from astrai.dispatch.loader import MAX_TABLE_BYTES
+        from astrai.dispatch.tables.load import MAX_TABLE_BYTES
 
         big = tmp_path / "big.yaml"
         big.write_text(_table("big") + "#" * MAX_TABLE_BYTES)

@@ -12,9 +12,8 @@ from astrai.dispatch import lint
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis
 from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.dispatch.lint import LintFinding, LintReport, lint_all, lint_family, lint_view
-from astrai.dispatch.profiles import View
-from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.registry import current
+from astrai.dispatch.tables.model import FamilyTable, ImplRecord, View
 
 QUANT = Axis("quant", "enum", ("int8", "fp8"), nullable=True, core=False)
 WINDOW = Axis("window", "int", nullable=True, core=False)

@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 
 from astrai import dispatch
-from astrai.dispatch import filedata, loader, models, precompiled, registry
+from astrai.dispatch import registry
 from astrai.dispatch.registry import shipped_tables_dir
+from astrai.dispatch.tables import artifact, load
+from astrai.dispatch.tables import format as file_format
 
 SHIPPED = sorted(p for p in shipped_tables_dir().rglob("*.yaml"))
 
 
-def _table_view(pf: loader.ParsedFile) -> object:
+def _table_view(pf: load.ParsedFile) -> object:
     """What matters of a parsed table: every row as the engine sees it."""
     t = pf.table
     assert t is not None
@@ -38,13 +40,13 @@ class TestSameAsFullPath:
     @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
     def test_file_is_precompiled(self, path: Path) -> None:
         """Every shipped file has an entry (so loading it never needs pydantic)."""
-        assert precompiled.lookup(path.read_bytes()) is not None
+        assert artifact.lookup(path.read_bytes()) is not None
 
     @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
     def test_fast_equals_full(self, path: Path) -> None:
         """The fast path builds the same table / profile data as the full path."""
-        fast = loader.parse_file(path)
-        full = loader.parse_text(path.read_bytes().decode("utf-8"), str(path))
+        fast = load.parse_file(path)
+        full = load.parse_text(path.read_bytes().decode("utf-8"), str(path))
         assert fast.located is None and full.located is not None  # the fast path was taken
         assert not fast.problems and not full.problems
         assert (fast.kind, fast.revision) == (full.kind, full.revision)
@@ -55,17 +57,17 @@ class TestSameAsFullPath:
 
     def test_loaded_profiles_equal(self) -> None:
         """Built profiles (overlays with their compiled specs) are the same both ways."""
-        def overlays(pf: loader.ParsedFile) -> object:
+        def overlays(pf: load.ParsedFile) -> object:
             families = {t.name: t for t in dispatch.current().families.values()}
-            prof = dispatch.profiles.build_profile(pf, families)
+            prof = load.build_profile(pf, families)
             assert prof is not None
             return {f: (o.force, o.order, o.disable, o.enable, o.fallback,
                         {n: s.description for n, s in o.when.items()},
                         [a.name for a in o.add]) for f, o in prof.overlays.items()}
 
         for path in (p for p in SHIPPED if p.parent.name == "profiles"):
-            full = loader.parse_text(path.read_bytes().decode("utf-8"), str(path))
-            assert overlays(loader.parse_file(path)) == overlays(full)
+            full = load.parse_text(path.read_bytes().decode("utf-8"), str(path))
+            assert overlays(load.parse_file(path)) == overlays(full)
 
 
 class TestFallsBackToFullPath:
@@ -76,8 +78,8 @@ class TestFallsBackToFullPath:
                                          "description: edited torch linear")
         path = tmp_path / "linear.yaml"
         path.write_text(edited)
-        assert precompiled.lookup(path.read_bytes()) is None
-        pf = loader.parse_file(path)
+        assert artifact.lookup(path.read_bytes()) is None
+        pf = load.parse_file(path)
         assert pf.located is not None and pf.table is not None
         assert pf.table.row("torch").description.startswith("edited torch linear")
 
@@ -86,17 +88,17 @@ class TestFallsBackToFullPath:
         and its rows' sources name the copy."""
         path = tmp_path / "copy.yaml"
         path.write_bytes((shipped_tables_dir() / "rotary.yaml").read_bytes())
-        pf = loader.parse_file(path)
+        pf = load.parse_file(path)
         assert pf.located is None and pf.table is not None
         assert all(r.source.startswith(f"{path}:") for r in pf.table.rows)
 
     def test_missing_artifact(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         """Without the artifact everything still loads, the full way."""
-        monkeypatch.setattr(precompiled, "_entries", None)
-        monkeypatch.setattr(precompiled, "_artifact_path", lambda: tmp_path / "none.json")
+        monkeypatch.setattr(artifact, "_entries", None)
+        monkeypatch.setattr(artifact, "_artifact_path", lambda: tmp_path / "none.json")
         dispatch.reload_tables()
         assert set(dispatch.list_families()) >= {"attention", "rotary", "rms_norm", "linear"}
-        assert precompiled._entries == {}
+        assert artifact._entries == {}
 
     @pytest.mark.parametrize("content", ["not json", '{"format": 99, "files": {}}',
                                          '{"format": 1, "files": {"x": {"kind": 1}}}', "[]"])
@@ -105,8 +107,8 @@ class TestFallsBackToFullPath:
         """A damaged or foreign artifact is ignored, never an error."""
         bad = tmp_path / "precompiled.json"
         bad.write_text(content)
-        monkeypatch.setattr(precompiled, "_entries", None)
-        monkeypatch.setattr(precompiled, "_artifact_path", lambda: bad)
+        monkeypatch.setattr(artifact, "_entries", None)
+        monkeypatch.setattr(artifact, "_artifact_path", lambda: bad)
         dispatch.reload_tables()
         assert "attention" in dispatch.list_families()
 
@@ -114,13 +116,13 @@ class TestFallsBackToFullPath:
         """An entry that does not build (here: a row's impl path broken) is not trusted:
         the full path runs and the file loads as written."""
         path = shipped_tables_dir() / "rms_norm.yaml"
-        entry = precompiled.lookup(path.read_bytes())
+        entry = artifact.lookup(path.read_bytes())
         assert entry is not None
         data = json.loads(json.dumps(entry.data))
         data["rows"][0]["impl"] = "astrai.backends.rms_norm:no_such_thing"
-        monkeypatch.setattr(precompiled, "lookup",
+        monkeypatch.setattr(artifact, "lookup",
                             lambda _b: dataclasses.replace(entry, data=data))
-        pf = loader.parse_file(path)
+        pf = load.parse_file(path)
         assert pf.located is not None and not pf.problems and pf.table is not None
 
     def test_problem_on_fast_path_has_exact_position(
@@ -153,26 +155,23 @@ class TestArtifact:
         """``tables/precompiled.json`` matches the shipped tables (else: run ``astrai-ops
         schema``); ``astrai-ops schema --check`` fails CI on the same condition."""
         tables = shipped_tables_dir()
-        current = (tables / precompiled.ARTIFACT).read_text(encoding="utf-8")
-        assert current == precompiled.render_artifact(tables)
+        current = (tables / artifact.ARTIFACT).read_text(encoding="utf-8")
+        assert current == artifact.render_artifact(tables, load.validate_directory(tables))
 
     def test_artifact_rejects_bad_tables(self, tmp_path: Path) -> None:
         """It is only generated from tables that load cleanly."""
         (tmp_path / "t.yaml").write_text("version: 1\nfamily: t\nfallback: x\nrows: []\n")
         with pytest.raises(dispatch.TableError):
-            precompiled.build_artifact(tmp_path)
+            load.validate_directory(tmp_path)
 
-    @pytest.mark.parametrize(("plain", "model"), [
-        (filedata.AxisData, models.AxisModel), (filedata.RowData, models.RowModel),
-        (filedata.TableData, models.TableFile), (filedata.OverlayData, models.FamilyOverlayModel),
-        (filedata.ProfileData, models.ProfileFile),
-    ])
-    def test_plain_forms_match_models(self, plain: type, model: type) -> None:
-        """The builders' plain dataclasses have exactly the models' fields."""
-        assert {f.name for f in dataclasses.fields(plain)} == set(model.model_fields)
-
-    def test_supported_version(self) -> None:
-        assert loader.SUPPORTED_VERSION == models.SUPPORTED_VERSION
+    @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+    def test_entry_data_is_the_format_dump(self, path: Path) -> None:
+        """An entry's data is exactly what the format models dump for the file: the fast
+        path reads the one file format, not a copy of it."""
+        entry = artifact.lookup(path.read_bytes())
+        assert entry is not None
+        model = file_format.TableFile if entry.kind == "table" else file_format.ProfileFile
+        assert model.model_validate(entry.data).model_dump(mode="json") == entry.data
 
 
 def test_load_imports_no_pydantic_or_yaml() -> None:
@@ -180,7 +179,8 @@ def test_load_imports_no_pydantic_or_yaml() -> None:
     the expression parser nor the file models (the import-time budget of SPEC §11)."""
     code = ("import sys, astrai.dispatch as d, astrai.ops; d.current(); "
             "print(sorted(m for m in ('pydantic', 'yaml', 'astrai.dispatch.expr._parser', "
-            "'astrai.dispatch.models', 'astrai.dispatch._yaml') if m in sys.modules))")
+            "'astrai.dispatch.tables.format', 'astrai.dispatch.tables._yaml') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**__import__("os").environ, "ASTR_TABLES": ""})
     assert out.stdout.strip() == "[]"

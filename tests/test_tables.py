@@ -70,6 +70,45 @@ class TestShippedTablesDir:
         assert {"reference"} <= {p.stem for p in (root / "profiles").glob("*.yaml")}
 
 
+WHEN_ROW = {"name": "r", "impl": "tests._impls:ref"}
+
+
+class TestFormatValidatesWhen:
+    """The file format (the pydantic models) validates each row's ``when`` through the
+    parser, with the vocabulary given in the validation context."""
+
+    def test_error_syntax_error_is_carried(self) -> None:
+        """A ``when`` that does not parse fails validation, carrying the ``SpecSyntaxError``."""
+        from pydantic import ValidationError
+
+        from astrai.dispatch.axes import CORE_VOCABULARY
+        from astrai.dispatch.tables.format import RowModel
+        from astrai.errors import SpecSyntaxError
+
+        with pytest.raises(ValidationError) as info:
+            RowModel.model_validate({**WHEN_ROW, "when": "dtype == bfloat61"},
+                                    context={"vocabulary": CORE_VOCABULARY})
+        (err,) = info.value.errors()
+        assert err["loc"] == ("when",)
+        assert isinstance(err["ctx"]["error"], SpecSyntaxError)
+        assert err["ctx"]["error"].span == (9, 17)
+
+    def test_vocabulary_comes_from_context(self) -> None:
+        """An extra axis parses with the vocabulary that declares it; with no vocabulary
+        (a profile's rows, checked when the profile is built) nothing is parsed."""
+        from pydantic import ValidationError
+
+        from astrai.dispatch.axes import CORE_VOCABULARY, Axis
+        from astrai.dispatch.tables.format import RowModel
+
+        row = {**WHEN_ROW, "when": "fused"}
+        extra = CORE_VOCABULARY.with_extras({"fused": Axis("fused", "bool", (), core=False)})
+        assert RowModel.model_validate(row, context={"vocabulary": extra}).when == "fused"
+        assert RowModel.model_validate(row).when == "fused"
+        with pytest.raises(ValidationError):
+            RowModel.model_validate(row, context={"vocabulary": CORE_VOCABULARY})
+
+
 class TestLoadTables:
     """``load_tables``: validate files, then add or replace families and profiles."""
 

@@ -28,7 +28,7 @@ __all__ = [
 import torch
 import torch.nn.functional as F
 
-from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.tables.model import Unavailable
 
 _FP8_MIN_CAPABILITY = (8, 9)
 _FP8_ALIGN = 16  # _scaled_mm wants every matrix dimension a multiple of 16

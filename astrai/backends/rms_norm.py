@@ -14,7 +14,7 @@ __all__ = ["reference_rms_norm", "torch_rms_norm", "torch_rms_norm_available"]
 import torch
 import torch.nn.functional as F
 
-from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.tables.model import Unavailable
 
 
 def torch_rms_norm_available() -> bool | Unavailable:

@@ -7,11 +7,9 @@ fallback row.
 
 from __future__ import annotations
 
-from astrai.dispatch.availability import Unavailable
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.expr.spec import Spec, parse_spec
-from astrai.dispatch.records import FamilyTable, ImplRecord
 from astrai.dispatch.registry import (
     TABLES_ENV,
     current,
@@ -47,6 +45,7 @@ from astrai.dispatch.sources import (
     use_profile,
 )
 from astrai.dispatch.stats import UsageStats, reset_stats, stats
+from astrai.dispatch.tables.model import FamilyTable, ImplRecord, Unavailable
 from astrai.errors import (
     AstraiError,
     ExplicitSelectionError,

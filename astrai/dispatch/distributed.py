@@ -52,10 +52,10 @@ import torch
 
 from astrai import __version__
 from astrai.dispatch.axes import AXES, CallContext, format_value
-from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import MATCH, evaluate, row_verdict
 from astrai.dispatch.sources import active_profiles, env_settings, op_backend
+from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, FamilyTable
 from astrai.errors import PlanMismatchError
 
 if TYPE_CHECKING:

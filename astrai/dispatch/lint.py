@@ -29,9 +29,8 @@ from typing import Any, Literal
 
 from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, format_value
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.profiles import View
-from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import current
+from astrai.dispatch.tables.model import ImplRecord, View
 
 #: Above this many combinations, a deterministic sample of this size is analysed.
 MAX_COMBINATIONS = 200_000

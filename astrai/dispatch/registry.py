@@ -31,11 +31,18 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
-from astrai.dispatch.availability import check
-from astrai.dispatch.loader import ParsedFile, parse_file
 from astrai.dispatch.names import family_name_problem
-from astrai.dispatch.profiles import Profile, View, build_profile, make_view
-from astrai.dispatch.records import ALWAYS_AVAILABLE, FamilyTable, ImplRecord
+from astrai.dispatch.tables.artifact import shipped_tables_dir
+from astrai.dispatch.tables.load import ParsedFile, build_profile, parse_file
+from astrai.dispatch.tables.model import (
+    ALWAYS_AVAILABLE,
+    FamilyTable,
+    ImplRecord,
+    Profile,
+    View,
+    check,
+    make_view,
+)
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
 
 TABLES_ENV = "ASTR_TABLES"
@@ -97,15 +104,6 @@ class Registry:
         return got[1], got[2]
 
 
-
-
-def shipped_tables_dir() -> Path:
-    """Where the shipped tables are: inside the package (wheel) or the repo's ``tables/``."""
-    here = Path(__file__).resolve().parent.parent
-    packaged = here / "tables"
-    if packaged.is_dir():
-        return packaged
-    return here.parent / "tables"
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]
@@ -199,7 +197,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
     for pf in parsed:
         if pf.profile is None:
             continue
-        name = pf.profile.profile
+        name = pf.profile["profile"]
         if (name in seen_profiles and seen_profiles[name] != pf.file
                 and source_of[seen_profiles[name]] == source_of[pf.file]):
             problems.append(TableProblem(pf.file, *pf.where(("profile",)),
@@ -207,7 +205,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
                                          f"{seen_profiles[name]}"))
         seen_profiles[name] = pf.file
     for pf in parsed:
-        if pf.profile is None or seen_profiles[pf.profile.profile] != pf.file:
+        if pf.profile is None or seen_profiles[pf.profile["profile"]] != pf.file:
             continue  # replaced by a later source: not built against the final tables
         already = len(pf.problems)
         prof = build_profile(pf, families)

@@ -34,8 +34,6 @@ from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.profiles import View
-from astrai.dispatch.records import ImplRecord
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
     OPS_KEY,
@@ -50,6 +48,7 @@ from astrai.dispatch.sources import (
     handle_key,
 )
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
+from astrai.dispatch.tables.model import ImplRecord, View
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
 _scope_get = current_scope

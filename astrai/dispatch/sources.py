@@ -60,8 +60,8 @@ from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded, raw_get
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.profiles import View
 from astrai.dispatch.registry import Registry, current
+from astrai.dispatch.tables.model import View
 from astrai.errors import ScopeError
 
 

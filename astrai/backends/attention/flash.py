@@ -26,7 +26,7 @@ import torch
 
 from astrai.backends.attention._dense import merge_heads
 from astrai.backends.attention._paged import packed_kv, store_kv
-from astrai.dispatch.availability import Unavailable
+from astrai.dispatch.tables.model import Unavailable
 from astrai.kv_cache import PagedBatch
 
 _MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer.

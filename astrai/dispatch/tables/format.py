@@ -1,7 +1,13 @@
-"""Pydantic models of the table and profile files (schema version 1).
+"""The table and profile file formats (schema version 1): the only definition of them.
 
-These models are the single definition of the file formats: the loader validates
-against them and ``schemas/*.schema.json`` is generated from them.
+The pydantic models here validate every file that takes the full path (``load``),
+including each row's ``when``, which is parsed against the file's vocabulary (the
+design's "pydantic-validated grammar"; see ``When``). What a valid file yields is
+the model's ``model_dump(mode="json")``: ``load`` builds the engine objects from
+that dump, and the precompiled artifact (``artifact``) stores that same dump, so the
+fast path reads this one format without importing pydantic. The JSON Schemas under
+``schemas/`` are generated from these models (``render_schemas``; ``astrai-ops
+schema --check`` fails when the checked-in files drift).
 """
 
 from __future__ import annotations
@@ -14,12 +20,28 @@ __all__ = [
     "RowModel",
     "TableFile",
     "json_schemas",
+    "render_schemas",
+    "schemas_dir",
+    "stale_schemas",
+    "write_schemas",
 ]
 
+import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+)
 
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 
 SUPPORTED_VERSION = 1
@@ -49,7 +71,22 @@ ModuleName = Annotated[
     StrictStr,
     Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", description="an importable module name"),
 ]
+
+
+def _parse_when(text: str, info: ValidationInfo) -> str:
+    """Parse a row's expression with the file's vocabulary (``context["vocabulary"]``,
+    built from the table's ``axes:``). A ``SpecSyntaxError`` is a ``ValueError``: the
+    validation error carries it, and the loader renders it with its file position.
+    Without a vocabulary (a profile's rows: their family is only known when the
+    profile is built) the expression is parsed then."""
+    vocabulary = (info.context or {}).get("vocabulary")
+    if vocabulary is not None:
+        Spec.parse(text, vocabulary)
+    return text
+
+
 Expression = Annotated[StrictStr, Field(min_length=1, description="a spec expression (SPEC §4)")]
+When = Annotated[Expression, AfterValidator(_parse_when)]
 
 
 class _Model(BaseModel):
@@ -71,7 +108,7 @@ class RowModel(_Model):
 
     name: Name
     impl: ImportPath = Field(description="the implementation object, bound at load time")
-    when: Expression = Field(default="always", description="which calls this row can serve")
+    when: When = Field(default="always", description="which calls this row can serve")
     available: ImportPath | None = Field(
         default=None, description="zero-argument probe: can this row run on this machine?"
     )
@@ -144,3 +181,39 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "table.schema.json": TableFile.model_json_schema(),
         "profile.schema.json": ProfileFile.model_json_schema(),
     }
+
+
+def schemas_dir() -> Path:
+    """The checked-in ``schemas/`` folder (the repo's, or the copy inside a wheel)."""
+    here = Path(__file__).resolve().parents[2]  # astrai/
+    packaged = here / "schemas"
+    return packaged if packaged.is_dir() else here.parent / "schemas"
+
+
+def render_schemas() -> dict[str, str]:
+    """``{file name: text}`` exactly as the files should read."""
+    return {name: json.dumps(schema, indent=2, sort_keys=True) + "\n"
+            for name, schema in json_schemas().items()}
+
+
+def stale_schemas(directory: Path | None = None) -> list[str]:
+    """Names of schema files that are missing or differ from the models."""
+    directory = directory or schemas_dir()
+    stale = []
+    for name, text in render_schemas().items():
+        path = directory / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            stale.append(name)
+    return stale
+
+
+def write_schemas(directory: Path | None = None) -> list[Path]:
+    """(Re)write every schema file; returns the paths written."""
+    directory = directory or schemas_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render_schemas().items():
+        path = directory / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written

@@ -1,4 +1,4 @@
-"""Binding ``module:attribute`` paths to objects when a table loads.
+"""Binding ``module:attribute`` paths to objects when a table loads (for ``load``).
 
 Optional dependencies are declared on the row (``requires: [flash_attn]``). Only a
 missing *declared* package makes the row unavailable (with the reason ``explain``

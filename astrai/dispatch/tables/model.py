@@ -1,0 +1,281 @@
+"""The engine objects a table file becomes: immutable once loaded.
+
+This module owns what resolution reads, whatever a table came from (a file, the
+precompiled artifact or ``register_family``):
+
+- ``ImplRecord``, one row, and ``FamilyTable``, a family's rows in priority order
+  with its fallback;
+- ``Profile`` and ``FamilyOverlay``, what a profile (SPEC §6) changes per family
+  (or ``"*"`` for all): ``force`` a row or the fallback, ``order`` rows, ``disable``
+  rows, ``enable`` non-faithful rows for the implicit chain, replace a row's
+  ``when``, set ``fallback``, ``add`` rows;
+- ``View`` and ``make_view``: active profiles applied in order on top of a family's
+  table, giving the rows as resolution actually walks them, plus who changed what
+  (for ``explain``);
+- availability: a row's ``available`` is a zero-argument probe returning ``True``,
+  or a falsy value: ``False`` or, better, ``Unavailable(reason)`` so ``explain`` can
+  say why (``check`` runs one). A probe that raises makes the row unavailable with
+  the exception as the reason. The registry evaluates probes once per process and
+  caches them; ``refresh()`` re-evaluates them.
+
+Reading files into these objects is ``load``; nothing here reads a file.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ALWAYS_AVAILABLE",
+    "FamilyOverlay",
+    "FamilyTable",
+    "ImplRecord",
+    "Profile",
+    "Unavailable",
+    "View",
+    "check",
+    "make_view",
+]
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from astrai.dispatch.axes import Axis
+from astrai.dispatch.expr.spec import Spec
+
+
+def _always_available() -> bool:
+    return True
+
+
+#: The probe of rows that declare none (never cached: there is nothing to probe).
+ALWAYS_AVAILABLE = _always_available
+
+
+@dataclass(frozen=True, eq=False)
+class ImplRecord:
+    """One row of a decision table.
+
+    ``obj`` is the implementation itself (called as-is, never instantiated).
+    ``available`` is a zero-argument probe (see ``check``).
+    When rows come from ``register_family`` a *lower* ``priority`` is tried first (as in
+    the seed; ties keep the provider's order); YAML rows take their priority from their
+    position (0 for the first row). ``faithful=False`` marks a row that changes
+    numerics: only explicit selection or a profile that enables it can pick it.
+    ``source`` says where the row was defined (``file:line`` or ``register_family``).
+    """
+
+    family: str
+    name: str
+    obj: Any
+    spec: Spec = field(default_factory=Spec.always)
+    available: Callable[[], Any] = _always_available
+    priority: int = 100
+    faithful: bool = True
+    description: str = ""
+    source: str = ""
+
+    def __repr__(self) -> str:
+        return f"ImplRecord({self.family}.{self.name}, when={self.spec.description!r})"
+
+
+def _named(rows: tuple[ImplRecord, ...], name: str) -> ImplRecord | None:
+    """The row called ``name`` among ``rows`` (a table's or a view's), if any."""
+    for r in rows:
+        if r.name == name:
+            return r
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class FamilyTable:
+    """A family: its rows in priority order, its fallback row, and where it came from.
+
+    ``fallback`` names the fallback row. It is one of ``rows``, except for a family
+    registered seed-style with a fallback record that the provider does not list: that
+    record is ``outside_fallback``, used only when nothing in the chain matched.
+    """
+
+    name: str
+    rows: tuple[ImplRecord, ...]
+    fallback: str
+    description: str = ""
+    env_alias: str | None = None
+    axes: Mapping[str, Axis] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = ""
+    revision: str = ""
+    outside_fallback: ImplRecord | None = None
+    context: Callable[..., Any] | None = None  # the table's ``context:`` builder (ops.call)
+
+    def row(self, name: str) -> ImplRecord | None:
+        """The row called ``name``, if any."""
+        return _named(self.rows, name)
+
+    def row_names(self) -> list[str]:
+        """Row names in priority order."""
+        return [r.name for r in self.rows]
+
+    @property
+    def fallback_record(self) -> ImplRecord:
+        """The fallback row."""
+        rec = self.outside_fallback or self.row(self.fallback)
+        assert rec is not None, f"family {self.name!r} has no fallback row {self.fallback!r}"
+        return rec
+
+
+# -- availability --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A falsy probe result that carries the reason the row cannot run."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def check(probe: Callable[[], Any]) -> tuple[bool, str]:
+    """Run a probe: ``(True, "")`` or ``(False, reason)``; never raises, never exits.
+
+    A probe answers ``True``, ``False`` or ``Unavailable(reason)``. Anything else it
+    returns, and any failure (``SystemExit`` included), makes the row unavailable with
+    the reason; only ``KeyboardInterrupt`` passes through.
+    """
+    name = getattr(probe, "__qualname__", repr(probe))
+    try:
+        result = probe()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a probe must not take the process down
+        detail = f": {exc}" if str(exc) else ""
+        return False, f"probe raised {type(exc).__name__}{detail}"
+    if isinstance(result, Unavailable):
+        return False, result.reason
+    if result is True:
+        return True, ""
+    if result is False:
+        return False, f"{name}() returned False"
+    return False, (f"{name}() returned a {type(result).__name__}, not True, False or "
+                   f"astrai.dispatch.Unavailable(reason)")
+
+
+# -- profiles and views --------------------------------------------------
+
+ALL = "*"
+FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class FamilyOverlay:
+    """One profile's changes to one family (or to all, when ``family == "*"``)."""
+
+    family: str
+    force: str | None = None
+    order: tuple[str, ...] = ()
+    disable: tuple[str, ...] = ()
+    enable: tuple[str, ...] = ()
+    when: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
+    fallback: str | None = None
+    add: tuple[ImplRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named overlay; ``overlays`` maps a family name or ``"*"`` to its changes."""
+
+    name: str
+    overlays: Mapping[str, FamilyOverlay]
+    description: str = ""
+    source: str = ""
+    revision: str = ""
+
+    def for_family(self, family: str) -> list[FamilyOverlay]:
+        """The overlays that apply to ``family``: ``"*"`` first, then its own."""
+        return [o for key in (ALL, family) if (o := self.overlays.get(key)) is not None]
+
+
+@dataclass(frozen=True)
+class View:
+    """A family as resolution sees it under the active profiles."""
+
+    table: FamilyTable
+    rows: tuple[ImplRecord, ...]
+    fallback: ImplRecord
+    profiles: tuple[str, ...] = ()
+    disabled: Mapping[str, str] = field(default_factory=dict)  # row -> profile
+    enabled: Mapping[str, str] = field(default_factory=dict)  # row -> profile
+    forced: tuple[str, str] | None = None  # (row, profile)
+    notes: tuple[str, ...] = ()  # what profiles changed, for explain
+
+    def row(self, name: str) -> ImplRecord | None:
+        """The row called ``name`` in this view."""
+        return _named(self.rows, name)
+
+    @property
+    def outside_fallback(self) -> bool:
+        """Whether the fallback row is outside the chain (a seed-style registration)."""
+        return self.fallback not in self.rows
+
+    def row_names(self) -> list[str]:
+        """Row names in effective order."""
+        return [r.name for r in self.rows]
+
+
+def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
+    """Apply ``profiles`` in order to ``table``. Profiles were validated at load time."""
+    if not profiles:
+        return View(table, table.rows, table.fallback_record)
+    rows = list(table.rows)
+    fallback = table.fallback
+    disabled: dict[str, str] = {}
+    enabled: dict[str, str] = {}
+    forced: tuple[str, str] | None = None
+    notes: list[str] = []
+    for prof in profiles:
+        for ov in prof.for_family(table.name):
+            names = {r.name for r in rows}
+            if ov.add:
+                rows = [*ov.add, *(r for r in rows if r.name not in {a.name for a in ov.add})]
+                notes.append(f"profile {prof.name} added {', '.join(a.name for a in ov.add)}")
+            for name, spec in ov.when.items():
+                rows = [replace(r, spec=spec) if r.name == name else r for r in rows]
+                notes.append(f"profile {prof.name} set {name}.when = {spec.description}")
+            order = [n for n in ov.order if n in names]
+            if order:
+                picked = [r for n in order for r in rows if r.name == n]
+                rows = picked + [r for r in rows if r.name not in order]
+                notes.append(f"profile {prof.name} ordered {', '.join(order)} first")
+            for n in ov.disable:
+                if n in names:
+                    disabled[n] = prof.name
+            for n in ov.enable:
+                if n in names:
+                    enabled[n] = prof.name
+            if ov.fallback is not None and ov.fallback in names:
+                fallback = ov.fallback
+                notes.append(f"profile {prof.name} set fallback = {fallback}")
+            if ov.force is not None and (ov.force == FALLBACK or ov.force in names):
+                forced = (ov.force, prof.name)
+            elif ov.force is not None:  # only a "*" overlay can name a row this family lacks
+                notes.append(f"profile {prof.name}: '*' force: {ov.force} does not apply to "
+                             f"{table.name}, which has no row {ov.force!r}")
+    by_name = {r.name: r for r in rows}
+    if forced is not None and forced[0] == FALLBACK:
+        forced = (fallback, forced[1])
+    if forced is not None and forced[0] in disabled:
+        notes.append(f"profile {forced[1]} forces {forced[0]}, which profile "
+                     f"{disabled[forced[0]]} disables: a force beats a disable")
+    return View(
+        table=table,
+        rows=tuple(rows),
+        fallback=by_name.get(fallback) or table.fallback_record,
+        profiles=tuple(p.name for p in profiles),
+        disabled=disabled,
+        enabled=enabled,
+        forced=forced,
+        notes=tuple(notes),
+    )
