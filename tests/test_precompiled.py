@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from astrai import dispatch
-from astrai.dispatch import registry
+from astrai.dispatch import registry, state
 from astrai.dispatch.registry import shipped_tables_dir
 from astrai.dispatch.tables import artifact, load
 from astrai.dispatch.tables import format as file_format
@@ -94,11 +94,11 @@ class TestFallsBackToFullPath:
 
     def test_missing_artifact(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         """Without the artifact everything still loads, the full way."""
-        monkeypatch.setattr(artifact, "_entries", None)
+        monkeypatch.setattr(state, "artifact_entries", None)
         monkeypatch.setattr(artifact, "_artifact_path", lambda: tmp_path / "none.json")
         dispatch.reload_tables()
         assert set(dispatch.list_families()) >= {"attention", "rotary", "rms_norm", "linear"}
-        assert artifact._entries == {}
+        assert state.artifact_entries == {}
 
     @pytest.mark.parametrize("content", ["not json", '{"format": 99, "files": {}}',
                                          '{"format": 1, "files": {"x": {"kind": 1}}}', "[]"])
@@ -107,7 +107,7 @@ class TestFallsBackToFullPath:
         """A damaged or foreign artifact is ignored, never an error."""
         bad = tmp_path / "precompiled.json"
         bad.write_text(content)
-        monkeypatch.setattr(artifact, "_entries", None)
+        monkeypatch.setattr(state, "artifact_entries", None)
         monkeypatch.setattr(artifact, "_artifact_path", lambda: bad)
         dispatch.reload_tables()
         assert "attention" in dispatch.list_families()

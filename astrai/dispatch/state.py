@@ -36,6 +36,8 @@ probed: dict[int, tuple[Any, bool, str]] = {}
 epochs = itertools.count(1)
 #: The bound of each snapshot's decision cache (``set_max_decisions``).
 max_decisions = 1 << 16
+#: The precompiled artifact of the shipped tables, read once (``tables.artifact``).
+artifact_entries: dict[str, Any] | None = None
 #: Parsed ``ASTR_OPS`` / alias values, per distinct raw values and epoch (``sources``).
 env_parsed: dict[tuple[object, ...], Any] = {}
 #: Messages already logged by ``warn_once``.

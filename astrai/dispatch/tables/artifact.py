@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from astrai.dispatch import state as process
 from astrai.dispatch.expr.spec import Plain
 
 ARTIFACT = "precompiled.json"
@@ -54,7 +55,6 @@ class Entry:
     whens: Mapping[PathT, Plain]
 
 
-_entries: dict[str, Entry] | None = None
 
 
 def _artifact_path() -> Path:
@@ -77,10 +77,11 @@ def _load() -> dict[str, Entry]:
 
 def lookup(data: bytes) -> Entry | None:
     """The precompiled entry for a file with these bytes, if it is a shipped file."""
-    global _entries
-    if _entries is None:
-        _entries = _load()
-    return _entries.get(hashlib.sha256(data).hexdigest())
+    entries = process.artifact_entries
+    if entries is None:
+        entries = process.artifact_entries = _load()
+    got: Entry | None = entries.get(hashlib.sha256(data).hexdigest())
+    return got
 
 
 class Validated(Protocol):
