@@ -7,8 +7,9 @@ fallback row.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.dispatch.registry import (
     TABLES_ENV,
@@ -106,3 +107,15 @@ __all__ = [
     "stats",
     "use_profile",
 ]
+
+if TYPE_CHECKING:
+    from astrai.dispatch.distributed import AgreedPlan, check_agreement
+
+
+def __getattr__(name: str) -> Any:
+    """Rank agreement is loaded on first use: most processes never need it (import time)."""
+    if name in ("AgreedPlan", "check_agreement"):
+        from astrai.dispatch import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

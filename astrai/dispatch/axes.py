@@ -44,11 +44,10 @@ from astrai.dispatch._suggest import did_you_mean
 AxisKind = Literal["bool", "int", "enum", "dtype"]
 
 #: torch's dtype names (aliases such as ``half`` included), mapped to the dtype.
-DTYPES: Mapping[str, torch.dtype] = {
-    name: value
-    for name in sorted(dir(torch))
-    if isinstance(value := getattr(torch, name), torch.dtype)
-}
+DTYPES: Mapping[str, torch.dtype] = dict(
+    sorted((name, value) for name, value in vars(torch).items()
+           if isinstance(value, torch.dtype))
+)
 
 #: The dtypes error messages list (any name in ``DTYPES`` is accepted).
 COMMON_DTYPES: tuple[str, ...] = (
