@@ -48,7 +48,7 @@ from astrai.dispatch.sources import (
     handle_key,
 )
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
-from astrai.dispatch.tables.model import ImplRecord, View
+from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 from astrai.errors import ExplicitSelectionError, NoImplementationError
 
 _scope_get = current_scope
@@ -106,7 +106,12 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
     if implicit and (rec.name in view.disabled
                      or (not rec.faithful and rec.name not in view.enabled)):
         return False
-    return state.availability(rec)[0] and rec.spec.matches(ctx)
+    if rec.available is not ALWAYS_AVAILABLE:
+        probed = process.probed.get(id(rec))  # == state.availability(rec), inlined
+        if not (probed[1] if probed is not None and probed[0] is rec
+                else state.availability(rec)[0]):
+            return False
+    return rec.spec.matches(ctx)
 
 
 
@@ -182,7 +187,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     handled = False
     for source in PRECEDENCE:
         origin = source.origin
-        handle = source.handle(family, explicit, env)
+        handle = source.handle(family, explicit, env) if source.selects else None
         if handle is not None:
             rec = _lookup(view, handle)
             where = source.where(family, env)
@@ -201,7 +206,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             # Words and verdict at once: an object's supports_call is probed once per call.
             verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
             if verdict == MATCH:
-                return Resolution(rec, origin)
+                return _resolved(state, rec, origin)
             why = _why(verdict, detail)
             if source.strict:
                 raise ExplicitSelectionError(
@@ -222,22 +227,28 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             if serves(state, view, rec, ctx, implicit=False):
                 if notes is not None:
                     notes.append(f"profile {prof} forces {row}")
-                return Resolution(rec, origin)
+                return _resolved(state, rec, origin)
             if notes is not None:
                 why = _why(*row_verdict(state, view, rec, ctx, implicit=False))
                 notes.append(f"profile {prof} forces {row}, which cannot serve this call "
                              f"({why}); falling through")
         elif origin == "chain":
-            for rec in view.rows:
-                if serves(state, view, rec, ctx):
-                    return Resolution(rec, origin)  # the seed's origin, fallback row or not
+            probed = process.probed
+            for rec in view.chain:  # == serves(state, view, rec, ctx), inlined: the hot walk
+                if rec.available is not ALWAYS_AVAILABLE:
+                    got = probed.get(id(rec))
+                    if not (got[1] if got is not None and got[0] is rec
+                            else state.availability(rec)[0]):
+                        continue
+                if rec.spec.matches(ctx):
+                    return _resolved(state, rec, origin)  # the seed's origin, fallback or not
         elif origin == "fallback":
             rec = view.fallback
             if not serves(state, view, rec, ctx, implicit=False):
                 raise _no_row(state, view, ctx)
             if notes is not None:
                 notes.append(f"no row of the chain matched; the fallback {rec.name} serves")
-            return Resolution(rec, origin)
+            return _resolved(state, rec, origin)
     raise AssertionError("unreachable: PRECEDENCE ends with the fallback")  # pragma: no cover
 
 
@@ -331,6 +342,14 @@ def _decision(state: Registry, res: Resolution) -> Decision:
     if got is None or got.resolution.record is not res.record:
         got = state.made[key] = Decision(res)
     return got  # type: ignore[no-any-return]
+
+
+def _resolved(state: Registry, rec: ImplRecord, origin: str) -> Resolution:
+    """``Resolution(rec, origin)``, made once per snapshot (``Decision`` holds it)."""
+    got = state.made.get((id(rec), origin))
+    if got is not None and got.resolution.record is rec:
+        return got.resolution  # type: ignore[no-any-return]
+    return Resolution(rec, origin)
 
 
 def _same(ctx: CallContext) -> CallContext:

@@ -57,7 +57,7 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import encoded, raw_get
+from astrai.dispatch._environ import ENVIRON_DATA, encoded, raw_get
 from astrai.dispatch._log import warn_once
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.registry import Registry, current
@@ -67,11 +67,14 @@ from astrai.errors import ScopeError
 
 @dataclass(frozen=True)
 class Source:
-    """One place a decision can come from. ``strict`` sources raise instead of falling through."""
+    """One place a decision can come from. ``strict`` sources raise instead of falling
+    through; a source that ``selects`` names a row (or object) itself, the others select
+    through the table."""
 
     origin: str
     strict: bool
     label: str
+    selects: bool = False
 
     def handle(self, family: str, explicit: Any, env: EnvSettings) -> Any:
         """The row name or object this source selects for ``family``, or ``None``
@@ -93,9 +96,9 @@ class Source:
 
 #: Resolution order, highest precedence first (SPEC §3).
 PRECEDENCE: tuple[Source, ...] = (
-    Source("explicit", strict=True, label="the explicit argument"),
-    Source("context", strict=True, label="an op_backend scope"),
-    Source("env", strict=False, label="the environment"),
+    Source("explicit", strict=True, label="the explicit argument", selects=True),
+    Source("context", strict=True, label="an op_backend scope", selects=True),
+    Source("env", strict=False, label="the environment", selects=True),
     Source("profile", strict=False, label="an active profile"),
     Source("chain", strict=False, label="the table order"),
     Source("fallback", strict=False, label="the fallback row"),
@@ -165,7 +168,7 @@ def env_settings(
 ) -> EnvSettings:
     """The settings for the environment as it is now (cached per distinct raw values,
     read without decoding them)."""
-    key = (raw_get(OPS_KEY), tuple(raw_get(encoded(v)) for v in aliases.values()), epoch)
+    key = (raw_get(OPS_KEY), tuple([raw_get(encoded(v)) for v in aliases.values()]), epoch)
     got: EnvSettings | None = process.env_parsed.get(key)
     if got is not None:
         return got
@@ -188,6 +191,7 @@ def env_settings(
 
 
 OPS_KEY = encoded(OPS_ENV)
+_environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
 
 
 # -- scopes: op_backend and use_profile ------------------------------------------
@@ -387,8 +391,14 @@ def use_profile(*names: str) -> Iterator[None]:
 # -- what is in force for a call ---------------------------------------------------
 
 def env_now(state: Registry) -> EnvSettings:
-    """What the environment asks of the tables in ``state``, now."""
-    return env_settings(state.families, state.profiles, state.aliases, state.epoch)
+    """What the environment asks of the tables in ``state``, now (``env_settings``, with
+    the lookup of an already parsed value done here, on the pre-encoded names)."""
+    keys = state.alias_keys
+    got: EnvSettings | None = process.env_parsed.get(
+        (_environ_get(OPS_KEY), tuple([_environ_get(k) for k in keys.values()]), state.epoch))
+    if got is None:
+        got = env_settings(state.families, state.profiles, state.aliases, state.epoch)
+    return got
 
 
 def env_overrides() -> dict[str, str]:
@@ -414,7 +424,9 @@ def env_selection(family: str) -> str | None:
 
 def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
     """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes."""
-    scoped = current_profiles()
+    scoped = _scope.get().profiles
+    if not scoped and not env.profiles:
+        return ()
     names = (*env.profiles, *scoped) if scoped else env.profiles
     return tuple(n for n in names if n in state.profiles)
 

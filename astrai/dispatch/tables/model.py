@@ -210,6 +210,14 @@ class View:
     enabled: Mapping[str, str] = field(default_factory=dict)  # row -> profile
     forced: tuple[str, str] | None = None  # (row, profile)
     notes: tuple[str, ...] = ()  # what profiles changed, for explain
+    #: The rows the implicit chain may try, in order: not disabled, and faithful or
+    #: enabled (availability and ``when`` are checked per call).
+    chain: tuple[ImplRecord, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chain", tuple(
+            r for r in self.rows if r.name not in self.disabled
+            and (r.faithful or r.name in self.enabled)))
 
     def row(self, name: str) -> ImplRecord | None:
         """The row called ``name`` in this view."""
