@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_us, per_call_us
 
 import astrai.dispatch as d
+from astrai.dispatch import state
 from astrai.dispatch.registry import current
-from astrai.dispatch.resolution import MAX_DECISIONS
 from astrai.dispatch.tables.model import check
 
 ROW = """  - name: r{i}
@@ -114,7 +114,7 @@ def main() -> None:
 
         us = per_call_us(one, 20000, repeat=1 if distinct == 10_000 else 5)
         print(f"{distinct:>6} distinct signatures: {us:.3f} us/call, cache holds "
-              f"{len(current().decisions)} decisions (bound {MAX_DECISIONS})")
+              f"{len(current().decisions)} decisions (bound {state.max_decisions})")
 
 
 if __name__ == "__main__":
