@@ -21,13 +21,13 @@ import pytest
 from astrai import dispatch
 from astrai.dispatch import registry, state
 from astrai.dispatch.registry import shipped_tables_dir
-from astrai.dispatch.tables import artifact, load
+from astrai.dispatch.tables import artifact, build, load, parsed
 from astrai.dispatch.tables import format as file_format
 
 SHIPPED = sorted(p for p in shipped_tables_dir().rglob("*.yaml"))
 
 
-def _table_view(pf: load.ParsedFile) -> object:
+def _table_view(pf: parsed.ParsedFile) -> object:
     """What matters of a parsed table: every row as the engine sees it."""
     t = pf.table
     assert t is not None
@@ -57,9 +57,9 @@ class TestSameAsFullPath:
 
     def test_loaded_profiles_equal(self) -> None:
         """Built profiles (overlays with their compiled specs) are the same both ways."""
-        def overlays(pf: load.ParsedFile) -> object:
+        def overlays(pf: parsed.ParsedFile) -> object:
             families = {t.name: t for t in dispatch.current().families.values()}
-            prof = load.build_profile(pf, families)
+            prof = build.build_profile(pf, families)
             assert prof is not None
             return {f: (o.force, o.order, o.disable, o.enable, o.fallback,
                         {n: s.description for n, s in o.when.items()},

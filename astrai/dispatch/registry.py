@@ -33,7 +33,8 @@ from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
 from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.tables.artifact import shipped_tables_dir
-from astrai.dispatch.tables.load import ParsedFile, build_profile, parse_file
+from astrai.dispatch.tables.build import build_profile
+from astrai.dispatch.tables.load import parse_file
 from astrai.dispatch.tables.model import (
     ALWAYS_AVAILABLE,
     FamilyTable,
@@ -43,6 +44,7 @@ from astrai.dispatch.tables.model import (
     check,
     make_view,
 )
+from astrai.dispatch.tables.parsed import ParsedFile
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
 
 TABLES_ENV = "ASTR_TABLES"

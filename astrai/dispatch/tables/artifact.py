@@ -85,7 +85,7 @@ def lookup(data: bytes) -> Entry | None:
 
 
 class Validated(Protocol):
-    """What the writer needs of a file validated the full way (``load.ParsedFile``)."""
+    """What the writer needs of a file validated the full way (``parsed.ParsedFile``)."""
 
     @property
     def file(self) -> str: ...

@@ -1,13 +1,11 @@
-"""Reading table and profile files into engine objects; every problem at once.
+"""Reading table and profile files; every problem at once.
 
-Owns the way from a file to ``FamilyTable`` (``parse_file``) and to ``Profile``
-(``build_profile``, once the families it changes are known): reading the bytes
-safely, YAML with positions (``_yaml``), validation against the one file format
-(``format``), binding ``module:attribute`` paths (``_bind``), and building the
-engine objects (``model``). Every problem in a file is collected (not only the
-first) and reported as ``file:line:col: message``. Nothing here touches the live
-registry; the registry swaps in what this module builds only when everything is
-valid.
+Owns the way from a file to validated data and on to ``build`` (``parse_file``):
+reading the bytes safely (regular files of bounded size only), YAML with positions
+(``_yaml``), validation against the one file format (``format``). Every problem in a
+file is collected (not only the first) and reported as ``file:line:col: message``.
+Nothing here touches the live registry; the registry swaps in what is built only when
+everything is valid.
 
 A file whose bytes match a precompiled shipped file (``artifact``) skips the YAML and
 pydantic stages: its validated data (the same format dump), row positions and parsed
@@ -18,40 +16,33 @@ fast path reads the file's YAML then, for exact positions.
 
 from __future__ import annotations
 
-__all__ = ["ParsedFile", "build_overlay_rows", "build_profile", "parse_file", "parse_text",
+__all__ = ["MAX_TABLE_BYTES", "parse_file", "parse_text", "read_table_bytes",
            "validate_directory"]
 
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
-from astrai.dispatch.expr.spec import Plain, Spec
+from astrai.dispatch.axes import Vocabulary
 from astrai.dispatch.tables import artifact
-from astrai.dispatch.tables._bind import BindError, bind, missing_requirement
-from astrai.dispatch.tables.model import (
-    ALL,
-    FALLBACK,
-    FamilyOverlay,
-    FamilyTable,
-    ImplRecord,
-    Profile,
-    Unavailable,
+from astrai.dispatch.tables.build import (
+    build_overlay_rows,
+    build_profile,
+    build_table,
+    family_axes,
+    family_vocabulary,
+    no_fallback,
 )
+from astrai.dispatch.tables.parsed import Data, ParsedFile, PathT, spec_problem
 from astrai.errors import SpecSyntaxError, TableError, TableProblem
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ValidationError
 
-    from astrai.dispatch.tables._yaml import Located
 
-PathT = tuple[Any, ...]
 #: What a value that fails a format pattern should look like, by key.
 _PATTERN_MEANS = {
     "impl": "an import path 'module.path:attribute' (exactly one ':')",
@@ -60,47 +51,6 @@ _PATTERN_MEANS = {
     "requires": "a module name such as flash_attn",
 }
 _NAME_MEANS = "a valid name (letters, digits, '_', '.', '-', starting with a letter or '_')"
-#: A file's validated data: the format model's ``model_dump(mode="json")`` (full path)
-#: or the same dump stored in the precompiled artifact (fast path).
-Data = Mapping[str, Any]
-
-
-@dataclass
-class ParsedFile:
-    """One file after validation: a family table, a profile's data, or problems."""
-
-    file: str
-    kind: str  # "table" | "profile" | "unknown"
-    located: Located | None = None
-    table: FamilyTable | None = None
-    profile: Data | None = None  # built into a ``Profile`` against the families
-    revision: str = ""
-    problems: list[TableProblem] = field(default_factory=list)
-    text: str | None = None  # kept on the fast path, to find exact positions on demand
-    dump: dict[str, Any] | None = None  # the validated model's JSON dump (full path)
-    lines: dict[PathT, tuple[int, int]] = field(default_factory=dict)  # rows' positions
-    whens: dict[PathT, Plain] = field(default_factory=dict)  # parsed core-vocabulary `when`s
-    rejected: set[PathT] = field(default_factory=set)  # `when`s the format already reported
-
-    def where(self, path: PathT, *, key: bool = False) -> tuple[int, int]:
-        """1-based ``(line, column)`` of ``path`` in the file (``(1, 1)`` if unknown)."""
-        if not key and path in self.lines:
-            return self.lines[path]
-        if self.located is None and self.text is not None:
-            from astrai.dispatch.tables._yaml import YamlProblem, load_located
-
-            try:
-                self.located = load_located(self.text)
-            except YamlProblem:
-                self.text = None
-        return self.located.where(path, key=key) if self.located else (1, 1)
-
-    def problem(self, path: PathT, message: str, *, key: bool = False) -> None:
-        """Record a problem at ``path`` of this file."""
-        line, col = self.where(path, key=key)
-        self.problems.append(TableProblem(self.file, line, col, message))
-
-
 #: The largest table or profile file read (the shipped ones are a few KiB).
 MAX_TABLE_BYTES = 4 * 1024 * 1024
 
@@ -168,7 +118,7 @@ def _from_precompiled(file: str, text: str, entry: artifact.Entry) -> ParsedFile
                      lines=dict(entry.lines), whens=dict(entry.whens))
     try:
         if entry.kind == "table":
-            out.table = _build_table(out, entry.data)
+            out.table = build_table(out, entry.data)
         else:  # built once the families are known; its shape is checked now
             if not (isinstance(entry.data["profile"], str)
                     and all(isinstance(ov, dict) for ov in entry.data["families"].values())):
@@ -223,7 +173,7 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
         return out
     out.dump = model.model_dump(mode="json")
     if out.kind == "table":
-        out.table = _build_table(out, out.dump)
+        out.table = build_table(out, out.dump)
     else:
         out.profile = out.dump
     return out
@@ -265,7 +215,7 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
         etype = err["type"]
         error = err.get("ctx", {}).get("error")
         if isinstance(error, SpecSyntaxError):  # a `when` the parser rejected (``models.When``)
-            _spec_problem(out, real, error)
+            spec_problem(out, real, error)
             out.rejected.add(real)
         elif etype == "extra_forbidden":
             model = _model_at(out, real[:-1])
@@ -304,7 +254,7 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     names = list(dict.fromkeys(r["name"] for r in rows
                                if isinstance(r, dict) and isinstance(r.get("name"), str)))
     if isinstance(fallback, str) and names and fallback not in names:
-        _no_fallback(out, fallback, names)
+        no_fallback(out, fallback, names)
 
 
 def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
@@ -320,12 +270,7 @@ def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
             well_formed.append((i, AxisModel.model_validate(raw).model_dump(mode="json")))
         except ValidationError:
             continue
-    return family_vocabulary(_family_axes(None, well_formed))
-
-
-def _no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
-    out.problem(("fallback",), f"fallback {fallback!r} names no row"
-                               f"{did_you_mean(fallback, names)}; rows: {', '.join(names)}")
+    return family_vocabulary(family_axes(None, well_formed))
 
 
 def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
@@ -351,249 +296,6 @@ def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
         if len(path) >= 4 and path[2] == "add":
             return RowModel
     return None
-
-
-def _column_of_expression(out: ParsedFile, path: PathT) -> tuple[int, int]:
-    line, col = out.where(path)
-    if out.located is not None and out.located.styles.get(path) in ("'", '"'):
-        col += 1
-    return line, col
-
-
-def _spec_problem(out: ParsedFile, path: PathT, exc: SpecSyntaxError) -> None:
-    """Record an expression's syntax error at its file position, caret and all."""
-    line, col = _column_of_expression(out, path)
-    out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
-
-
-def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
-    """Parse a row's expression; a syntax error is recorded with the file position.
-
-    With the core vocabulary the parsed form is kept in ``out.whens`` (what the
-    precompiled tables store), or taken from there on the fast path. An expression
-    the format's validation already rejected (``out.rejected``) is not reported again.
-    """
-    if path in out.rejected:
-        return None
-    try:
-        if vocabulary is not CORE_VOCABULARY:
-            return Spec.parse(text, vocabulary)
-        plain = out.whens.get(path)
-        if plain is not None:
-            return Spec.decode(plain, vocabulary)
-        spec = Spec.parse(text, vocabulary)
-        out.whens[path] = spec.encode()
-        return spec
-    except SpecSyntaxError as exc:
-        _spec_problem(out, path, exc)
-        return None
-
-
-def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
-             priority: int) -> ImplRecord | None:
-    """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
-    requires: list[str] = row["requires"]
-    try:
-        impl = bind(row["impl"], requires)
-    except BindError as exc:
-        out.problem((*path, "impl"), str(exc))
-        return None
-    probe: Callable[[], Any] | None = None
-    missing = impl.missing or missing_requirement(requires)
-    available: str | None = row["available"]
-    if missing is not None:
-        reason = missing
-        probe = lambda: Unavailable(reason)  # noqa: E731
-    elif available is not None:
-        try:
-            bound = bind(available, requires)
-        except BindError as exc:
-            out.problem((*path, "available"), str(exc))
-            return None
-        if bound.missing is not None:
-            missing = bound.missing
-            probe = lambda: Unavailable(missing)  # noqa: E731
-        elif not callable(bound.obj):
-            out.problem((*path, "available"), f"{available!r} is not callable")
-            return None
-        else:
-            probe = bound.obj
-    out.lines[path] = out.where(path)
-    line = out.lines[path][0]
-    kwargs: dict[str, Any] = {} if probe is None else {"available": probe}
-    return ImplRecord(
-        family=family,
-        name=row["name"],
-        obj=impl.obj,
-        spec=spec,
-        priority=priority,
-        faithful=row["faithful"],
-        description=row["description"],
-        source=f"{out.file}:{line}",
-        **kwargs,
-    )
-
-
-def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
-    """The expression vocabulary of a family with these extra axes."""
-    return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
-
-
-def _family_axes(out: ParsedFile | None, declared: list[tuple[int, Data]]) -> dict[str, Axis]:
-    """A table's extra axes from its ``axes:`` declarations given as ``(index, axis)``;
-    a bad declaration is left out (and recorded in ``out``, when given)."""
-    axes: dict[str, Axis] = {}
-    for i, decl in declared:
-        name = decl["name"]
-        if name in CORE_VOCABULARY.axes or name in CORE_VOCABULARY.predicates:
-            problem = ("name", f"axis {name!r} is already a core axis")
-        elif name in axes:
-            problem = ("name", f"duplicate axis {name!r}")
-        elif (decl["type"] == "enum") != bool(decl["values"]):
-            problem = ("", "'values' is required for an enum axis and only for one")
-        else:
-            axes[name] = Axis(name, decl["type"], tuple(decl["values"]),
-                              nullable=decl["nullable"], description=decl["description"],
-                              core=False)
-            continue
-        if out is not None:
-            out.problem(("axes", i, problem[0]) if problem[0] else ("axes", i), problem[1])
-    return axes
-
-
-def _build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
-    """A validated table's data (a format dump) -> ``FamilyTable``, rows bound."""
-    axes = _family_axes(out, list(enumerate(data["axes"])))
-    vocabulary = family_vocabulary(axes)
-    rows = build_overlay_rows(out, ("rows",), data["family"], list(enumerate(data["rows"])),
-                              vocabulary)
-    names = list(dict.fromkeys(r["name"] for r in data["rows"]))
-    if data["fallback"] not in names:
-        _no_fallback(out, data["fallback"], names)
-    builder: Any = None
-    context: str | None = data["context"]
-    if context is not None:
-        try:
-            builder = bind(context).obj
-        except BindError as exc:
-            out.problem(("context",), str(exc))
-        else:
-            if not callable(builder):
-                out.problem(("context",), f"{context!r} is not callable")
-    if out.problems or rows is None:
-        return None
-    return FamilyTable(
-        name=data["family"],
-        rows=tuple(rows),
-        fallback=data["fallback"],
-        description=data["description"],
-        env_alias=data["env_alias"],
-        axes=MappingProxyType(axes),
-        source=out.file,
-        revision=out.revision,
-        context=builder,
-    )
-
-
-def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
-                       rows: list[tuple[int, Data]],
-                       vocabulary: Vocabulary) -> list[ImplRecord] | None:
-    """Compile and bind rows given as ``(index, row data)`` (a table's, or a profile's
-    ``add``). Every row is checked even after a failing one, so all problems are reported.
-    """
-    seen: set[str] = set()
-    records: list[ImplRecord] = []
-    ok = True
-    for i, row in rows:
-        rpath = (*path, i)
-        name = row["name"]
-        if name in seen:
-            out.problem((*rpath, "name"), f"duplicate row name {name!r}")
-            ok = False
-        seen.add(name)
-        spec = compile_when(out, (*rpath, "when"), row["when"], vocabulary)
-        rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=i)
-        if spec is None or rec is None:
-            ok = False
-            continue
-        records.append(rec)
-    return records if ok else None
-
-
-# -- profiles ------------------------------------------------------------
-
-def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Profile | None:
-    """Check a parsed profile against the families it names; problems go to ``parsed``."""
-    model = parsed.profile
-    assert model is not None
-    overlays: dict[str, FamilyOverlay] = {}
-    before = len(parsed.problems)
-    for family, ov in model["families"].items():
-        path = ("families", family)
-        if family == ALL:
-            known = sorted({r.name for t in families.values() for r in t.rows})
-            table = None
-        elif family not in families:
-            parsed.problem(path, f"unknown family {family!r}"
-                                 f"{did_you_mean(family, families)}; known families: "
-                                 f"{', '.join(sorted(families)) or '(none)'}, or '*'", key=True)
-            continue
-        else:
-            table = families[family]
-            known = table.row_names()
-        overlays[family] = _build_overlay(parsed, path, family, ov, table, known)
-    if len(parsed.problems) > before:
-        return None
-    return Profile(model["profile"], MappingProxyType(overlays), model["description"],
-                   parsed.file, parsed.revision)
-
-
-def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
-                   ov: Mapping[str, Any], table: FamilyTable | None,
-                   known: list[str]) -> FamilyOverlay:
-    """One family's overlay data (a format dump) -> ``FamilyOverlay``, checked against
-    the family's rows (or every family's, for ``"*"``)."""
-    added: list[ImplRecord] = []
-    if ov["add"]:
-        if table is None:
-            parsed.problem((*path, "add"), "'add' needs a family, not '*'", key=True)
-        else:
-            added = build_overlay_rows(parsed, (*path, "add"), family,
-                                       list(enumerate(ov["add"])),
-                                       family_vocabulary(table.axes)) or []
-    names = [*known, *(a["name"] for a in ov["add"])]
-
-    def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
-        for i, name in enumerate(values):
-            if allow_fallback and name == FALLBACK:
-                continue
-            if name not in names:
-                where = f"family {family!r}" if table is not None else "any family"
-                parsed.problem((*path, key, i) if key != "force" else (*path, key),
-                               f"{key}: row {name!r} does not exist in {where}"
-                               f"{did_you_mean(name, names)}; rows: {', '.join(names)}")
-
-    if ov["force"] is not None:
-        check("force", [ov["force"]], allow_fallback=True)
-    check("order", ov["order"])
-    check("disable", ov["disable"])
-    check("enable", ov["enable"])
-    if ov["fallback"] is not None:
-        check("fallback", [ov["fallback"]])
-    when: dict[str, Spec] = {}
-    vocabulary = family_vocabulary(table.axes if table is not None else {})
-    for name, text in ov["when"].items():
-        if name not in names:
-            parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"
-                                                  f"{did_you_mean(name, names)}; rows: "
-                                                  f"{', '.join(names)}", key=True)
-            continue
-        spec = compile_when(parsed, (*path, "when", name), text, vocabulary)
-        if spec is not None:
-            when[name] = spec
-    return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
-                         tuple(ov["enable"]), MappingProxyType(when), ov["fallback"],
-                         tuple(added))
 
 
 def validate_directory(directory: Path) -> list[ParsedFile]:

@@ -1,0 +1,267 @@
+"""Engine objects from validated file data: rows bound and their ``when`` compiled
+(``FamilyTable``), and profiles checked against the families they change (``Profile``).
+The same builders serve the full path (the format's ``model_dump``) and the fast path
+(the same dump, stored in the precompiled artifact); problems go to the ``ParsedFile``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["build_overlay_rows", "build_profile", "build_table", "compile_when",
+           "family_axes", "family_vocabulary", "no_fallback"]
+
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
+from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.tables._bind import BindError, bind, missing_requirement
+from astrai.dispatch.tables.model import (
+    ALL,
+    FALLBACK,
+    FamilyOverlay,
+    FamilyTable,
+    ImplRecord,
+    Profile,
+    Unavailable,
+)
+from astrai.dispatch.tables.parsed import Data, ParsedFile, PathT, spec_problem
+from astrai.errors import SpecSyntaxError
+
+
+def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
+    """Parse a row's expression; a syntax error is recorded with the file position.
+
+    With the core vocabulary the parsed form is kept in ``out.whens`` (what the
+    precompiled tables store), or taken from there on the fast path. An expression
+    the format's validation already rejected (``out.rejected``) is not reported again.
+    """
+    if path in out.rejected:
+        return None
+    try:
+        if vocabulary is not CORE_VOCABULARY:
+            return Spec.parse(text, vocabulary)
+        plain = out.whens.get(path)
+        if plain is not None:
+            return Spec.decode(plain, vocabulary)
+        spec = Spec.parse(text, vocabulary)
+        out.whens[path] = spec.encode()
+        return spec
+    except SpecSyntaxError as exc:
+        spec_problem(out, path, exc)
+        return None
+
+
+def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
+             priority: int) -> ImplRecord | None:
+    """Bind a row's ``impl`` and ``available`` paths into an ``ImplRecord``."""
+    requires: list[str] = row["requires"]
+    try:
+        impl = bind(row["impl"], requires)
+    except BindError as exc:
+        out.problem((*path, "impl"), str(exc))
+        return None
+    probe: Callable[[], Any] | None = None
+    missing = impl.missing or missing_requirement(requires)
+    available: str | None = row["available"]
+    if missing is not None:
+        reason = missing
+        probe = lambda: Unavailable(reason)  # noqa: E731
+    elif available is not None:
+        try:
+            bound = bind(available, requires)
+        except BindError as exc:
+            out.problem((*path, "available"), str(exc))
+            return None
+        if bound.missing is not None:
+            missing = bound.missing
+            probe = lambda: Unavailable(missing)  # noqa: E731
+        elif not callable(bound.obj):
+            out.problem((*path, "available"), f"{available!r} is not callable")
+            return None
+        else:
+            probe = bound.obj
+    out.lines[path] = out.where(path)
+    line = out.lines[path][0]
+    kwargs: dict[str, Any] = {} if probe is None else {"available": probe}
+    return ImplRecord(
+        family=family,
+        name=row["name"],
+        obj=impl.obj,
+        spec=spec,
+        priority=priority,
+        faithful=row["faithful"],
+        description=row["description"],
+        source=f"{out.file}:{line}",
+        **kwargs,
+    )
+
+
+def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
+    """The expression vocabulary of a family with these extra axes."""
+    return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
+
+
+def family_axes(out: ParsedFile | None, declared: list[tuple[int, Data]]) -> dict[str, Axis]:
+    """A table's extra axes from its ``axes:`` declarations given as ``(index, axis)``;
+    a bad declaration is left out (and recorded in ``out``, when given)."""
+    axes: dict[str, Axis] = {}
+    for i, decl in declared:
+        name = decl["name"]
+        if name in CORE_VOCABULARY.axes or name in CORE_VOCABULARY.predicates:
+            problem = ("name", f"axis {name!r} is already a core axis")
+        elif name in axes:
+            problem = ("name", f"duplicate axis {name!r}")
+        elif (decl["type"] == "enum") != bool(decl["values"]):
+            problem = ("", "'values' is required for an enum axis and only for one")
+        else:
+            axes[name] = Axis(name, decl["type"], tuple(decl["values"]),
+                              nullable=decl["nullable"], description=decl["description"],
+                              core=False)
+            continue
+        if out is not None:
+            out.problem(("axes", i, problem[0]) if problem[0] else ("axes", i), problem[1])
+    return axes
+
+
+def build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
+    """A validated table's data (a format dump) -> ``FamilyTable``, rows bound."""
+    axes = family_axes(out, list(enumerate(data["axes"])))
+    vocabulary = family_vocabulary(axes)
+    rows = build_overlay_rows(out, ("rows",), data["family"], list(enumerate(data["rows"])),
+                              vocabulary)
+    names = list(dict.fromkeys(r["name"] for r in data["rows"]))
+    if data["fallback"] not in names:
+        no_fallback(out, data["fallback"], names)
+    builder: Any = None
+    context: str | None = data["context"]
+    if context is not None:
+        try:
+            builder = bind(context).obj
+        except BindError as exc:
+            out.problem(("context",), str(exc))
+        else:
+            if not callable(builder):
+                out.problem(("context",), f"{context!r} is not callable")
+    if out.problems or rows is None:
+        return None
+    return FamilyTable(
+        name=data["family"],
+        rows=tuple(rows),
+        fallback=data["fallback"],
+        description=data["description"],
+        env_alias=data["env_alias"],
+        axes=MappingProxyType(axes),
+        source=out.file,
+        revision=out.revision,
+        context=builder,
+    )
+
+
+def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
+                       rows: list[tuple[int, Data]],
+                       vocabulary: Vocabulary) -> list[ImplRecord] | None:
+    """Compile and bind rows given as ``(index, row data)`` (a table's, or a profile's
+    ``add``). Every row is checked even after a failing one, so all problems are reported.
+    """
+    seen: set[str] = set()
+    records: list[ImplRecord] = []
+    ok = True
+    for i, row in rows:
+        rpath = (*path, i)
+        name = row["name"]
+        if name in seen:
+            out.problem((*rpath, "name"), f"duplicate row name {name!r}")
+            ok = False
+        seen.add(name)
+        spec = compile_when(out, (*rpath, "when"), row["when"], vocabulary)
+        rec = bind_row(out, rpath, family, row, spec or Spec.never(), priority=i)
+        if spec is None or rec is None:
+            ok = False
+            continue
+        records.append(rec)
+    return records if ok else None
+
+
+# -- profiles ------------------------------------------------------------
+
+def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Profile | None:
+    """Check a parsed profile against the families it names; problems go to ``parsed``."""
+    model = parsed.profile
+    assert model is not None
+    overlays: dict[str, FamilyOverlay] = {}
+    before = len(parsed.problems)
+    for family, ov in model["families"].items():
+        path = ("families", family)
+        if family == ALL:
+            known = sorted({r.name for t in families.values() for r in t.rows})
+            table = None
+        elif family not in families:
+            parsed.problem(path, f"unknown family {family!r}"
+                                 f"{did_you_mean(family, families)}; known families: "
+                                 f"{', '.join(sorted(families)) or '(none)'}, or '*'", key=True)
+            continue
+        else:
+            table = families[family]
+            known = table.row_names()
+        overlays[family] = _build_overlay(parsed, path, family, ov, table, known)
+    if len(parsed.problems) > before:
+        return None
+    return Profile(model["profile"], MappingProxyType(overlays), model["description"],
+                   parsed.file, parsed.revision)
+
+
+def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
+                   ov: Mapping[str, Any], table: FamilyTable | None,
+                   known: list[str]) -> FamilyOverlay:
+    """One family's overlay data (a format dump) -> ``FamilyOverlay``, checked against
+    the family's rows (or every family's, for ``"*"``)."""
+    added: list[ImplRecord] = []
+    if ov["add"]:
+        if table is None:
+            parsed.problem((*path, "add"), "'add' needs a family, not '*'", key=True)
+        else:
+            added = build_overlay_rows(parsed, (*path, "add"), family,
+                                       list(enumerate(ov["add"])),
+                                       family_vocabulary(table.axes)) or []
+    names = [*known, *(a["name"] for a in ov["add"])]
+
+    def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
+        for i, name in enumerate(values):
+            if allow_fallback and name == FALLBACK:
+                continue
+            if name not in names:
+                where = f"family {family!r}" if table is not None else "any family"
+                parsed.problem((*path, key, i) if key != "force" else (*path, key),
+                               f"{key}: row {name!r} does not exist in {where}"
+                               f"{did_you_mean(name, names)}; rows: {', '.join(names)}")
+
+    if ov["force"] is not None:
+        check("force", [ov["force"]], allow_fallback=True)
+    check("order", ov["order"])
+    check("disable", ov["disable"])
+    check("enable", ov["enable"])
+    if ov["fallback"] is not None:
+        check("fallback", [ov["fallback"]])
+    when: dict[str, Spec] = {}
+    vocabulary = family_vocabulary(table.axes if table is not None else {})
+    for name, text in ov["when"].items():
+        if name not in names:
+            parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"
+                                                  f"{did_you_mean(name, names)}; rows: "
+                                                  f"{', '.join(names)}", key=True)
+            continue
+        spec = compile_when(parsed, (*path, "when", name), text, vocabulary)
+        if spec is not None:
+            when[name] = spec
+    return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
+                         tuple(ov["enable"]), MappingProxyType(when), ov["fallback"],
+                         tuple(added))
+
+
+def no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
+    out.problem(("fallback",), f"fallback {fallback!r} names no row"
+                               f"{did_you_mean(fallback, names)}; rows: {', '.join(names)}")
+
+
