@@ -252,7 +252,8 @@ def _add_axis_flag(parser: argparse.ArgumentParser, axis: Axis) -> None:
     if axis.kind == "bool":
         parser.add_argument(axis.flag, dest=axis.name, action="store_const",
                             const=not axis.default, default=axis.default,
-                            help=f"{axis.description}: {format_value(not axis.default)}")
+                            help=f"set {axis.name} to {format_value(not axis.default)} "
+                                 f"({axis.description})")
     elif axis.kind == "enum":
         parser.add_argument(axis.flag, dest=axis.name, default=None,
                             choices=[*(["none"] if axis.nullable else []), *axis.values],
