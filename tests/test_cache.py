@@ -706,3 +706,48 @@ class TestMultiprocessing:
         start = (0, 0)
         assert tuple(got["before"]) == start
         assert tuple(got["after"]) == (start[0] + 3, start[1] + 3)
+
+
+class TestCountsAndBounds:
+    """Failed lookups, ad hoc objects and odd callables (review of the restructuring)."""
+
+    def test_failed_lookups_do_not_lower_hits(self) -> None:
+        """A lookup that raises is a miss, never a negative hit."""
+        x, w = torch.randn(2, 4), torch.ones(4)
+        reset_stats()
+        for _ in range(3):
+            astrai.ops.rms_norm(x, w)
+        for _ in range(3):
+            with pytest.raises(ValueError, match="Unknown rms_norm implementation"):
+                astrai.ops.rms_norm(x, w, backend="nonesuch")
+        assert (stats().cache_hits, stats().cache_misses) == (2, 4)
+        reset_stats()
+        for _ in range(2):
+            with pytest.raises(ValueError):
+                resolve("rms_norm", astrai.ops.context("rms_norm", x, w), "nonesuch")
+        assert (stats().cache_hits, stats().cache_misses) == (0, 2)
+
+    def test_ad_hoc_objects_do_not_grow_without_bound(self) -> None:
+        """A fresh object as ``backend=`` on every call: both per-snapshot caches stay within
+        the decision bound."""
+        x, w = torch.randn(2, 4), torch.ones(4)
+        saved = state.max_decisions
+        set_max_decisions(20)
+        try:
+            for i in range(200):
+                astrai.ops.rms_norm(x, w, backend=lambda x, w, eps, i=i: x + i)
+            snap = current()
+            assert len(snap.decisions) <= 20 and len(snap.made) <= 20
+        finally:
+            set_max_decisions(saved)
+
+    def test_staticmethod_call_object(self) -> None:
+        """An object whose ``__call__`` is a staticmethod is called as written."""
+
+        class Doubler:
+            @staticmethod
+            def __call__(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+                return x * 2
+
+        x, w = torch.randn(2, 4), torch.ones(4)
+        torch.testing.assert_close(astrai.ops.rms_norm(x, w, backend=Doubler()), x * 2)

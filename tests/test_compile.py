@@ -205,3 +205,24 @@ class TestGuards:
         assert counter.frame_count == 2
         fn(x, w)
         assert counter.frame_count == 2
+
+
+def test_ops_call_compiles_fullgraph() -> None:
+    """``ops.call`` on a user family compiles with fullgraph=True (no graph break), picks the
+    table's row, and a scope recompiles to the scope's row."""
+    from astrai.dispatch import ImplRecord, Spec, register_family
+
+    register_family("toy_compiled", [
+        ImplRecord("toy_compiled", "a", lambda x: x + 1, Spec.always()),
+        ImplRecord("toy_compiled", "b", lambda x: x + 2, Spec.always()),
+    ], "b")
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return astrai.ops.call("toy_compiled", x)  # type: ignore[no-any-return]
+
+    zero = torch.zeros(1)
+    assert call(zero).item() == 1.0
+    with op_backend(toy_compiled="b"):
+        assert call(zero).item() == 2.0
+    assert call(zero).item() == 1.0

@@ -6,7 +6,7 @@ encoded names and values, so a lookup there by a pre-encoded name is one dict ge
 
 from __future__ import annotations
 
-__all__ = ["ENVIRON_DATA", "encoded", "raw_get"]
+__all__ = ["ENVIRON_DATA", "encoded", "environ_get", "raw_get"]
 
 import functools
 import os
@@ -30,3 +30,7 @@ def raw_get(key: Any) -> Any:
     if ENVIRON_DATA is not None:
         return ENVIRON_DATA.get(key)
     return os.environ.get(key)  # pragma: no cover - platforms without os.environ._data
+
+
+#: ``raw_get`` itself, or where possible the dict's own ``get`` (the hot path's).
+environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get

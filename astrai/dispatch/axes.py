@@ -230,7 +230,9 @@ class CallContext:
     def named_values(self) -> tuple[tuple[str, ...], tuple[Any, ...]]:
         """Every axis of the call, core then extra: ``(names, values)``."""
         keys = sorted(self.extra)
-        return ((*CORE_AXES, *keys), (*_read_core(self), *(self.extra[k] for k in keys)))
+        # getattr, not the attrgetter: this runs in code torch.compile traces (ops.call).
+        return ((*CORE_AXES, *keys),
+                (*(getattr(self, n) for n in CORE_AXES), *(self.extra[k] for k in keys)))
 
 
 #: The core axes, in declaration order: the one list everything else derives from.

@@ -106,8 +106,6 @@ class Registry:
         return got[1], got[2]
 
 
-
-
 def _expand(paths: Iterable[str | os.PathLike[str]]
             ) -> tuple[list[tuple[int, str]], list[TableProblem]]:
     """The table files under ``paths``, each with the index of the path it came from (its

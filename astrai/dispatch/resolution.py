@@ -20,20 +20,22 @@ __all__ = [
     "explanation",
     "resolve",
     "resolve_plan",
+    "same_context",
     "set_max_decisions",
 ]
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FunctionType, MethodType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import ENVIRON_DATA, raw_get
-from astrai.dispatch._log import warn_once
+from astrai.dispatch._environ import environ_get
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
 from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
     OPS_KEY,
@@ -50,10 +52,6 @@ from astrai.dispatch.sources import (
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 from astrai.errors import ExplicitSelectionError, NoImplementationError
-
-_scope_get = current_scope
-
-
 
 
 @dataclass(frozen=True)
@@ -114,18 +112,6 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
     return rec.spec.matches(ctx)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _adhoc(family: str, obj: Any) -> ImplRecord:
     name = getattr(obj, "name", None) or getattr(obj, "__name__", None) or type(obj).__name__
     probe = getattr(obj, "supports_call", None)
@@ -135,9 +121,6 @@ def _adhoc(family: str, obj: Any) -> ImplRecord:
     else:
         spec = Spec.always()
     return ImplRecord(family, str(name), obj, spec, source="ad hoc object")
-
-
-
 
 
 def _lookup(view: View, handle: Any) -> ImplRecord | None:
@@ -254,8 +237,6 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
 
 # -- resolve, with its decision cache -----------------------------------------
 
-_environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
-
 
 def set_max_decisions(n: int) -> None:
     """Bound the decision cache of each table snapshot to ``n`` entries (default 65 536)."""
@@ -277,7 +258,8 @@ class Decision:
     def __init__(self, resolution: Resolution) -> None:
         self.resolution = resolution
         self.obj = obj = resolution.record.obj
-        method = getattr(type(obj), "__call__", None)  # noqa: B004 - we want the function
+        # The function in the class, as written: a staticmethod is not bound to obj.
+        method = inspect.getattr_static(type(obj), "__call__", None)
         self.call = MethodType(method, obj) if isinstance(method, FunctionType) else obj
         self.counter = counter(resolution.record.family, resolution.record.name,
                                resolution.origin)
@@ -297,7 +279,7 @@ def decide(family: str, sig: Any, explicit: Any,
     A caller that does not then count a served call bumps ``stats.QUIET``.
     """
     state = process.snapshot or current()
-    scope = _scope_get()
+    scope = current_scope()
     if explicit is None or explicit.__class__ is str:
         ekey = explicit
     else:
@@ -306,8 +288,8 @@ def decide(family: str, sig: Any, explicit: Any,
             return _uncached(state, family, explicit, build(*args))
     if scope.uncacheable and family in scope.uncacheable:
         return _uncached(state, family, explicit, build(*args))
-    key = (family, sig, ekey, scope.cache_token, _environ_get(OPS_KEY),
-           _environ_get(state.alias_keys.get(family)))
+    key = (family, sig, ekey, scope.cache_token, environ_get(OPS_KEY),
+           environ_get(state.alias_keys.get(family)))
     got = state.decisions.get(key)
     if got is None:
         return miss(state, key, family, explicit, build(*args))
@@ -316,14 +298,24 @@ def decide(family: str, sig: Any, explicit: Any,
 
 def _uncached(state: Registry, family: str, explicit: Any, ctx: CallContext) -> Decision:
     next(UNCACHED)
-    return Decision(evaluate(family, ctx, explicit, state=state))
+    return Decision(_evaluate_counted(state, family, ctx, explicit))
+
+
+def _evaluate_counted(state: Registry, family: str, ctx: CallContext,
+                      explicit: Any) -> Resolution:
+    """``evaluate``; a lookup that raises serves no call, so it counts as ``QUIET``."""
+    try:
+        return evaluate(family, ctx, explicit, state=state)
+    except BaseException:
+        next(QUIET)
+        raise
 
 
 def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
          ctx: CallContext) -> Decision:
     """Evaluate ``ctx`` on ``state`` and remember the decision under ``key`` (bounded)."""
     next(MISSES)
-    got = _decision(state, evaluate(family, ctx, explicit, state=state))
+    got = _decision(state, _evaluate_counted(state, family, ctx, explicit))
     decisions = state.decisions
     if len(decisions) >= process.max_decisions:
         try:  # drop the oldest entry; another thread may be doing the same
@@ -338,9 +330,12 @@ def _decision(state: Registry, res: Resolution) -> Decision:
     """The ``Decision`` of a resolution: one object per (row, origin) and snapshot,
     shared by every cache entry that reaches it."""
     key = (id(res.record), res.origin)
-    got = state.made.get(key)
+    made = state.made
+    got = made.get(key)
     if got is None or got.resolution.record is not res.record:
-        got = state.made[key] = Decision(res)
+        if len(made) >= process.max_decisions:  # ad hoc objects make new records
+            made.clear()
+        got = made[key] = Decision(res)
     return got  # type: ignore[no-any-return]
 
 
@@ -352,7 +347,8 @@ def _resolved(state: Registry, rec: ImplRecord, origin: str) -> Resolution:
     return Resolution(rec, origin)
 
 
-def _same(ctx: CallContext) -> CallContext:
+def same_context(ctx: CallContext) -> CallContext:
+    """The ``build`` of ``decide`` for a call whose context is already made."""
     return ctx
 
 
@@ -361,8 +357,9 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     sig = ctx.signature()
     if sig[0] != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
-    next(QUIET)
-    return decide(family, sig, explicit, _same, (ctx,)).resolution
+    got = decide(family, sig, explicit, same_context, (ctx,)).resolution
+    next(QUIET)  # a lookup that serves no call (a failed one counted itself)
+    return got
 
 
 def resolve_plan(ctxs: Mapping[str, CallContext],

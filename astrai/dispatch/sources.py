@@ -57,9 +57,9 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import ENVIRON_DATA, encoded, raw_get
-from astrai.dispatch._log import warn_once
+from astrai.dispatch._environ import encoded, environ_get, raw_get
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import View
 from astrai.errors import ScopeError
@@ -191,7 +191,6 @@ def env_settings(
 
 
 OPS_KEY = encoded(OPS_ENV)
-_environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
 
 
 # -- scopes: op_backend and use_profile ------------------------------------------
@@ -395,7 +394,7 @@ def env_now(state: Registry) -> EnvSettings:
     the lookup of an already parsed value done here, on the pre-encoded names)."""
     keys = state.alias_keys
     got: EnvSettings | None = process.env_parsed.get(
-        (_environ_get(OPS_KEY), tuple([_environ_get(k) for k in keys.values()]), state.epoch))
+        (environ_get(OPS_KEY), tuple([environ_get(k) for k in keys.values()]), state.epoch))
     if got is None:
         got = env_settings(state.families, state.profiles, state.aliases, state.epoch)
     return got
@@ -417,9 +416,6 @@ def env_selection(family: str) -> str | None:
     """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
     got: str | None = env_now(current()).backends.get(family)
     return got
-
-
-
 
 
 def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:

@@ -88,7 +88,7 @@ from astrai.dispatch import (
     Resolution,
     current,
 )
-from astrai.dispatch._log import warn_once
+from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.resolution import (
     MATCH,
@@ -97,6 +97,7 @@ from astrai.dispatch.resolution import (
     evaluate,
     explanation,
     row_verdict,
+    same_context,
 )
 from astrai.dispatch.sources import active_view
 from astrai.dispatch.stats import QUIET
@@ -306,21 +307,17 @@ def _weights_handle(state: Registry, res: Resolution, ctx: CallContext) -> tuple
                     f"weights; {rec.name} serves them instead")
 
 
-def _same(ctx: CallContext) -> CallContext:
-    return ctx
-
-
 def _weights_decision(ctx: CallContext) -> Decision:
     """The cached decision for an ``output_attentions`` call: a row that returns weights."""
     sig = ctx.signature()
-    decision = decide(_FAMILY, sig, None, _same, (ctx,))
+    decision = decide(_FAMILY, sig, None, same_context, (ctx,))
     if _returns_weights(decision.obj):
         return decision
     next(QUIET)  # that lookup serves no call: the one below does
     handle, why = _weights_handle(current(), decision.resolution, ctx)
     if decision.resolution.origin not in ("chain", "fallback"):
         warn_once(why)  # a soft choice of the user's is set aside for this call: say so
-    return decide(_FAMILY, sig, handle, _same, (ctx,))
+    return decide(_FAMILY, sig, handle, same_context, (ctx,))
 
 
 def _attention_with_weights(

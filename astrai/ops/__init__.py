@@ -18,7 +18,7 @@ import torch
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.registry import current
-from astrai.dispatch.resolution import decide
+from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, route
@@ -120,10 +120,6 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         names, values = ctx.named_values()
         return process.impls[decision_name(family, names, values, backend,
                                            process.compile_key)](*args, **kwargs)
-    d = decide(family, ctx.signature(), backend, _same, (ctx,))
+    d = decide(family, ctx.signature(), backend, same_context, (ctx,))
     next(d.counter)
     return d.call(*args, **kwargs)
-
-
-def _same(ctx: CallContext) -> CallContext:
-    return ctx

@@ -52,4 +52,3 @@ def generic_context(family: str, builder: Callable[..., Any] | None, axes: Colle
             raise ValueError(f"{family}: the context builder gave unknown axis {name!r}; axes: "
                              f"{', '.join([*AXES, *axes])}")
     return CallContext(family, **core, extra=extra, raw=args, raw_kwargs=dict(kwargs))
-

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from astrai.backends.attention._dense import PAGED_MODES, check_dense
-from astrai.backends.attention._paged import check_paged
+from astrai.backends.attention.dense import PAGED_MODES, check_dense
+from astrai.backends.attention.paged import check_paged
 from astrai.backends.rotary import check_rotary_call
 
 _grad = torch.is_grad_enabled

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from astrai.backends.attention._dense import merge_heads
-from astrai.backends.attention._paged import packed_kv, store_kv
+from astrai.backends.attention.dense import merge_heads
+from astrai.backends.attention.paged import packed_kv, store_kv
 from astrai.dispatch.tables.model import Unavailable
 from astrai.kv_cache import PagedBatch
 

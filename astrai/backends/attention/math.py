@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from astrai.backends.attention._dense import causal_keep, merge_heads
-from astrai.backends.attention._paged import context_kv, store_kv
+from astrai.backends.attention.dense import causal_keep, merge_heads
+from astrai.backends.attention.paged import context_kv, store_kv
 from astrai.kv_cache import PagedBatch
 
 #: The method through which a row returns the attention probabilities with its output.
@@ -125,7 +125,7 @@ class MathAttention:
         softmax probabilities ``[batch, heads, q_len, k_len]`` (per query head under
         GQA; zero on a query row that may see no key), both in ``q``'s dtype.
         The arguments are the facade's, validated as the facade does
-        (``astrai.backends.attention._dense.check_dense``) by the caller; a paged call
+        (``astrai.backends.attention.dense.check_dense``) by the caller; a paged call
         (``kv_cache``) has no single weight matrix and is a ``ValueError``.
         """
         if kv_cache is not None:

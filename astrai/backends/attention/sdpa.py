@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.attention._dense import merge_heads, merge_masks
-from astrai.backends.attention._paged import padded_keep, padded_kv, store_kv, token_coords
+from astrai.backends.attention.dense import merge_heads, merge_masks
+from astrai.backends.attention.paged import padded_keep, padded_kv, store_kv, token_coords
 from astrai.kv_cache import PagedBatch
 
 #: ``enable_gqa`` arrived in torch 2.5.

@@ -287,4 +287,3 @@ def _expected_value(axis: Axis, ordering: bool, got: str) -> str:
 def _or_list(words: Sequence[str]) -> str:
     """``a, b or c``."""
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
-

@@ -55,8 +55,6 @@ class Entry:
     whens: Mapping[PathT, Plain]
 
 
-
-
 def _artifact_path() -> Path:
     return shipped_tables_dir() / ARTIFACT
 

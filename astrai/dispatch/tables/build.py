@@ -263,5 +263,3 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
 def no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:
     out.problem(("fallback",), f"fallback {fallback!r} names no row"
                                f"{did_you_mean(fallback, names)}; rows: {', '.join(names)}")
-
-

@@ -71,5 +71,3 @@ def spec_problem(out: ParsedFile, path: PathT, exc: SpecSyntaxError) -> None:
     """Record an expression's syntax error at its file position, caret and all."""
     line, col = column_of_expression(out, path)
     out.problems.append(TableProblem(out.file, line, col + exc.span[0], exc.render()))
-
-

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from astrai.backends.attention._dense import PAGED_MODES
+from astrai.backends.attention.dense import PAGED_MODES
 from astrai.kv_cache import PagedBatch
 
 
