@@ -127,3 +127,26 @@ class TestErrors:
         assert (err.family, err.known) == ("toys", ["rotary", "toy"])
         assert str(err) == ("Unknown family: 'toys' (did you mean 'toy'?); known families: "
                             "rotary, toy")
+
+
+def test_facade_contexts_read_the_right_axes() -> None:
+    """Each facade's axis values land on the right axes (the order of ``<FAMILY>_READS``
+    and of what ``describe_<family>`` returns agree)."""
+    import torch
+
+    from astrai import ops
+
+    q, kv = torch.randn(2, 3, 4, 8, dtype=torch.float64), torch.randn(2, 5, 2, 8,
+                                                                      dtype=torch.float64)
+    with torch.no_grad():
+        ctx = ops.context("attention", q, kv, kv, attn_mask=torch.ones(1, dtype=torch.bool))
+    assert (ctx.fwd, ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.head_dim, ctx.has_cache,
+            ctx.has_mask, ctx.grad_enabled) == (None, torch.float64, False, 4, 8, False,
+                                                True, False)
+    x = torch.randn(3, 5, 2, 6, dtype=torch.float16)
+    ctx = ops.context("rotary", x, torch.randn(5, 3, 2))
+    assert (ctx.dtype, ctx.ndim, ctx.head_dim, ctx.grad_enabled) == (torch.float16, 4, 6, True)
+    ctx = ops.context("rms_norm", x, torch.ones(6, dtype=torch.float16))
+    assert (ctx.dtype, ctx.ndim, ctx.head_dim) == (torch.float16, 4, None)
+    ctx = ops.context("linear", x, torch.ones(7, 6, dtype=torch.float16))
+    assert (ctx.dtype, ctx.ndim, ctx.has_cache) == (torch.float16, 4, False)

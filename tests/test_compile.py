@@ -226,3 +226,27 @@ def test_ops_call_compiles_fullgraph() -> None:
     with op_backend(toy_compiled="b"):
         assert call(zero).item() == 2.0
     assert call(zero).item() == 1.0
+
+
+def test_two_probed_objects_recompile() -> None:
+    """Two objects with their own ``supports_call``, one scope each: each is used (the
+    compile guard tells them apart)."""
+
+    class Const:
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def supports_call(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+        def __call__(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+            return torch.full_like(x, self.value)
+
+    fn, _ = _counted(_norm)
+    x, w = torch.randn(3, 8), torch.ones(8)
+    one, two = Const(1.0), Const(2.0)
+    for _ in range(2):
+        with op_backend(rms_norm=one):
+            assert fn(x, w).unique().item() == 2.0
+        with op_backend(rms_norm=two):
+            assert fn(x, w).unique().item() == 4.0

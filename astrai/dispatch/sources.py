@@ -214,7 +214,10 @@ class Scope:
         self.profiles = profiles
         self.keys = MappingProxyType({f: handle_key(h) for f, h in handles.items()})
         self.uncacheable = frozenset(f for f, k in self.keys.items() if k is UNCACHEABLE)
-        self.compile_key = (tuple(sorted(self.keys.items())), profiles)
+        # Under torch.compile every object is told apart, those probed per call included.
+        self.compile_key = (tuple(sorted(
+            (f, ("probed", id(handles[f])) if k is UNCACHEABLE else k)
+            for f, k in self.keys.items())), profiles)
         # The same description as a str: equal scopes give equal tokens, and a str caches
         # its hash, so the decision-cache key does not rehash nested tuples on every call.
         self.cache_token = repr(self.compile_key)
