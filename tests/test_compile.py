@@ -250,3 +250,80 @@ def test_two_probed_objects_recompile() -> None:
             assert fn(x, w).unique().item() == 2.0
         with op_backend(rms_norm=two):
             assert fn(x, w).unique().item() == 4.0
+
+
+class TestDynamicShapes:
+    """``fullgraph=True, dynamic=True``: a decision on a symbolic length is taken for its
+    interval between the tables' cut points, so lengths share a graph (issue 13's first
+    step; it used to fail on the first call)."""
+
+    def test_attention_twenty_lengths(self) -> None:
+        def block(q: torch.Tensor) -> torch.Tensor:
+            return astrai.ops.attention(q, q, q, is_causal=True)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+        for length in range(3, 23):
+            q = torch.randn(1, length, 2, 8)
+            torch.testing.assert_close(fn(q), block(q))
+        assert counter.frame_count == 1
+
+    def test_every_facade_compiles_dynamic(self) -> None:
+        freqs = rotary_freqs(16, 8)
+
+        def block(x: torch.Tensor, w: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+            seq = x.shape[1]
+            h = astrai.ops.rms_norm(x, w)
+            h = astrai.ops.apply_rotary(h.view(1, seq, 2, 8), freqs[:seq]).flatten(-2)
+            return astrai.ops.linear(h, lin)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+        w, lin = torch.ones(16), torch.randn(4, 16)
+        for seq in (3, 5, 7, 11):
+            x = torch.randn(1, seq, 16)
+            torch.testing.assert_close(fn(x, w, lin), block(x, w, lin))
+        assert counter.frame_count == 1
+
+    def test_cut_point_picks_the_row_of_each_interval(self, tmp_path: Path) -> None:
+        """A table that switches rows at head_dim 8: under dynamic shapes each side of the
+        cut gets its own row and graph, never the other side's."""
+        (tmp_path / "attn.yaml").write_text(
+            "version: 1\nfamily: attention\nfallback: math\nrows:\n"
+            "  - name: small\n    impl: tests.test_compile:_attention_sevens\n"
+            "    when: head_dim <= 8\n"
+            "  - name: math\n    impl: astrai.backends.attention.math:math_attention\n")
+        load_tables(tmp_path)
+
+        def block(q: torch.Tensor) -> torch.Tensor:
+            return astrai.ops.attention(q, q, q)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+        for d in (4, 6, 8):
+            assert torch.equal(fn(torch.randn(1, 3, 2, d)), torch.full((1, 3, 2 * d), 7.0))
+        assert counter.frame_count == 1  # one graph for the whole interval
+        for d in (12, 16, 32):
+            q = torch.randn(1, 3, 2, d)
+            torch.testing.assert_close(fn(q), block(q))
+        # The other side of the cut: the math row's graph (whose own code may specialise).
+        assert 2 <= counter.frame_count <= 3
+
+
+def _attention_sevens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any = None,
+                      layer_id: int = 0, attn_mask: Any = None, is_causal: bool = False,
+                      fwd: str | None = None) -> torch.Tensor:
+    return torch.full((*q.shape[:-2], q.shape[-2] * q.shape[-1]), 7.0)
+
+
+def test_cut_points() -> None:
+    """Each constant an int axis is compared with gives it two points; a Python spec gives
+    none at all."""
+    from astrai.dispatch import Spec, parse_spec
+    from astrai.dispatch.expr.spec import cut_points
+
+    specs = [parse_spec("head_dim <= 256 and ndim == 4"), parse_spec("head_dim in {64, 128}"),
+             parse_spec("dtype == float16 and has_cache")]
+    assert cut_points(specs) == {"head_dim": (64, 65, 128, 129, 257), "ndim": (4, 5)}
+    assert cut_points([parse_spec("head_dim < 8 or head_dim > 32")]) == {"head_dim": (8, 33)}
+    assert cut_points([*specs, Spec.of(lambda ctx: True, "python")]) is None

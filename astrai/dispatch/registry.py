@@ -295,6 +295,7 @@ def _swap(new: Registry) -> None:
     process.note_epoch(new.epoch)
 
 
+
 def current() -> Registry:
     """The snapshot in force, loading the shipped tables (plus ``ASTR_TABLES``) on first use."""
     got = process.snapshot

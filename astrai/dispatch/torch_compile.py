@@ -16,7 +16,7 @@ so give a compiled model one scope per process.
 
 from __future__ import annotations
 
-__all__ = ["compiling", "decision_name"]
+__all__ = ["compiling", "cut_points_for", "decision_name"]
 
 import sys
 from typing import Any
@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from astrai.dispatch import state as process
-from astrai.dispatch.axes import CallContext
+from astrai.dispatch.axes import AXES, CallContext
+from astrai.dispatch.expr.spec import cut_points
+from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import evaluate
 
 #: Dynamo folds this to True while tracing (it cannot trace the ContextVar read of the
@@ -43,6 +45,22 @@ def _assume_constant_result(fn: Any) -> Any:
 
 
 @_assume_constant_result
+def cut_points_for(family: str, key: tuple[Any, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """At trace time: the cut points of ``family``'s int axes over its table and every
+    loaded profile, as ``((axis, points), ...)``; ``(("*", ()),)`` when a row's spec calls
+    Python (no value can then stand for another). ``key`` as for ``decision_name``."""
+    table = current().family(family)
+    specs = [r.spec for r in table.rows]
+    if table.outside_fallback is not None:
+        specs.append(table.outside_fallback.spec)
+    for prof in current().profiles.values():
+        for ov in prof.for_family(family):
+            specs += [*ov.when.values(), *(a.spec for a in ov.add)]
+    cuts = cut_points(specs)
+    return (("*", ()),) if cuts is None else tuple(sorted(cuts.items()))
+
+
+@_assume_constant_result
 def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], backend: Any,
                   key: tuple[Any, ...]) -> str:
     """Decide at trace time for the call with these axis values; returns the
@@ -58,3 +76,34 @@ def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], 
             f"{family}: {record.name!r} cannot be used under torch.compile: its object was "
             "not published before tracing (pass a row name, not an object, as backend=)")
     return name
+
+
+def representatives(family: str, names: tuple[str, ...],
+                    values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """In traced code: each int axis value replaced by a representative of its interval
+    between the family's cut points, so a decision on a dynamic (symbolic) length is a
+    constant, guarded only on the comparisons the tables make, and one graph serves every
+    length of an interval. An int axis no table compares becomes 0."""
+    cuts = dict(cut_points_for(family, process.compile_key))
+    if "*" in cuts:
+        return values
+    out = []
+    for name, value in zip(names, values, strict=True):
+        axis = AXES.get(name)
+        if value is None or isinstance(value, bool) or (
+                axis is not None and axis.kind != "int") or not isinstance(value, (int, _SymInt)):
+            out.append(value)
+            continue
+        points = cuts.get(name, ())
+        chosen = points[0] - 1 if points else 0
+        for point in points:  # each comparison is a guard on a symbolic value
+            if value >= point:
+                chosen = point
+            else:
+                break
+        out.append(chosen)
+    return tuple(out)
+
+
+_SymInt = torch.SymInt
+

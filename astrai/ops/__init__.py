@@ -19,7 +19,7 @@ from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
-from astrai.dispatch.torch_compile import compiling, decision_name
+from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, route
 from astrai.ops._families import (
@@ -118,6 +118,7 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     ctx = generic_context(family, table.context, tuple(table.axes), args, kwargs)
     if compiling():
         names, values = ctx.named_values()
+        values = representatives(family, names, values)
         return process.impls[decision_name(family, names, values, backend,
                                            process.compile_key)](*args, **kwargs)
     d = decide(family, ctx.signature(), backend, same_context, (ctx,))

@@ -20,7 +20,7 @@ from typing import Any
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.resolution import decide
-from astrai.dispatch.torch_compile import compiling, decision_name
+from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
 
@@ -76,6 +76,7 @@ def route(fc: FamilyCall) -> Route:
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
         if compiling():  # before anything dynamo cannot trace (ContextVar.get)
+            values = representatives(family, reads, values)
             return process.impls[decision_name(family, reads, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         d = decide(family, values, backend, context, args)

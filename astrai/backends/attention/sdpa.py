@@ -62,9 +62,12 @@ def sdpa_attention(
         # Hot path (dense, no mask): only the causal rule's square case is tested here.
         qs, ks, vs = q.shape, k.shape, v.shape
         if not is_causal or qs[1] == ks[1]:
-            if is_causal or qs[2] != ks[2]:
+            if qs[2] != ks[2]:  # a branch, not a flag: shapes may be symbolic when compiled
                 out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            is_causal=is_causal, enable_gqa=qs[2] != ks[2])
+                            is_causal=is_causal, enable_gqa=True)
+            elif is_causal:
+                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            is_causal=True)
             else:
                 out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory

@@ -16,7 +16,7 @@ combinators directly from text. This module owns:
 
 from __future__ import annotations
 
-__all__ = ["AxisTest", "Spec", "parse_spec"]
+__all__ = ["AxisTest", "Spec", "cut_points", "parse_spec"]
 
 import functools
 import operator
@@ -67,6 +67,7 @@ class AxisTest:
     axis: Axis
     values: tuple[Any, ...]
     ordering: bool = False
+    op: str = ""  # a comparison's operator; "" for membership and flags
 
 
 class Spec:
@@ -425,7 +426,8 @@ class _Compare(_Atom):
 
     @property
     def test(self) -> AxisTest:
-        return AxisTest(self.axis, (self.value,), ordering=self.op not in ("==", "!="))
+        return AxisTest(self.axis, (self.value,), ordering=self.op not in ("==", "!="),
+                        op=self.op)
 
     @property
     def description(self) -> str:
@@ -672,3 +674,30 @@ def _decode(plain: Plain, vocabulary: Vocabulary) -> Spec:
         junction = _And if tag == "and" else _Or
         return junction.join(_decode(p, vocabulary) for p in plain[1])
     raise TypeError(tag)
+
+
+#: Where a comparison ``x <op> c`` changes its answer, as offsets from ``c``.
+_POINTS: dict[str, tuple[int, ...]] = {"<": (0,), ">=": (0,), "<=": (1,), ">": (1,)}
+
+
+def cut_points(specs: Iterable[Spec]) -> dict[str, tuple[int, ...]] | None:
+    """Per int axis, the points where some of ``specs`` may change its answer (``x < c``
+    and ``x >= c`` change at ``c``, ``x <= c`` and ``x > c`` at ``c + 1``, ``x == c``
+    and membership at both), so two values between the same neighbouring points satisfy
+    every one of the specs alike. An axis no spec compares has no points. ``None`` when a
+    spec calls Python (``Spec.of``): then no value can stand for another."""
+    points: dict[str, set[int]] = {}
+    todo = list(specs)
+    while todo:
+        spec = todo.pop()
+        if spec.kind == "opaque":
+            return None
+        todo.extend(spec.parts)
+        test = spec.test
+        if test is not None and test.axis.kind == "int":
+            at = points.setdefault(test.axis.name, set())
+            for value in test.values:
+                if isinstance(value, int):
+                    at.update(value + shift for shift in _POINTS.get(test.op, (0, 1)))
+    return {name: tuple(sorted(at)) for name, at in points.items()}
+
