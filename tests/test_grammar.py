@@ -779,3 +779,52 @@ class TestSpecValues:
     def test_set_order_does_not_matter(self) -> None:
         """Sets are sets: order and repeats do not change equality."""
         assert parse_spec("ndim in {3, 2, 3}") == parse_spec("ndim in {2, 3}")
+
+
+class TestAxisComparisons:
+    """Two axes of one type compared with each other: ``head_dim == ndim``."""
+
+    @pytest.mark.parametrize(("text", "ndim", "head_dim", "want"), [
+        ("head_dim == ndim", 4, 4, True), ("head_dim == ndim", 4, 8, False),
+        ("head_dim != ndim", 4, 8, True), ("head_dim > ndim", 4, 8, True),
+        ("head_dim <= ndim", 4, 8, False), ("head_dim < ndim", None, 8, False),
+        ("head_dim == ndim", None, None, True),
+    ])
+    def test_matches(self, text: str, ndim: int | None, head_dim: int | None,
+                     want: bool) -> None:
+        spec = parse_spec(text)
+        assert spec.matches(CallContext("x", ndim=ndim, head_dim=head_dim)) is want
+
+    def test_round_trips(self) -> None:
+        spec = parse_spec("head_dim >= ndim and (fwd != fwd or dtype == dtype)")
+        assert spec.description == "head_dim >= ndim and (fwd != fwd or dtype == dtype)"
+        assert parse_spec(spec.description) == spec
+        assert Spec.decode(spec.encode()) == spec
+        assert spec.encode()[1][0] == ["cmpaxes", "head_dim", ">=", "ndim"]
+
+    def test_explain_reason_names_both_values(self) -> None:
+        spec = parse_spec("head_dim == ndim")
+        assert spec.failure(CallContext("x", ndim=4, head_dim=8)) == (
+            "head_dim == ndim (call has 8 and 4)")
+
+    def test_values_still_win_over_axis_names(self) -> None:
+        """A name that is one of the axis's own values stays a value."""
+        assert parse_spec("fwd == prefill").encode() == ["cmp", "fwd", "==", "prefill"]
+        assert parse_spec("dtype == float16").encode()[0] == "cmp"
+
+    @pytest.mark.parametrize(("text", "caret"), [
+        ("head_dim == dtype", " " * 12 + "^~~~~"),
+        ("fwd == has_cache", " " * 7 + "^~~~~~~~~"),
+    ])
+    def test_error_axes_of_another_type(self, text: str, caret: str) -> None:
+        left, right = text.split(" == ")
+        kinds = {"head_dim": "int", "fwd": "enum", "dtype": "dtype", "has_cache": "bool"}
+        assert rendered(text) == error(
+            f"{left!r} ({kinds[left]}) cannot be compared with {right!r} ({kinds[right]}): "
+            f"axes compared with each other must be of one type", text, caret)
+
+    def test_no_cut_points_for_int_axes_compared_with_each_other(self) -> None:
+        from astrai.dispatch.expr.spec import cut_points
+
+        assert cut_points([parse_spec("head_dim == ndim")]) is None
+        assert cut_points([parse_spec("fwd == fwd and ndim < 3")]) == {"ndim": (3,)}

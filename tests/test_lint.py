@@ -260,3 +260,25 @@ class TestLintAll:
         """An unknown profile is a ``ValueError``."""
         with pytest.raises(ValueError, match="nope"):
             lint_all(("nope",))
+
+
+class TestAxisComparisons:
+    """``head_dim == ndim``-style comparisons of two axes (issue 13's grammar step)."""
+
+    def test_equal_then_unequal_are_both_reachable(self) -> None:
+        """Rows split on whether two axes are equal: neither is shadowed or unsatisfiable,
+        even with a constant in play."""
+        report = lint_view(make_view(("eq", "head_dim == ndim and head_dim >= 64"),
+                                     ("ne", "head_dim != ndim"), ("ref", "always")))
+        assert report.ok, report.problems
+
+    def test_contradiction_is_unsatisfiable(self) -> None:
+        report = lint_view(make_view(("x", "head_dim < ndim and ndim < head_dim"),
+                                     ("ref", "always")))
+        assert kinds(report) == {"x": "unsatisfiable"}
+
+    def test_equal_after_less_or_equal_is_shadowed(self) -> None:
+        """(Two unknown values are equal, so ``<=`` needs the ``none`` case to cover ``==``.)"""
+        report = lint_view(make_view(("le", "head_dim <= ndim or head_dim == none"),
+                                     ("eq", "head_dim == ndim"), ("ref", "always")))
+        assert kinds(report) == {"eq": "shadowed"}

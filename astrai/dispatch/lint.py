@@ -100,6 +100,7 @@ class _Mention:
     axis: Axis
     values: set[Any] = field(default_factory=set)
     ordered: bool = False
+    partners: set[str] = field(default_factory=set)  # axes this one is compared with
 
 
 def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
@@ -109,10 +110,34 @@ def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
         got = mentions.setdefault(test.axis.name, _Mention(test.axis))
         got.values.update(test.values)
         got.ordered |= test.ordering
+        if test.other is not None:  # axis <op> other: both need each other's values
+            other = mentions.setdefault(test.other.name, _Mention(test.other))
+            other.ordered |= test.ordering
+            got.partners.add(test.other.name)
+            other.partners.add(test.axis.name)
     elif spec.kind == "opaque":
         opaque.append(spec.description)
     for part in spec.parts:
         _walk(part, mentions, opaque)
+
+
+def _share_values(mentions: dict[str, _Mention]) -> None:
+    """Axes compared with each other take each other's values (transitively), so the
+    domain holds calls where they are equal and where they differ, on either side of
+    every constant either is compared with."""
+    changed = True
+    while changed:
+        changed = False
+        for mention in mentions.values():
+            for name in mention.partners:
+                partner = mentions[name]
+                if not mention.values <= partner.values:
+                    partner.values |= mention.values
+                    changed = True
+    for mention in mentions.values():
+        if mention.partners and mention.axis.kind == "int":
+            low = min((v for v in mention.values if isinstance(v, int)), default=1)
+            mention.values |= {low - 1, low - 2}  # two values below all: equal and not
 
 
 def _int_domain(values: set[Any]) -> Domain:
@@ -245,6 +270,7 @@ def lint_view(view: View) -> LintReport:
             notes.append(f"row {rec.name!r} is not analysable: its condition calls Python "
                          f"({'; '.join(opaque)}); treated as 'may match anything'")
     order = [*AXES, *view.table.axes]
+    _share_values(mentions)
     axes = sorted(mentions, key=lambda a: order.index(a) if a in order else len(order))
     domains = [_domain(mentions[a]) for a in axes]
     combos, total, sampled = _combinations([len(d) for d in domains])

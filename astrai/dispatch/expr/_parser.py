@@ -64,6 +64,9 @@ class Builder(Protocol[T]):
     def member(self, axis: Axis, values: tuple[Value, ...], negated: bool) -> T:
         """``axis [not] in {values}``."""
 
+    def compare_axes(self, axis: Axis, op: str, other: Axis) -> T:
+        """``axis <op> other``: two axes of one type."""
+
     def named(self, name: str, inner: T) -> T:
         """A predicate ``name`` standing for ``inner``."""
 
@@ -177,7 +180,7 @@ class Parser(Generic[T]):
 
     def _parse_comparison(self, name: Token, axis: Axis) -> T:
         """
-        comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") value
+        comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") (value | AXIS)
                     | AXIS ["not"] "in" set
         """
         tokens = self._tokens
@@ -190,11 +193,35 @@ class Parser(Generic[T]):
                     f"expected ==, !=, in or not in, got {op.text!r}",
                     op.span,
                 )
+            other = self._other_axis(axis)
+            if other is not None:
+                return self._build.compare_axes(axis, op.text, other)
             value, _ = self._parse_value(axis, ordering=ordering)
             return self._build.compare(axis, op.text, value)
         negated = tokens.consume("NOT") is not None
         tokens.expect("IN", expected="'in' after 'not'")
         return self._build.member(axis, self._parse_set(axis), negated)
+
+    def _other_axis(self, axis: Axis) -> Axis | None:
+        """The axis named next, when the comparison is with another axis (a name that is
+        an axis and not one of ``axis``'s own values); a type error unless both axes are
+        of one type."""
+        tokens = self._tokens
+        if not tokens.check("NAME"):
+            return None
+        assert tokens.next_token is not None
+        text = tokens.next_token.text
+        other = self._vocabulary.axes.get(text)
+        if other is None or (axis.kind == "enum" and text in axis.values) or (
+                axis.kind == "dtype" and text in DTYPES):
+            return None
+        token = tokens.read()
+        if other.kind != axis.kind or (axis.kind == "enum" and other.values != axis.values):
+            tokens.raise_syntax_error(
+                f"{axis.name!r} ({axis.kind}) cannot be compared with {other.name!r} "
+                f"({other.kind}): axes compared with each other must be of one type",
+                token.span)
+        return other
 
     def _parse_set(self, axis: Axis) -> tuple[Value, ...]:
         """set := "{" value ("," value)* "}" """

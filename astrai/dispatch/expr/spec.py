@@ -68,6 +68,7 @@ class AxisTest:
     values: tuple[Any, ...]
     ordering: bool = False
     op: str = ""  # a comparison's operator; "" for membership and flags
+    other: Axis | None = None  # the axis compared with, for ``axis <op> other``
 
 
 class Spec:
@@ -118,7 +119,8 @@ class Spec:
         """This spec as plain JSON-ready data; ``Spec.decode`` reads it back.
 
         Forms: ``["const", bool]``, ``["axis", name]``, ``["pred", name, plain]``,
-        ``["cmp", axis, op, value]``, ``["in", axis, [value, ...], negated]``,
+        ``["cmp", axis, op, value]``, ``["cmpaxes", axis, op, other_axis]``,
+        ``["in", axis, [value, ...], negated]``,
         ``["not", plain]``, ``["and", [plain, ...]]``, ``["or", [plain, ...]]``; a value
         is ``null``, a bool, an int, a str, or ``{"dtype": name}``.
         """
@@ -440,6 +442,51 @@ class _Compare(_Atom):
         return (self.axis.name, self.op, self.value)
 
 
+class _CompareAxes(_Atom):
+    """``axis <op> other``: two axes of one type (``heads == kv_heads``). An ordering test
+    with a ``None`` side is false."""
+
+    __slots__ = ("_fn", "_get_other", "op", "other")
+    op: str
+    other: Axis
+    _fn: Callable[[Any, Any], bool]
+    _get_other: Callable[[Any], Any]
+
+    def __init__(self, axis: Axis, op: str, other: Axis) -> None:
+        if op not in _OPS:
+            raise ValueError(f"unknown comparison operator {op!r}; expected one of {list(_OPS)}")
+        super().__init__(axis)
+        self._set(op=op, other=other, _fn=_OPS[op], _get_other=other.getter)
+
+    def matches(self, ctx: CallContext) -> bool:
+        left, right = self._get(ctx), self._get_other(ctx)
+        if self.op not in ("==", "!=") and (left is None or right is None):
+            return False
+        return self._fn(left, right)
+
+    def _reason(self, ctx: CallContext) -> str:
+        return (f"{self.description} (call has {format_value(self._get(ctx))} and "
+                f"{format_value(self._get_other(ctx))})")
+
+    def axes(self) -> frozenset[str]:
+        return frozenset({self.axis.name, self.other.name})
+
+    @property
+    def test(self) -> AxisTest:
+        return AxisTest(self.axis, (), ordering=self.op not in ("==", "!="), op=self.op,
+                        other=self.other)
+
+    @property
+    def description(self) -> str:
+        return f"{self.axis.name} {self.op} {self.other.name}"
+
+    def encode(self) -> Plain:
+        return ["cmpaxes", self.axis.name, self.op, self.other.name]
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.axis.name, self.op, "axis", self.other.name)
+
+
 class _Member(_Atom):
     """``axis in {v, ...}`` or ``axis not in {v, ...}``."""
 
@@ -639,6 +686,9 @@ class _Build:
     def member(self, axis: Axis, values: tuple[Any, ...], negated: bool) -> Spec:
         return _Member(axis, values, negated)
 
+    def compare_axes(self, axis: Axis, op: str, other: Axis) -> Spec:
+        return _CompareAxes(axis, op, other)
+
     def named(self, name: str, inner: Spec) -> Spec:
         return _Named(name, inner)
 
@@ -665,6 +715,8 @@ def _decode(plain: Plain, vocabulary: Vocabulary) -> Spec:
         return _Named(plain[1], _decode(plain[2], vocabulary))
     if tag == "cmp":
         return _Compare(vocabulary.axes[plain[1]], plain[2], _decode_value(plain[3]))
+    if tag == "cmpaxes":
+        return _CompareAxes(vocabulary.axes[plain[1]], plain[2], vocabulary.axes[plain[3]])
     if tag == "in":
         values = (_decode_value(v) for v in plain[2])
         return _Member(vocabulary.axes[plain[1]], values, bool(plain[3]))
@@ -694,6 +746,8 @@ def cut_points(specs: Iterable[Spec]) -> dict[str, tuple[int, ...]] | None:
             return None
         todo.extend(spec.parts)
         test = spec.test
+        if test is not None and test.other is not None and test.axis.kind == "int":
+            return None  # an int axis compared with another: no constant cuts it
         if test is not None and test.axis.kind == "int":
             at = points.setdefault(test.axis.name, set())
             for value in test.values:
