@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from astrai.dispatch import CallContext
+from astrai.dispatch.axes import LAZY_AXES
 from astrai.dispatch.registry import shipped_tables_dir
 from astrai.dispatch.resolution import explanation
 from tests.test_cli import astrai_stderr
@@ -363,6 +364,8 @@ class TestJsonTypes:
         assert json.loads(proc.stdout)["context"] == {
             "fwd": "decode", "dtype": "bfloat16", "device_cuda": False, "ndim": 3,
             "head_dim": 64, "has_cache": True, "has_mask": False, "grad_enabled": False,
+            # the lazy (shape and hardware) axes the command line did not set
+            **dict.fromkeys(LAZY_AXES),
         }
 
     def test_unset_axes_are_null(self, runs: dict[str, Any]) -> None:
@@ -376,16 +379,19 @@ class TestJsonTypes:
 
     def test_explanation_object(self) -> None:
         """``Explanation.as_dict`` keeps types; ``render`` still writes the grammar's text."""
-        call = CallContext("attention", dtype=torch.float32, ndim=4, head_dim=64)
+        call = CallContext("attention", dtype=torch.float32, ndim=4, head_dim=64, q_len=7,
+                           device="cpu")
         got = explanation("attention", call)
         context = got.as_dict()["context"]
         assert context == {"fwd": None, "dtype": "float32", "device_cuda": False, "ndim": 4,
                            "head_dim": 64, "has_cache": False, "has_mask": False,
-                           "grad_enabled": True}
+                           "grad_enabled": True, **dict.fromkeys(LAZY_AXES),
+                           "device": "cpu", "q_len": 7}
         assert json.loads(json.dumps(got.as_dict()))["context"] == context
+        # the text leaves out the lazy axes the call does not fill
         assert got.render().splitlines()[0] == (
             "[attention] fwd=none dtype=float32 device_cuda=false ndim=4 head_dim=64 "
-            "has_cache=false has_mask=false grad_enabled=true")
+            "has_cache=false has_mask=false grad_enabled=true device=cpu q_len=7")
 
 
 class TestImpossibleValues:

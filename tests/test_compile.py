@@ -327,3 +327,64 @@ def test_cut_points() -> None:
     assert cut_points(specs) == {"head_dim": (64, 65, 128, 129, 257), "ndim": (4, 5)}
     assert cut_points([parse_spec("head_dim < 8 or head_dim > 32")]) == {"head_dim": (8, 33)}
     assert cut_points([*specs, Spec.of(lambda ctx: True, "python")]) is None
+
+
+class TestShapeAxesCompiled:
+    """A table comparing ``q_len`` (a lazy axis): under ``dynamic=True`` and
+    ``mark_dynamic`` a graph serves a whole interval, and no table comparing it costs
+    nothing at all (issue 13 §2)."""
+
+    def _table(self, tmp_path: Path, when: str) -> None:
+        (tmp_path / "attn.yaml").write_text(
+            "version: 1\nfamily: attention\nfallback: math\nrows:\n"
+            "  - name: short\n    impl: tests.test_compile:_attention_sevens\n"
+            f"    when: {when}\n"
+            "  - name: math\n    impl: astrai.backends.attention.math:math_attention\n")
+        load_tables(tmp_path)
+
+    def test_twenty_lengths_one_graph_per_interval(self, tmp_path: Path) -> None:
+        self._table(tmp_path, "q_len < 12")
+
+        def block(q: torch.Tensor) -> torch.Tensor:
+            return astrai.ops.attention(q, q, q)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+        for length in range(3, 12):  # from 3: a length equal to the head count is duck-sized
+            assert torch.equal(fn(torch.randn(1, length, 2, 4)), torch.full((1, length, 8), 7.0))
+        assert counter.frame_count == 1
+        for length in range(12, 23):
+            q = torch.randn(1, length, 2, 4)
+            torch.testing.assert_close(fn(q), block(q))
+        assert counter.frame_count == 2
+
+    def test_mark_dynamic(self, tmp_path: Path) -> None:
+        self._table(tmp_path, "q_len < 12")
+
+        def block(q: torch.Tensor) -> torch.Tensor:
+            return astrai.ops.attention(q, q, q)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True)
+        for length in range(3, 12):
+            q = torch.randn(1, length, 2, 4)
+            torch._dynamo.mark_dynamic(q, 1)
+            assert torch.equal(fn(q), torch.full((1, length, 8), 7.0))
+        assert counter.frame_count == 1
+
+    def test_axes_compared_with_each_other(self, tmp_path: Path) -> None:
+        """``heads == kv_heads``: guarded on how the two order, so MHA and GQA calls get
+        one graph each, whatever the lengths."""
+        self._table(tmp_path, "heads == kv_heads")
+
+        def block(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return astrai.ops.attention(q, k, k)
+
+        counter = torch._dynamo.testing.CompileCounter()
+        fn = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+        for length in (3, 5, 9):
+            q = torch.randn(1, length, 4, 4)
+            assert torch.equal(fn(q, q), torch.full((1, length, 16), 7.0))
+            k = torch.randn(1, length, 2, 4)
+            torch.testing.assert_close(fn(q, k), block(q, k))
+        assert counter.frame_count == 2

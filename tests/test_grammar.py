@@ -23,10 +23,14 @@ WINDOWED = CORE_VOCABULARY.with_extras({"window": WINDOW})
 COMMON = ("float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2, int8, int16, "
           "int32, int64, uint8, bool, complex64, complex128")
 ALL_DTYPES = f"{COMMON}, none"
-CORE_AXES = "device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, ndim"
+CORE_AXES = (
+    "batch, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, "
+    "heads, in_features, kv_heads, kv_len, ndim, out_features, q_len, sm, tokens"
+)
 CORE_NAMES = (
-    "cuda_device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, "
-    "inference, mask_free, ndim, no_grad, training"
+    "batch, cuda_device, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, "
+    "head_dim, heads, in_features, inference, kv_heads, kv_len, mask_free, ndim, no_grad, "
+    "out_features, q_len, sm, tokens, training"
 )
 
 BIG = (

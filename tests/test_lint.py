@@ -282,3 +282,35 @@ class TestAxisComparisons:
         report = lint_view(make_view(("le", "head_dim <= ndim or head_dim == none"),
                                      ("eq", "head_dim == ndim"), ("ref", "always")))
         assert kinds(report) == {"eq": "shadowed"}
+
+
+class TestShapeAxes:
+    """Lint over the shape and hardware axes (issue 13): each interval between the
+    constants a length is compared with is analysed, so a row that loses every interval
+    is flagged and one that wins a single interval is not."""
+
+    def test_shadowed_for_every_interval(self) -> None:
+        report = lint_view(make_view(("short", "q_len < 128"), ("long", "q_len >= 128"),
+                                     ("huge", "q_len > 4096 and device == cuda"),
+                                     ("ref", "always")))
+        assert kinds(report) == {"huge": "shadowed"}
+        assert report.problems[0].by == ("long",)
+
+    def test_one_interval_left_is_not_shadowed(self) -> None:
+        report = lint_view(make_view(("short", "q_len < 128"), ("long", "q_len > 128"),
+                                     ("edge", "q_len in {128, 129}"), ("ref", "always")))
+        assert kinds(report) == {}
+        assert winner(report, q_len="128") == "edge"
+
+    def test_pair_of_axes(self) -> None:
+        """``heads == kv_heads`` and ``heads != kv_heads`` cover every call between them."""
+        report = lint_view(make_view(("mha", "heads == kv_heads"), ("gqa", "heads != kv_heads"),
+                                     ("any", "sm >= 80"), ("ref", "always")))
+        assert kinds(report) == {"any": "shadowed"}
+
+    def test_device_and_sm(self) -> None:
+        report = lint_view(make_view(("hopper", "device == cuda and sm >= 90"),
+                                     ("cuda", "device == cuda"),
+                                     ("cuda90", "device == cuda and sm >= 90 and q_len >= 1"),
+                                     ("ref", "always")))
+        assert kinds(report) == {"cuda90": "shadowed"}

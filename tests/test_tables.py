@@ -336,7 +336,9 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:7:11: unknown axis 'ndimm' (did you mean 'ndim'?); expected one of: "
-            f"device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, ndim\n"
+            f"batch, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, "
+            f"head_dim, heads, in_features, kv_heads, kv_len, ndim, out_features, q_len, sm, "
+            f"tokens\n"
             f"    ndimm == 3\n"
             f"    ^~~~~"
         ]

@@ -16,9 +16,11 @@ from __future__ import annotations
 __all__ = [
     "AXES",
     "CORE_AXES",
+    "DEVICE_TYPES",
     "DTYPES",
     "EMPTY",
     "FWD_MODES",
+    "LAZY_AXES",
     "PREDICATES",
     "Axis",
     "AxisKind",
@@ -65,8 +67,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def format_context(ctx: Any) -> str:
-    """A call's axes as ``explain`` writes them: ``fwd=none dtype=int64 ndim=4 ...``."""
-    parts = [f"{name}={format_value(axis.getter(ctx))}" for name, axis in AXES.items()]
+    """A call's axes as ``explain`` writes them: ``fwd=none dtype=int64 ndim=4 ...`` (a
+    lazy axis the call does not fill is left out)."""
+    parts = [f"{name}={format_value(value)}" for name, axis in AXES.items()
+             if (value := axis.getter(ctx)) is not None or not axis.lazy]
     parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
     return " ".join(parts)
 
@@ -91,6 +95,9 @@ class Axis:
     ``nullable`` axes may hold ``None`` (written ``none``). A core axis also has its
     ``default`` and the command-line ``flag`` that sets it (a bool flag sets the value
     opposite to the default; an int flag takes a value of at least ``minimum``).
+    A ``lazy`` axis (a shape or hardware axis) is read off a call only when some loaded
+    table compares it, and an ordered one enters the decision-cache key as the interval
+    between the tables' cut points its value falls in (``astrai.dispatch.keying``).
     """
 
     name: str
@@ -103,6 +110,7 @@ class Axis:
     default: Any = None
     flag: str = ""
     minimum: int = 0
+    lazy: bool = False
 
     def __post_init__(self) -> None:
         if self.getter is None:
@@ -163,11 +171,30 @@ class Axis:
 
 
 def _axis(kind: AxisKind, default: Any, description: str, *, values: tuple[str, ...] = (),
-          nullable: bool = False, flag: str = "", minimum: int = 0) -> Any:
+          nullable: bool = False, flag: str = "", minimum: int = 0, lazy: bool = False) -> Any:
     """A ``CallContext`` field that is a core axis (its ``Axis`` rides in the metadata)."""
     spec = {"kind": kind, "default": default, "description": description, "values": values,
-            "nullable": nullable, "flag": flag, "minimum": minimum}
+            "nullable": nullable, "flag": flag, "minimum": minimum, "lazy": lazy}
     return field(default=default, metadata={"axis": spec})
+
+
+def _size(description: str, flag: str, minimum: int = 0) -> Any:
+    """A lazy int axis: a size read off the call's shapes (``none`` when not described)."""
+    return _axis("int", None, description, nullable=True, flag=flag, minimum=minimum, lazy=True)
+
+
+def _device_types() -> tuple[str, ...]:
+    """The device types a tensor may report (``Tensor.device.type``)."""
+    known = ["cpu", "cuda", "mps", "xpu", "hpu", "mtia", "maia", "xla", "lazy", "meta", "ipu",
+             "ve", "vulkan", "privateuseone"]
+    renamed = torch._C._get_privateuse1_backend_name()
+    if renamed not in known:
+        known.append(renamed)
+    return tuple(known)
+
+
+#: The device types the ``device`` axis may name.
+DEVICE_TYPES = _device_types()
 
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -198,6 +225,23 @@ class CallContext:
     has_cache: bool = _axis("bool", False, "a KV cache is passed", flag="--cache")
     has_mask: bool = _axis("bool", False, "an attention mask is passed", flag="--mask")
     grad_enabled: bool = _axis("bool", True, "autograd is recording", flag="--no-grad")
+    # The lazy axes: shape and hardware, read only when a loaded table compares them.
+    device: str | None = _axis("enum", None, "device type of the call's tensors (cpu, cuda, "
+                               "mps, xpu, ...)", values=DEVICE_TYPES, nullable=True,
+                               flag="--device", lazy=True)
+    sm: int | None = _size("CUDA compute capability as major*10+minor (90 for Hopper); "
+                           "none off CUDA", "--sm")
+    batch: int | None = _size("attention: sequences in the call", "--batch")
+    q_len: int | None = _size("attention: query tokens per sequence (packed/paged: the "
+                              "longest)", "--q-len")
+    kv_len: int | None = _size("attention: key tokens per sequence (the longest)", "--kv-len")
+    heads: int | None = _size("attention and rotary: query heads", "--heads", 1)
+    kv_heads: int | None = _size("attention: key/value heads (== heads: MHA, fewer: GQA)",
+                                 "--kv-heads", 1)
+    tokens: int | None = _size("linear, rms_norm, rotary: rows of the input (product of the "
+                               "leading dimensions)", "--tokens")
+    in_features: int | None = _size("linear: input features", "--in-features")
+    out_features: int | None = _size("linear: output features", "--out-features")
     extra: Mapping[str, Any] = field(default_factory=lambda: EMPTY, hash=False)
     raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
@@ -241,6 +285,8 @@ AXES: Mapping[str, Axis] = MappingProxyType({
     for f in dataclasses.fields(CallContext) if "axis" in f.metadata
 })
 CORE_AXES: tuple[str, ...] = tuple(AXES)
+#: The lazy axes (see ``Axis.lazy``), in declaration order.
+LAZY_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.lazy)
 _read_core = operator.attrgetter(*CORE_AXES)
 
 

@@ -65,6 +65,9 @@ class Registry:
     _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
     made: dict[Any, Any] = field(init=False, default_factory=dict)  # (row id, origin) -> Decision
+    keys: dict[str, Any] = field(init=False, default_factory=dict)  # family -> keying.KeyPlan
+    # family -> what a facade call's lazy axes add to its key (keying.Extend, or None)
+    facade_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -33,8 +33,15 @@ from typing import Any
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import environ_get
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import CallContext, context_fields, format_context, format_value
+from astrai.dispatch.axes import (
+    LAZY_AXES,
+    CallContext,
+    context_fields,
+    format_context,
+    format_value,
+)
 from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.keying import signature_key
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
@@ -265,8 +272,8 @@ class Decision:
                                resolution.origin)
 
 
-def decide(family: str, sig: Any, explicit: Any,
-           build: Callable[..., CallContext], args: tuple[Any, ...]) -> Decision:
+def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContext],
+           args: tuple[Any, ...], state: Registry | None = None) -> Decision:
     """The decision for a call of ``family`` whose axis values are ``sig``: the one hot
     path behind every facade, ``ops.call`` and ``resolve``.
 
@@ -276,9 +283,10 @@ def decide(family: str, sig: Any, explicit: Any,
     family's legacy alias. A hit is a few lookups; on a miss ``build(*args)`` makes
     the full ``CallContext`` and the evaluator runs. Calls under a handle whose
     verdict depends on the raw call (an object with ``supports_call``) are never cached.
-    A caller that does not then count a served call bumps ``stats.QUIET``.
+    A caller that does not then count a served call bumps ``stats.QUIET``. ``state``
+    is the snapshot ``sig`` was made for (the one in force when not given).
     """
-    state = process.snapshot or current()
+    state = state or process.snapshot or current()
     scope = current_scope()
     if explicit is None or explicit.__class__ is str:
         ekey = explicit
@@ -354,10 +362,11 @@ def same_context(ctx: CallContext) -> CallContext:
 
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
-    sig = ctx.signature()
-    if sig[0] != family:
+    if ctx.family != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
-    got = decide(family, sig, explicit, same_context, (ctx,)).resolution
+    state = process.snapshot or current()
+    got = decide(family, signature_key(state, ctx), explicit, same_context, (ctx,),
+                 state).resolution
     next(QUIET)  # a lookup that serves no call (a failed one counted itself)
     return got
 
@@ -402,7 +411,8 @@ class Explanation:
     def render(self) -> str:
         """The SPEC §8 text."""
         lines = [f"[{self.family}] " + " ".join(f"{k}={format_value(v)}"
-                                                for k, v in self.context.items())]
+                                                for k, v in self.context.items()
+                                                if v is not None or k not in LAZY_AXES)]
         if self.profiles:
             lines.append(f"  profiles: {' + '.join(self.profiles)}")
         lines += [_row_text(r) for r in self.rows]

@@ -16,7 +16,7 @@ so give a compiled model one scope per process.
 
 from __future__ import annotations
 
-__all__ = ["compiling", "cut_points_for", "decision_name"]
+__all__ = ["compiling", "constant_result", "cut_points_for", "decision_name", "representatives"]
 
 import sys
 from typing import Any
@@ -25,7 +25,7 @@ import torch
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import AXES, CallContext
-from astrai.dispatch.expr.spec import cut_points
+from astrai.dispatch.keying import key_plan
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import evaluate
 
@@ -34,7 +34,7 @@ from astrai.dispatch.resolution import evaluate
 compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
-def _assume_constant_result(fn: Any) -> Any:
+def constant_result(fn: Any) -> Any:
     """Mark ``fn`` as ``torch.compiler.assume_constant_result`` does, without importing
     ``torch._dynamo`` (which costs over a second at import time). The compile tests
     check that the mark still takes effect (zero graph breaks)."""
@@ -44,23 +44,19 @@ def _assume_constant_result(fn: Any) -> Any:
     return fn
 
 
-@_assume_constant_result
-def cut_points_for(family: str, key: tuple[Any, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+@constant_result
+def cut_points_for(family: str, key: tuple[Any, ...]) -> tuple[tuple[str, Any], ...]:
     """At trace time: the cut points of ``family``'s int axes over its table and every
-    loaded profile, as ``((axis, points), ...)``; ``(("*", ()),)`` when a row's spec calls
-    Python (no value can then stand for another). ``key`` as for ``decision_name``."""
-    table = current().family(family)
-    specs = [r.spec for r in table.rows]
-    if table.outside_fallback is not None:
-        specs.append(table.outside_fallback.spec)
-    for prof in current().profiles.values():
-        for ov in prof.for_family(family):
-            specs += [*ov.when.values(), *(a.spec for a in ov.add)]
-    cuts = cut_points(specs)
-    return (("*", ()),) if cuts is None else tuple(sorted(cuts.items()))
+    loaded profile, as ``((axis, points), ...)``, then ``("=", pairs)`` naming the pairs
+    of int axes compared with each other; ``(("*", ()),)`` when a row's spec calls Python
+    (no value can then stand for another). ``key`` as for ``decision_name``."""
+    found = key_plan(current(), family).found
+    if found.opaque:
+        return (("*", ()),)
+    return (*sorted(found.points.items()), ("=", tuple(sorted(found.pairs))))
 
 
-@_assume_constant_result
+@constant_result
 def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], backend: Any,
                   key: tuple[Any, ...]) -> str:
     """Decide at trace time for the call with these axis values; returns the
@@ -80,30 +76,59 @@ def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], 
 
 def representatives(family: str, names: tuple[str, ...],
                     values: tuple[Any, ...]) -> tuple[Any, ...]:
-    """In traced code: each int axis value replaced by a representative of its interval
-    between the family's cut points, so a decision on a dynamic (symbolic) length is a
-    constant, guarded only on the comparisons the tables make, and one graph serves every
-    length of an interval. An int axis no table compares becomes 0."""
+    """In traced code: the int axis values replaced by plain ints that every spec of the
+    family answers alike, so a decision on dynamic (symbolic) lengths is a constant,
+    guarded only on the comparisons the tables make, and one graph serves every call
+    those comparisons cannot tell apart.
+
+    Each int value is located between its cut points, and each pair of int axes the
+    tables compare with each other is ordered (each test a guard on symbolic values);
+    the representatives are then the least values with the same intervals and orderings
+    (lower bounds raised along the pairs until they hold). An int axis no table compares
+    becomes its lowest value."""
     cuts = dict(cut_points_for(family, process.compile_key))
     if "*" in cuts:
         return values
-    out = []
-    for name, value in zip(names, values, strict=True):
+    pairs = cuts.pop("=")
+    out = list(values)
+    at: dict[str, int] = {}
+    for i, (name, value) in enumerate(zip(names, values, strict=True)):
         axis = AXES.get(name)
         if value is None or isinstance(value, bool) or (
                 axis is not None and axis.kind != "int") or not isinstance(value, (int, _SymInt)):
-            out.append(value)
             continue
         points = cuts.get(name, ())
-        chosen = points[0] - 1 if points else 0
+        low = axis.minimum if axis is not None else _LOWEST  # below the first cut point
         for point in points:  # each comparison is a guard on a symbolic value
             if value >= point:
-                chosen = point
+                low = point
             else:
                 break
-        out.append(chosen)
+        out[i] = low
+        at[name] = i
+    orders = []
+    for a, b in pairs:
+        if a in at and b in at:
+            va, vb = values[at[a]], values[at[b]]
+            orders.append((at[a], at[b], 0 if va == vb else (-1 if va < vb else 1)))
+    for _ in range(len(at) + 1):  # the least values that keep every pair's order
+        changed = False
+        for i, j, sign in orders:
+            if sign == 0 and out[i] != out[j]:
+                out[i] = out[j] = max(out[i], out[j])
+            elif sign < 0 and out[j] <= out[i]:
+                out[j] = out[i] + 1
+            elif sign > 0 and out[i] <= out[j]:
+                out[i] = out[j] + 1
+            else:
+                continue
+            changed = True
+        if not changed:
+            break
     return tuple(out)
 
 
 _SymInt = torch.SymInt
+#: The lowest value of a table-declared int axis (it may be negative).
+_LOWEST = -(1 << 62)
 

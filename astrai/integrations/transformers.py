@@ -88,6 +88,7 @@ from astrai.dispatch import (
     Resolution,
     current,
 )
+from astrai.dispatch.keying import signature_key
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.resolution import (
@@ -309,15 +310,16 @@ def _weights_handle(state: Registry, res: Resolution, ctx: CallContext) -> tuple
 
 def _weights_decision(ctx: CallContext) -> Decision:
     """The cached decision for an ``output_attentions`` call: a row that returns weights."""
-    sig = ctx.signature()
-    decision = decide(_FAMILY, sig, None, same_context, (ctx,))
+    state = current()
+    sig = signature_key(state, ctx)
+    decision = decide(_FAMILY, sig, None, same_context, (ctx,), state)
     if _returns_weights(decision.obj):
         return decision
     next(QUIET)  # that lookup serves no call: the one below does
     handle, why = _weights_handle(current(), decision.resolution, ctx)
     if decision.resolution.origin not in ("chain", "fallback"):
         warn_once(why)  # a soft choice of the user's is set aside for this call: say so
-    return decide(_FAMILY, sig, handle, same_context, (ctx,))
+    return decide(_FAMILY, sig, handle, same_context, (ctx,), state)
 
 
 def _attention_with_weights(

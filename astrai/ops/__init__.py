@@ -17,6 +17,7 @@ import torch
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.keying import signature_key
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
@@ -24,13 +25,21 @@ from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, route
 from astrai.ops._families import (
     ATTENTION_READS,
+    ATTENTION_SHAPE,
     LINEAR_READS,
+    LINEAR_SHAPE,
     RMS_NORM_READS,
+    RMS_NORM_SHAPE,
     ROTARY_READS,
+    ROTARY_SHAPE,
     describe_attention,
     describe_linear,
     describe_rms_norm,
     describe_rotary,
+    shape_attention,
+    shape_linear,
+    shape_rms_norm,
+    shape_rotary,
 )
 
 
@@ -76,10 +85,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 #: The built-in families: how each facade's calls are validated and described.
 FAMILY_CALLS: dict[str, FamilyCall] = {
     fc.family: fc for fc in (
-        FamilyCall.of(attention, describe_attention, ATTENTION_READS, positional=3),
-        FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, positional=2),
-        FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, positional=3),
-        FamilyCall.of(linear, describe_linear, LINEAR_READS, positional=3),
+        FamilyCall.of(attention, describe_attention, ATTENTION_READS, shape_attention,
+                      ATTENTION_SHAPE, positional=3),
+        FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, shape_rotary, ROTARY_SHAPE,
+                      positional=2),
+        FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, shape_rms_norm,
+                      RMS_NORM_SHAPE, positional=3),
+        FamilyCall.of(linear, describe_linear, LINEAR_READS, shape_linear, LINEAR_SHAPE,
+                      positional=3),
     )
 }
 _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
@@ -121,6 +134,7 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         values = representatives(family, names, values)
         return process.impls[decision_name(family, names, values, backend,
                                            process.compile_key)](*args, **kwargs)
-    d = decide(family, ctx.signature(), backend, same_context, (ctx,))
+    state = process.snapshot or current()
+    d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,), state)
     next(d.counter)
     return d.call(*args, **kwargs)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch.axes import AXES, CallContext
+from astrai.ops._families import device_axes
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
@@ -27,16 +28,18 @@ def generic_context(family: str, builder: Callable[..., Any] | None, axes: Colle
     With a ``context:`` builder named by the family's table, the builder is called with
     the call's arguments and returns the axis values (a mapping of axis name to value:
     core axes and the family's declared ones). Without one, the axes come from the first
-    tensor argument: ``dtype``, ``ndim``, ``device_cuda``, and the grad mode.
+    tensor argument: ``dtype``, ``ndim``, ``device_cuda``, ``device``, ``sm``, and the
+    grad mode.
     """
     if builder is None:
         t = _first_tensor(args, kwargs)
         if t is None:
             return CallContext(family, grad_enabled=torch.is_grad_enabled(), raw=args,
                                raw_kwargs=dict(kwargs))
+        device, sm = device_axes(t)
         return CallContext(family, dtype=t.dtype, device_cuda=t.is_cuda, ndim=t.dim(),
-                           grad_enabled=torch.is_grad_enabled(), raw=args,
-                           raw_kwargs=dict(kwargs))
+                           grad_enabled=torch.is_grad_enabled(), device=device, sm=sm,
+                           raw=args, raw_kwargs=dict(kwargs))
     values = builder(*args, **kwargs)
     if not isinstance(values, Mapping):
         raise TypeError(f"{family}: the table's context builder must return a mapping of axis "

@@ -1,11 +1,13 @@
 """The facade factory: one definition of the hot path, built per family.
 
 A ``FamilyCall`` says what a family's facade call is: its parameters, which of
-them a row takes positionally, the core axes the call fills and the function that
-validates a call and reads them (``describe``). ``route`` turns it into the
-function every call goes through: validate and read the axes once, take the
-decision (baked in at trace time under ``torch.compile``, else from the decision
-cache), count it, and hand back the object to call.
+them a row takes positionally, the base axes the call fills and the function that
+validates a call and reads them (``describe``), and the lazy (shape and hardware)
+axes and their reader (``shape``). ``route`` turns it into the function every call
+goes through: validate and read the base axes once, read the lazy ones only when a
+loaded table compares them (as cut-point intervals, ``astrai.dispatch.keying``),
+take the decision (baked in at trace time under ``torch.compile``, else from the
+decision cache), count it, and hand back the object to call.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.keying import key_plan
+from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 
@@ -33,17 +37,20 @@ class FamilyCall:
     params: tuple[str, ...]  # the facade's parameters, ``backend`` left out
     defaults: tuple[Any, ...]  # their defaults (``inspect.Parameter.empty`` where none)
     positional: int  # the first ``positional`` are passed to a row positionally
-    reads: tuple[str, ...]  # the core axes ``describe`` returns, in order
+    reads: tuple[str, ...]  # the base axes ``describe`` returns, in order
     describe: Callable[..., tuple[Any, ...]]
+    lazy: tuple[str, ...]  # the lazy axes ``shape`` returns, in order
+    shape: Callable[..., tuple[Any, ...]]
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
-           reads: tuple[str, ...], *, positional: int) -> FamilyCall:
+           reads: tuple[str, ...], shape: Callable[..., tuple[Any, ...]],
+           lazy: tuple[str, ...], *, positional: int) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature)."""
         params = [p for p in inspect.signature(facade).parameters.values()
                   if p.name != "backend"]
         return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
-                   tuple(p.default for p in params), positional, reads, describe)
+                   tuple(p.default for p in params), positional, reads, describe, lazy, shape)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The facade's full argument tuple for ``facade(*args, **kwargs)``."""
@@ -65,21 +72,34 @@ class FamilyCall:
     def context(self, *args: Any) -> CallContext:
         """The ``CallContext`` of a call given as the full argument tuple."""
         cut = self.positional
-        return CallContext.of(self.family, self.reads, self.describe(*args), raw=args[:cut],
+        return CallContext.of(self.family, (*self.reads, *self.lazy),
+                              (*self.describe(*args), *self.shape(*args)), raw=args[:cut],
                               raw_kwargs=dict(zip(self.params[cut:], args[cut:], strict=True)))
+
+
+_UNSET: Any = object()
 
 
 def route(fc: FamilyCall) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call."""
     family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
+    lazy, shape = fc.lazy, fc.shape
+    every = (*reads, *lazy)
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
         if compiling():  # before anything dynamo cannot trace (ContextVar.get)
-            values = representatives(family, reads, values)
-            return process.impls[decision_name(family, reads, values, backend,  # type: ignore[no-any-return]
+            values = representatives(family, every, (*values, *shape(*args)))
+            return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
-        d = decide(family, values, backend, context, args)
+        state = process.snapshot or current()
+        extend = state.facade_keys.get(family, _UNSET)
+        if extend is not None:  # a loaded table compares a lazy axis (or not known yet)
+            if extend is _UNSET:
+                extend = state.facade_keys[family] = key_plan(state, family).extend(reads, lazy)
+            if extend is not None:
+                values = (*values, *extend(values, shape(*args)))
+        d = decide(family, values, backend, context, args, state)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
 

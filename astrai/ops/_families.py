@@ -1,8 +1,11 @@
 """The built-in families' calls: how each is validated and how its axes are read.
 
 ``describe_<family>`` takes a facade's arguments, makes sure the call is
-well-formed, and returns the values of the core axes the family's calls fill
-(``<FAMILY>_READS`` names them, in order). A row's ``when`` decides *which*
+well-formed, and returns the values of the base axes the family's calls fill
+(``<FAMILY>_READS`` names them, in order). ``shape_<family>`` reads the lazy
+(shape and hardware) axes of a call already described (``<FAMILY>_SHAPE`` names
+them): it runs only when a loaded table compares one of them, or to build the full
+context that explain shows. A row's ``when`` decides *which*
 implementation may serve a well-formed call; the checks make sure the call *is*
 well-formed, so no row is ever handed shapes that disagree (a row might otherwise
 broadcast them into a wrong result). A malformed call is a ``ValueError`` (or a
@@ -14,15 +17,25 @@ from __future__ import annotations
 
 __all__ = [
     "ATTENTION_READS",
+    "ATTENTION_SHAPE",
     "LINEAR_READS",
+    "LINEAR_SHAPE",
     "RMS_NORM_READS",
+    "RMS_NORM_SHAPE",
     "ROTARY_READS",
+    "ROTARY_SHAPE",
     "describe_attention",
     "describe_linear",
     "describe_rms_norm",
     "describe_rotary",
+    "device_axes",
+    "shape_attention",
+    "shape_linear",
+    "shape_rms_norm",
+    "shape_rotary",
 ]
 
+from math import prod
 from typing import Any
 
 import torch
@@ -31,6 +44,7 @@ from torch import Tensor
 from astrai.backends.attention.dense import PAGED_MODES, check_dense
 from astrai.backends.attention.paged import check_paged
 from astrai.backends.rotary import check_rotary_call
+from astrai.dispatch.torch_compile import constant_result
 
 _grad = torch.is_grad_enabled
 
@@ -39,6 +53,35 @@ ATTENTION_READS = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache
 ROTARY_READS = ("dtype", "device_cuda", "ndim", "head_dim", "grad_enabled")
 RMS_NORM_READS = ("dtype", "device_cuda", "ndim", "grad_enabled")
 LINEAR_READS = RMS_NORM_READS
+
+ATTENTION_SHAPE = ("device", "sm", "batch", "q_len", "kv_len", "heads", "kv_heads")
+ROTARY_SHAPE = ("device", "sm", "tokens", "heads")
+RMS_NORM_SHAPE = ("device", "sm", "tokens")
+LINEAR_SHAPE = ("device", "sm", "tokens", "in_features", "out_features")
+
+_capabilities: dict[int, int] = {}
+_CPU = ("cpu", None)
+
+
+@constant_result
+def _capability(index: int) -> int:
+    """CUDA device ``index``'s compute capability as ``major * 10 + minor`` (asked once)."""
+    got = _capabilities.get(index)
+    if got is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        got = _capabilities[index] = major * 10 + minor
+    return got
+
+
+def device_axes(t: torch.Tensor) -> tuple[str, int | None]:
+    """The ``device`` and ``sm`` axes of a call whose main tensor is ``t``."""
+    if t.is_cpu:  # the common case, without making a torch.device (a few hundred ns)
+        return _CPU
+    device = t.device
+    if device.type != "cuda":
+        return device.type, None
+    index = device.index
+    return "cuda", _capability(torch.cuda.current_device() if index is None else index)
 
 
 def _tensors(family: str, **tensors: Any) -> None:
@@ -147,3 +190,32 @@ def describe_linear(x: torch.Tensor, weight: torch.Tensor,
                          f"weight {weight.dtype}"
                          + ("" if bias is None else f", bias {bias.dtype}"))
     return (x.dtype, x.is_cuda, x.dim(), _grad())
+
+
+def shape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
+                    layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
+                    fwd: str | None) -> tuple[Any, ...]:
+    """``ATTENTION_SHAPE`` of a described call: for a packed call over a paged batch,
+    ``batch`` is its request count and ``q_len`` / ``kv_len`` the longest request's."""
+    device, sm = device_axes(q)
+    if kv_cache is None:
+        b, s, h, _ = q.shape
+        return (device, sm, b, s, k.shape[1], h, k.shape[2])
+    return (device, sm, len(kv_cache.seq_lens_host), max(kv_cache.extend_lens_host, default=0),
+            max(kv_cache.seq_lens_host, default=0), q.shape[1], k.shape[1])
+
+
+def shape_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]:
+    """``ROTARY_SHAPE``: ``tokens`` are the positions rotated (batch * seq, or packed)."""
+    return (*device_axes(x), prod(x.shape[:-2]), x.shape[-2])
+
+
+def shape_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:
+    """``RMS_NORM_SHAPE``: ``tokens`` are the rows normalised."""
+    return (*device_axes(x), prod(x.shape[:-1]))
+
+
+def shape_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> tuple[Any, ...]:
+    """``LINEAR_SHAPE``: ``tokens`` are the rows of ``x``; the features are ``weight``'s."""
+    return (*device_axes(x), prod(x.shape[:-1]), weight.shape[1], weight.shape[0])

@@ -16,11 +16,11 @@ combinators directly from text. This module owns:
 
 from __future__ import annotations
 
-__all__ = ["AxisTest", "Spec", "cut_points", "parse_spec"]
+__all__ = ["AxisTest", "Comparisons", "Spec", "comparisons", "cut_points", "parse_spec"]
 
 import functools
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -732,26 +732,52 @@ def _decode(plain: Plain, vocabulary: Vocabulary) -> Spec:
 _POINTS: dict[str, tuple[int, ...]] = {"<": (0,), ">=": (0,), "<=": (1,), ">": (1,)}
 
 
-def cut_points(specs: Iterable[Spec]) -> dict[str, tuple[int, ...]] | None:
-    """Per int axis, the points where some of ``specs`` may change its answer (``x < c``
-    and ``x >= c`` change at ``c``, ``x <= c`` and ``x > c`` at ``c + 1``, ``x == c``
-    and membership at both), so two values between the same neighbouring points satisfy
-    every one of the specs alike. An axis no spec compares has no points. ``None`` when a
-    spec calls Python (``Spec.of``): then no value can stand for another."""
+@dataclass(frozen=True)
+class Comparisons:
+    """What a set of specs asks of a call's axes (see ``comparisons``)."""
+
+    axes: frozenset[str]  # every axis some spec reads
+    points: Mapping[str, tuple[int, ...]]  # per int axis, its cut points
+    pairs: frozenset[tuple[str, str]]  # int axes compared with each other
+    opaque: bool  # a spec calls Python: it may read any axis, any way
+
+
+def comparisons(specs: Iterable[Spec]) -> Comparisons:
+    """Which axes ``specs`` read and how: per int axis, the points where some spec may
+    change its answer (``x < c`` and ``x >= c`` change at ``c``, ``x <= c`` and ``x > c`` at
+    ``c + 1``, ``x == c`` and membership at both), and the pairs of int axes compared with
+    each other. Two calls whose int axes lie between the same neighbouring points, whose
+    compared pairs order alike, and whose other read axes are equal satisfy every spec
+    alike - unless a spec is opaque."""
     points: dict[str, set[int]] = {}
+    pairs: set[tuple[str, str]] = set()
+    axes: set[str] = set()
+    opaque = False
     todo = list(specs)
     while todo:
         spec = todo.pop()
         if spec.kind == "opaque":
-            return None
+            opaque = True
+        axes.update(spec.axes())
         todo.extend(spec.parts)
         test = spec.test
-        if test is not None and test.other is not None and test.axis.kind == "int":
-            return None  # an int axis compared with another: no constant cuts it
-        if test is not None and test.axis.kind == "int":
-            at = points.setdefault(test.axis.name, set())
-            for value in test.values:
-                if isinstance(value, int):
-                    at.update(value + shift for shift in _POINTS.get(test.op, (0, 1)))
-    return {name: tuple(sorted(at)) for name, at in points.items()}
+        if test is None or test.axis.kind != "int":
+            continue
+        if test.other is not None:
+            pairs.add((test.axis.name, test.other.name))
+            continue
+        at = points.setdefault(test.axis.name, set())
+        for value in test.values:
+            if isinstance(value, int):
+                at.update(value + shift for shift in _POINTS.get(test.op, (0, 1)))
+    return Comparisons(frozenset(axes), {n: tuple(sorted(at)) for n, at in points.items()},
+                       frozenset(pairs), opaque)
 
+
+def cut_points(specs: Iterable[Spec]) -> dict[str, tuple[int, ...]] | None:
+    """Per int axis, its cut points over ``specs`` (see ``comparisons``); ``None`` when no
+    constant cuts settle every answer (a spec calls Python, or compares two int axes)."""
+    found = comparisons(specs)
+    if found.opaque or found.pairs:
+        return None
+    return dict(found.points)

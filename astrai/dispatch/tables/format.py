@@ -41,6 +41,7 @@ from pydantic import (
     ValidationInfo,
 )
 
+from astrai.dispatch.axes import AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 
@@ -85,7 +86,17 @@ def _parse_when(text: str, info: ValidationInfo) -> str:
     return text
 
 
-Expression = Annotated[StrictStr, Field(min_length=1, description="a spec expression (SPEC §4)")]
+def _expression_help() -> str:
+    base = [f"{n} ({a.kind})" for n, a in AXES.items() if not a.lazy]
+    lazy = [f"{n} ({a.kind})" for n, a in AXES.items() if a.lazy]
+    return ("a spec expression (SPEC §4): axes compared with constants (or an int axis with "
+            "another), joined by and / or / not. Built-in axes: " + ", ".join(base) +
+            "; shape and hardware axes, read off a call only when some table compares them, "
+            "a length keyed by its interval between the constants it is compared with: "
+            + ", ".join(lazy) + "; plus the family's own axes (axes:)")
+
+
+Expression = Annotated[StrictStr, Field(min_length=1, description=_expression_help())]
 When = Annotated[Expression, AfterValidator(_parse_when)]
 
 
@@ -108,7 +119,8 @@ class RowModel(_Model):
 
     name: Name
     impl: ImportPath = Field(description="the implementation object, bound at load time")
-    when: When = Field(default="always", description="which calls this row can serve")
+    when: When = Field(default="always",
+                       description=f"which calls this row can serve; {_expression_help()}")
     available: ImportPath | None = Field(
         default=None, description="zero-argument probe: can this row run on this machine?"
     )

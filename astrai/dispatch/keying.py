@@ -1,0 +1,160 @@
+"""How a call's axis values become its decision-cache key: cut points, not raw shapes.
+
+A facade reads its family's base axes (dtype, ndim, flags...) on every call, and they
+enter the key as they are. The lazy axes (shape and hardware, ``Axis.lazy``) are read
+off a call only when some spec of the family - its table's rows and fallback, and every
+loaded profile's overlay of it - reads them. Then an int axis enters the key as the
+index of the interval between its cut points that its value falls in (a table that
+compares ``q_len`` with 1 and 1024 only gives three intervals, whatever the lengths),
+each pair of int axes compared with each other adds how the two order (-1, 0, +1), and
+any other lazy axis (``device``) enters as it is. Two calls with the same key satisfy
+every spec alike, so one decision serves both, and the number of decisions is bounded
+by the tables' intervals, not by the distinct shapes of the calls.
+
+A family with an opaque spec (one that calls Python, ``Spec.of``) may read anything:
+its lazy axes enter the key raw. The plan belongs to a table snapshot (``Registry.keys``),
+so a reload or a profile change recomputes it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Extend", "KeyPlan", "family_specs", "key_plan", "signature_key"]
+
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from astrai.dispatch.axes import AXES, CORE_AXES, LAZY_AXES, CallContext
+from astrai.dispatch.expr.spec import Comparisons, Spec, comparisons
+
+if TYPE_CHECKING:
+    from astrai.dispatch.registry import Registry
+
+#: ``extend(base_values, lazy_values)``: what the lazy axes add to a call's key.
+Extend = Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
+
+
+def family_specs(state: Registry, family: str) -> list[Spec]:
+    """Every spec that may decide a call of ``family`` on ``state``: its table's rows and
+    fallback, and each loaded profile's conditions and added rows for it."""
+    table = state.family(family)
+    specs = [r.spec for r in table.rows]
+    if table.outside_fallback is not None:
+        specs.append(table.outside_fallback.spec)
+    for prof in state.profiles.values():
+        for ov in prof.for_family(family):
+            specs += [*ov.when.values(), *(a.spec for a in ov.add)]
+    return specs
+
+
+def _sign(a: Any, b: Any) -> int | None:
+    if a is None or b is None:
+        return None
+    return (a > b) - (a < b)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """What a family's specs ask of the lazy axes, on one snapshot (module docstring)."""
+
+    family: str
+    found: Comparisons
+    _made: dict[tuple[tuple[str, ...], tuple[str, ...]], Extend | None] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    @property
+    def compared(self) -> frozenset[str]:
+        """The lazy axes some spec of the family reads (all of them for an opaque spec)."""
+        if self.found.opaque:
+            return frozenset(LAZY_AXES)
+        return self.found.axes.intersection(LAZY_AXES)
+
+    def extend(self, names: tuple[str, ...], lazy: tuple[str, ...]) -> Extend | None:
+        """For calls whose base values are ``names`` and lazy values ``lazy``: the function
+        giving what the lazy axes add to the key; ``None`` when the specs read none of
+        ``lazy`` (the lazy axes then need not even be read)."""
+        got = self._made.get((names, lazy), False)
+        if got is False:
+            got = self._made[(names, lazy)] = self._build(names, lazy)
+        return got  # type: ignore[return-value]
+
+    def _build(self, names: tuple[str, ...], lazy: tuple[str, ...]) -> Extend | None:
+        if self.found.opaque:
+            return _raw if lazy else None
+        compared = self.compared
+        steps: list[tuple[int, tuple[int, ...] | None]] = []
+        for i, name in enumerate(lazy):
+            if name in compared:
+                ordered = AXES[name].kind == "int"
+                steps.append((i, self.found.points.get(name, ()) if ordered else None))
+
+        def where(axis: str) -> tuple[bool, int] | None:
+            if axis in lazy:
+                return True, lazy.index(axis)
+            if axis in names:
+                return False, names.index(axis)
+            return None  # not read for this family: always None
+
+        pairs = []
+        for a, b in sorted(self.found.pairs):
+            wa, wb = where(a), where(b)
+            if (a in lazy or b in lazy) and wa is not None and wb is not None:
+                pairs.append((wa, wb))
+        if not steps and not pairs:
+            return None
+        if not pairs and len(steps) == 1:  # the common case, without the loops
+            return _one(*steps[0])
+
+        def extend(base: tuple[Any, ...], values: tuple[Any, ...]) -> tuple[Any, ...]:
+            out: list[Any] = []
+            for i, points in steps:
+                value = values[i]
+                out.append(value if points is None or value is None
+                           else bisect_right(points, value))
+            for (la, ia), (lb, ib) in pairs:
+                out.append(_sign((values if la else base)[ia], (values if lb else base)[ib]))
+            return tuple(out)
+
+        return extend
+
+
+def _one(i: int, points: tuple[int, ...] | None) -> Extend:
+    """``extend`` for one compared lazy axis and no pairs."""
+    if points is None:
+        return lambda base, values: (values[i],)
+
+    def one(base: tuple[Any, ...], values: tuple[Any, ...]) -> tuple[Any, ...]:
+        value = values[i]
+        return (None if value is None else bisect_right(points, value),)
+
+    return one
+
+
+def _raw(base: tuple[Any, ...], values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return values
+
+
+def key_plan(state: Registry, family: str) -> KeyPlan:
+    """The ``KeyPlan`` of ``family`` on ``state`` (made once per snapshot)."""
+    got = state.keys.get(family)
+    if got is None:
+        got = state.keys[family] = KeyPlan(family, comparisons(family_specs(state, family)))
+    return got
+
+
+_BASE = tuple(n for n in CORE_AXES if n not in LAZY_AXES)
+_BASE_AT = tuple(CORE_AXES.index(n) for n in _BASE)
+_LAZY_AT = tuple(CORE_AXES.index(n) for n in LAZY_AXES)
+
+
+def signature_key(state: Registry, ctx: CallContext) -> tuple[Any, ...]:
+    """The decision-cache key of a whole ``CallContext`` (``resolve``): its signature with
+    the lazy axes replaced by what they add to the key (nothing when no spec reads them)."""
+    sig = ctx.signature()
+    extend = key_plan(state, ctx.family).extend(_BASE, LAZY_AXES)
+    core = sig[1:-1]
+    base = tuple(core[i] for i in _BASE_AT)
+    if extend is None:
+        return (sig[0], base, sig[-1])
+    return (sig[0], base, sig[-1], extend(base, tuple(core[i] for i in _LAZY_AT)))
