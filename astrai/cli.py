@@ -162,6 +162,7 @@ def _family_lines(state: Registry, view: View) -> list[str]:
     name, table = view.table.name, view.table
     alias = f"  (env alias {state.aliases[name]})" if name in state.aliases else ""
     lines = [f"[{name}] {table.description}{alias}", f"  from: {_source(table)}"]
+    lines += [f"  define {d}: {text}" for d, text in _definitions(table).items()]
     if view.profiles:
         lines.append(f"  active profiles: {' + '.join(view.profiles)}")
     for rec in _rows_of(view):
@@ -197,12 +198,18 @@ def _family_dict(state: Registry, view: View) -> dict[str, Any]:
         "description": table.description,
         "source": table.source,
         "env_alias": state.aliases.get(table.name),
+        "definitions": _definitions(table),
         "profiles": list(view.profiles),
         "fallback": view.fallback.name,
         "rows": rows,
         "notes": list(view.notes),
         "call": None,
     }
+
+
+def _definitions(table: FamilyTable) -> dict[str, str]:
+    """The table's definitions (``define:``): name -> what it stands for, as text."""
+    return {name: spec.parts[0].description for name, spec in table.definitions.items()}
 
 
 def _source(table: FamilyTable) -> str:

@@ -20,7 +20,8 @@ import yaml
 from astrai import ops
 from astrai.backends.attention.flash import flash_attention, flash_available
 from astrai.backends.attention.math import math_attention
-from astrai.dispatch import Unavailable, parse_spec, shipped_tables_dir
+from astrai.dispatch import Unavailable, shipped_tables_dir
+from astrai.dispatch.tables.load import parse_file
 from astrai.kv_cache import KVPool, decode_batch, extend_batch, prefill_batch
 from astrai.ops import context as ops_context
 
@@ -29,7 +30,10 @@ attention_context = functools.partial(ops_context, "attention")
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROWS = yaml.safe_load((shipped_tables_dir() / "attention.yaml").read_text())["rows"]
-WHEN = {row["name"]: parse_spec(row["when"]) for row in ROWS}
+#: The rows' ``when`` as the loader builds them (they use the table's definitions).
+_TABLE = parse_file(shipped_tables_dir() / "attention.yaml").table
+assert _TABLE is not None
+WHEN = {row.name: row.spec for row in _TABLE.rows}
 
 
 def load_impl(path: str) -> Any:

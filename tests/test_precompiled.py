@@ -33,7 +33,9 @@ def _table_view(pf: parsed.ParsedFile) -> object:
     assert t is not None
     rows = [(r.name, r.spec.description, r.faithful, r.description, r.source, r.priority,
              r.obj, r.available is None) for r in t.rows]
-    return (t.name, t.fallback, t.description, t.env_alias, dict(t.axes), t.revision, rows)
+    definitions = {name: spec.encode() for name, spec in t.definitions.items()}
+    return (t.name, t.fallback, t.description, t.env_alias, dict(t.axes), t.revision, rows,
+            definitions)
 
 
 class TestSameAsFullPath:

@@ -224,8 +224,8 @@ class TestLoadTables:
                 whne: always
             """)
         assert got == [
-            f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, description, "
-            f"env_alias, fallback, family, rows, version",
+            f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, define, "
+            f"description, env_alias, fallback, family, rows, version",
             f"{path}:8:5: unknown key 'whne' (did you mean 'when'?); expected one of: "
             f"available, description, faithful, impl, name, requires, when",
         ]

@@ -319,16 +319,24 @@ KEYWORDS = frozenset({"and", "or", "not", "in", "always", "never", "none", "true
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """The axes and predicates an expression may use: the core set plus a family's extras."""
+    """The names an expression may use: the core axes and predicates, a family's extra
+    axes, and its table's definitions (``define:``). A definition maps to its named
+    ``Spec``, already built, or to the reason it cannot be used where it is looked up (a
+    ``str``: a definition cycle), which the parser reports at the name."""
 
     axes: Mapping[str, Axis] = field(default_factory=lambda: AXES)
     predicates: Mapping[str, tuple[str, str]] = field(default_factory=lambda: PREDICATES)
+    definitions: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
 
     def with_extras(self, extras: Mapping[str, Axis]) -> Vocabulary:
         """This vocabulary plus a family's extra axes."""
         merged = dict(self.axes)
         merged.update(extras)
-        return Vocabulary(merged, self.predicates)
+        return dataclasses.replace(self, axes=merged)
+
+    def with_definitions(self, definitions: Mapping[str, Any]) -> Vocabulary:
+        """This vocabulary with a table's definitions (replacing any it had)."""
+        return dataclasses.replace(self, definitions=MappingProxyType(dict(definitions)))
 
     def names(self) -> list[str]:
         """Every name that may start an atom (axes and predicates)."""

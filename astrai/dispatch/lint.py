@@ -9,7 +9,8 @@ takes every call it accepts. It reports:
 
 - *unsatisfiable* rows, whose condition accepts no call at all;
 - *shadowed* rows, which accept calls but lose every one of them to earlier rows;
-- a coverage matrix: which row wins each (compacted) region of the domain.
+- a coverage matrix: which row wins each (compacted) region of the domain;
+- warnings that do not fail lint: a definition (``define:``) that no row uses.
 
 A condition that calls opaque Python (``Spec.of``, ``register_family``) cannot be
 analysed; it is treated as "may match anything" (three-valued logic), so it never
@@ -59,6 +60,7 @@ class LintReport:
     ``coverage`` maps compacted regions of the analysed axes (cells are value labels
     joined by ``,``; ``*`` means any value) to the row that wins them when every row
     is available; ``maybe x, else y`` where an opaque condition may take the call.
+    ``warnings`` (a definition no row uses) are shown but leave the report ``ok``.
     """
 
     family: str
@@ -67,6 +69,7 @@ class LintReport:
     coverage: list[tuple[dict[str, str], str]] = field(default_factory=list)
     axes: tuple[str, ...] = ()
     profiles: tuple[str, ...] = ()
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +80,7 @@ class LintReport:
         """The report as the CLI prints it: problems, notes, then the coverage table."""
         fam = self.family
         lines = [f"{fam}: {p.message}" for p in self.problems]
+        lines += [f"{fam}: warning: {w}" for w in self.warnings]
         lines += [f"{fam}: note: {n}" for n in self.notes]
         if self.ok:
             under = f" under profile {' + '.join(self.profiles)}" if self.profiles else ""
@@ -103,8 +107,12 @@ class _Mention:
     partners: set[str] = field(default_factory=set)  # axes this one is compared with
 
 
-def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
-    """Collect the axes and values ``spec`` tests, and the opaque parts it contains."""
+def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str],
+          named: set[str]) -> None:
+    """Collect the axes and values ``spec`` tests, the opaque parts it contains and the
+    names of its named parts (predicates, definitions)."""
+    if spec.kind == "named":
+        named.add(spec.description)
     test = spec.test
     if test is not None:
         got = mentions.setdefault(test.axis.name, _Mention(test.axis))
@@ -118,7 +126,7 @@ def _walk(spec: Spec, mentions: dict[str, _Mention], opaque: list[str]) -> None:
     elif spec.kind == "opaque":
         opaque.append(spec.description)
     for part in spec.parts:
-        _walk(part, mentions, opaque)
+        _walk(part, mentions, opaque, named)
 
 
 def _share_values(mentions: dict[str, _Mention]) -> None:
@@ -262,9 +270,10 @@ def lint_view(view: View) -> LintReport:
     mentions: dict[str, _Mention] = {}
     notes: list[str] = []
     opaque_rows: set[str] = set()
+    named: set[str] = set()
     for rec in rows:
         opaque: list[str] = []
-        _walk(rec.spec, mentions, opaque)
+        _walk(rec.spec, mentions, opaque, named)
         if opaque:
             opaque_rows.add(rec.name)
             notes.append(f"row {rec.name!r} is not analysable: its condition calls Python "
@@ -350,7 +359,9 @@ def lint_view(view: View) -> LintReport:
 
     coverage = [({a: _cell(d, c) for a, d, c in zip(axes, domains, cells, strict=True)}, w)
                 for cells, w in _compact(entries)]
-    return LintReport(family, problems, notes, coverage, tuple(axes), view.profiles)
+    warnings = [f"definition {name!r} is not used by any row"
+                for name in view.table.definitions if name not in named]
+    return LintReport(family, problems, notes, coverage, tuple(axes), view.profiles, warnings)
 
 
 def _cell(domain: Domain, picked: frozenset[int]) -> str:

@@ -31,6 +31,8 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
+from astrai.dispatch.axes import PREDICATES
+from astrai.dispatch.expr.spec import Spec, named_parts
 from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.tables.artifact import shipped_tables_dir
 from astrai.dispatch.tables.build import build_profile
@@ -244,6 +246,25 @@ def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
                   *(x for x in (ov.force, ov.fallback) if x and x != "fallback")):
             if n not in names:
                 return f"names row {n!r} of family {fam!r}, which no longer exists"
+        for spec in (*ov.when.values(), *(a.spec for a in ov.add)):
+            stale = _stale_definition(spec, table)
+            if stale:
+                return stale
+    return ""
+
+
+def _stale_definition(spec: Spec, table: FamilyTable) -> str:
+    """Why ``spec`` (a profile's, built with ``table``'s family's definitions when it was
+    loaded) no longer fits ``table``: a definition it uses is gone or changed."""
+    for part in named_parts(spec):
+        name = part.description
+        now = table.definitions.get(name)
+        if now is None and name not in PREDICATES:
+            return (f"uses definition {name!r} of family {table.name!r}, which no longer "
+                    f"exists")
+        if now is not None and now != part:
+            return (f"uses definition {name!r} of family {table.name!r}, which the new table "
+                    f"defines differently; load the profile again with it")
     return ""
 
 

@@ -7,6 +7,7 @@ The grammar (each ``_parse_*`` method's docstring is its rule)::
     and_expr   := not_expr ("and" not_expr)*
     not_expr   := "not" not_expr | atom
     atom       := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE
+                | DEFINITION
     comparison := AXIS ("==" | "!=" | "<" | "<=" | ">" | ">=") value
                 | AXIS ["not"] "in" "{" value ("," value)* "}"
     value      := NAME | INT | "none" | "true" | "false"
@@ -14,10 +15,11 @@ The grammar (each ``_parse_*`` method's docstring is its rule)::
 There is no intermediate tree: as each rule is recognised the parser calls the
 matching constructor of a ``Builder`` - ``spec.py`` passes the ``Spec`` combinators -
 so imports run one way (``spec`` -> ``_parser`` -> ``_tokenizer``). The vocabulary
-decides what a name is (an axis or a predicate) and what values an axis takes, so an
-expression that parses is well-typed; a predicate is built from its own definition
-(an expression over the axes). Nesting deeper than ``MAX_DEPTH`` levels of ``(`` and
-``not`` is refused, so no input can exhaust the interpreter's stack. Every error is a
+decides what a name is (an axis, a predicate or a table's definition) and what values
+an axis takes, so an expression that parses is well-typed; a predicate is built from
+its own expression over the axes, a definition was built with its table
+(``definitions``). Nesting deeper than ``MAX_DEPTH`` levels of ``(`` and ``not`` is
+refused, so no input can exhaust the interpreter's stack. Every error is a
 ``SpecSyntaxError`` with a caret under the offending text.
 """
 
@@ -27,7 +29,7 @@ __all__ = ["MAX_DEPTH", "Builder", "Value", "parse"]
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NoReturn, Protocol, TypeVar, cast
 
 import torch
 
@@ -127,7 +129,10 @@ class Parser(Generic[T]):
             return self._build.negate(self._parse_not_expr())
 
     def _parse_atom(self) -> T:
-        """atom := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE"""
+        """
+        atom := "(" expr ")" | "always" | "never" | AXIS | comparison | PREDICATE
+              | DEFINITION
+        """
         tokens = self._tokens
         if tokens.check("LEFT_PAREN"):
             opened = tokens.read()
@@ -143,7 +148,8 @@ class Parser(Generic[T]):
         tokens.raise_unexpected("an axis, a predicate, 'not', 'always', 'never' or '('")
 
     def _parse_name(self, name: Token) -> T:
-        """named_atom := AXIS | comparison | PREDICATE  (told apart by the vocabulary)"""
+        """named_atom := AXIS | comparison | PREDICATE | DEFINITION  (told apart by the
+        vocabulary)"""
         tokens = self._tokens
         axis = self._vocabulary.axes.get(name.text)
         comparing = self._at_comparison()
@@ -159,24 +165,50 @@ class Parser(Generic[T]):
                     name.span,
                 )
             return self._build.flag(axis)
-        if name.text in self._vocabulary.predicates:
+        predicate = name.text in self._vocabulary.predicates
+        if predicate or name.text in self._vocabulary.definitions:
             if comparing:
                 got, span = tokens.describe_next()
+                what = "predicate" if predicate else "definition"
                 tokens.raise_syntax_error(
-                    f"{name.text!r} is a predicate and takes no comparison, got {got}", span
+                    f"{name.text!r} is a {what} and takes no comparison, got {got}", span
                 )
-            definition = self._vocabulary.predicates[name.text][0]
-            axes_only = Vocabulary(self._vocabulary.axes, {})
-            return self._build.named(name.text, parse(definition, axes_only, self._build))
+            return self._named(name)
+        self._unknown_name(name, comparing)
+
+    def _unknown_name(self, name: Token, comparing: bool) -> NoReturn:
+        """Fail at a name that is no axis (before a comparison), nor a predicate or a
+        definition (standing alone), listing what it could be; the table's definitions
+        are listed on their own, and suggested like any other name."""
+        vocabulary = self._vocabulary
+        defined: list[str] = []
         if comparing:
-            kind, names = "axis", sorted(self._vocabulary.axes)
+            kind, names = "axis", sorted(vocabulary.axes)
         else:
-            kind, names = "axis or predicate", self._vocabulary.names()
-        tokens.raise_syntax_error(
-            f"unknown {kind} {name.text!r}{did_you_mean(name.text, names)}; "
-            f"expected one of: {', '.join(names)}",
+            kind, names = "axis or predicate", vocabulary.names()
+            defined = sorted(vocabulary.definitions)
+        if defined:
+            kind = "axis, predicate or definition"
+        listed = ", ".join(names) + (f"; or a definition: {', '.join(defined)}" if defined else "")
+        self._tokens.raise_syntax_error(
+            f"unknown {kind} {name.text!r}{did_you_mean(name.text, [*names, *defined])}; "
+            f"expected one of: {listed}",
             name.span,
         )
+
+    def _named(self, name: Token) -> T:
+        """The predicate or definition ``name``: a predicate is built from its expression
+        over the axes; a definition was built with its table (a ``str`` in its place is
+        why it cannot be used here, reported at the name)."""
+        vocabulary = self._vocabulary
+        if name.text in vocabulary.predicates:
+            definition = vocabulary.predicates[name.text][0]
+            inner = parse(definition, Vocabulary(vocabulary.axes, {}), self._build)
+            return self._build.named(name.text, inner)
+        built = vocabulary.definitions[name.text]
+        if isinstance(built, str):
+            self._tokens.raise_syntax_error(built, name.span)
+        return cast(T, built)
 
     def _parse_comparison(self, name: Token, axis: Axis) -> T:
         """

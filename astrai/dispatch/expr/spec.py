@@ -16,7 +16,8 @@ combinators directly from text. This module owns:
 
 from __future__ import annotations
 
-__all__ = ["AxisTest", "Comparisons", "Spec", "comparisons", "cut_points", "parse_spec"]
+__all__ = ["AxisTest", "Comparisons", "Spec", "comparisons", "cut_points", "named_parts",
+           "parse_spec"]
 
 import functools
 import operator
@@ -93,11 +94,8 @@ class Spec:
         return self._reason(ctx)
 
     def _reason(self, ctx: CallContext) -> str:
-        axes = self.axes()
-        if not axes:
-            return self.description
-        values = ", ".join(f"{a}={format_value(_read(a, ctx))}" for a in sorted(axes))
-        return f"{self.description} (call has {values})"
+        values = _call_values(self, ctx)
+        return f"{self.description} (call has {values})" if values else self.description
 
     def axes(self) -> frozenset[str]:
         """The names of the axes this spec reads."""
@@ -118,7 +116,8 @@ class Spec:
     def encode(self) -> Plain:
         """This spec as plain JSON-ready data; ``Spec.decode`` reads it back.
 
-        Forms: ``["const", bool]``, ``["axis", name]``, ``["pred", name, plain]``,
+        Forms: ``["const", bool]``, ``["axis", name]``, ``["pred", name, plain]`` (a
+        predicate or a table's definition, with what it stands for),
         ``["cmp", axis, op, value]``, ``["cmpaxes", axis, op, other_axis]``,
         ``["in", axis, [value, ...], negated]``,
         ``["not", plain]``, ``["and", [plain, ...]]``, ``["or", [plain, ...]]``; a value
@@ -233,6 +232,12 @@ class Spec:
         return predicate("cuda_device")
 
     @staticmethod
+    def named(name: str, inner: Spec) -> Spec:
+        """``inner`` under the name ``name`` (a table's definition): printed as ``name``,
+        evaluated as ``inner``."""
+        return _Named(name, inner)
+
+    @staticmethod
     def member(axis: str, values: Iterable[Any], negated: bool = False) -> Spec:
         """``axis in {values}`` (``negated``: ``not in``) for a known core axis."""
         return _Member(AXES[axis], values, negated)
@@ -277,7 +282,8 @@ class _VocabularyKey:
         self.vocabulary = vocabulary
         # The getter is compared by identity: equal axes may read differently.
         axes = tuple((name, axis, axis.getter) for name, axis in vocabulary.axes.items())
-        self._key = (axes, tuple(vocabulary.predicates.items()))
+        self._key = (axes, tuple(vocabulary.predicates.items()),
+                     tuple(vocabulary.definitions.items()))
         self._hash = hash(self._key)
 
     def __eq__(self, other: object) -> bool:
@@ -300,6 +306,11 @@ def _read(axis: str, ctx: CallContext) -> Any:
     if known is not None:
         return known.getter(ctx)
     return ctx.extra.get(axis)
+
+
+def _call_values(spec: Spec, ctx: CallContext) -> str:
+    """The call's values of the axes ``spec`` reads: ``has_cache=false, ndim=3``."""
+    return ", ".join(f"{a}={format_value(_read(a, ctx))}" for a in sorted(spec.axes()))
 
 
 def _encode_value(value: Any) -> Any:
@@ -541,18 +552,42 @@ class _Flag(_Atom):
 
 
 class _Named(_Frozen):
-    """A named predicate (``inference``, ``no_grad``...) standing for its definition."""
+    """A named predicate (``inference``, ``no_grad``...) or a table's definition
+    (``define:``), standing for what it abbreviates; equal only with the same name *and*
+    meaning (two tables may define one name differently)."""
 
-    __slots__ = ("inner", "name")
+    __slots__ = ("_hash", "inner", "name")
     kind = "named"
     name: str
     inner: Spec
+    _hash: int
 
     def __init__(self, name: str, inner: Spec) -> None:
-        self._set(name=name, inner=inner)
+        # The hash is kept: definitions share their specs, and hashing one must not walk
+        # every use of a definition inside it again.
+        self._set(name=name, inner=inner, _hash=hash(("_Named", name, inner)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def matches(self, ctx: CallContext) -> bool:
         return self.inner.matches(ctx)
+
+    def _reason(self, ctx: CallContext) -> str:
+        """``name (call has ...)`` when the whole of it fails (``mask_free (call has
+        has_mask=true)``); else the clause inside that failed first: ``dense (ndim == 4
+        fails; call has ndim=3)``, or a definition's own reason nested in this one."""
+        inner = self.inner
+        clause = inner
+        if inner.kind == "and":
+            clause = next(p for p in inner.parts if not p.matches(ctx))
+        if clause is inner:
+            return Spec._reason(self, ctx)
+        if clause.kind == "named":
+            return f"{self.name} ({clause.failure(ctx)})"
+        values = _call_values(clause, ctx)
+        has = f"; call has {values}" if values else ""
+        return f"{self.name} ({clause.description} fails{has})"
 
     def axes(self) -> frozenset[str]:
         return self.inner.axes()
@@ -569,7 +604,7 @@ class _Named(_Frozen):
         return ["pred", self.name, self.inner.encode()]
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.name,)
+        return (self.name, self.inner)
 
 
 class _Not(_Frozen):
@@ -726,6 +761,20 @@ def _decode(plain: Plain, vocabulary: Vocabulary) -> Spec:
         junction = _And if tag == "and" else _Or
         return junction.join(_decode(p, vocabulary) for p in plain[1])
     raise TypeError(tag)
+
+
+def named_parts(spec: Spec) -> list[Spec]:
+    """The named specs (predicates, a table's definitions) that ``spec`` is made of, in
+    order, the outermost only (not those inside a named one), each once."""
+    found: list[Spec] = []
+    todo = [spec]
+    while todo:
+        part = todo.pop()
+        if part.kind == "named":
+            found.append(part)
+        else:
+            todo.extend(reversed(part.parts))
+    return list(dict.fromkeys(found))
 
 
 #: Where a comparison ``x <op> c`` changes its answer, as offsets from ``c``.

@@ -3,8 +3,9 @@
 ``shipped_tables_dir()`` is where the shipped tables are. ``precompiled.json`` next to
 them holds, for every shipped table and profile file, keyed by the SHA-256 of its
 bytes: the validated data (the format model's dump, ``format``), the line of every
-row, and every core-vocabulary ``when`` expression already parsed (the plain encoding,
-``Spec.encode``). ``load`` builds a file whose bytes match an entry from that entry,
+row, and, already parsed (the plain encoding, ``Spec.encode``), every table's ``when``
+expressions and definitions, and every profile ``when`` that needs only the core
+vocabulary. ``load`` builds a file whose bytes match an entry from that entry,
 with the same builders the full path uses; a file that was edited no longer matches
 and takes the full path. The file is JSON: reading it runs no code and needs neither
 pydantic nor YAML.

@@ -7,7 +7,8 @@ The same builders serve the full path (the format's ``model_dump``) and the fast
 from __future__ import annotations
 
 __all__ = ["build_overlay_rows", "build_profile", "build_table", "compile_when",
-           "family_axes", "family_vocabulary", "no_fallback"]
+           "family_axes", "family_definitions", "family_vocabulary", "no_fallback",
+           "table_vocabulary"]
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -33,14 +34,16 @@ from astrai.errors import SpecSyntaxError
 def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:
     """Parse a row's expression; a syntax error is recorded with the file position.
 
-    With the core vocabulary the parsed form is kept in ``out.whens`` (what the
-    precompiled tables store), or taken from there on the fast path. An expression
-    the format's validation already rejected (``out.rejected``) is not reported again.
+    In a table file (whose vocabulary - axes, definitions - comes from the file itself),
+    and in a profile where only the core vocabulary is involved, the parsed form is kept
+    in ``out.whens`` (what the precompiled tables store), or taken from there on the fast
+    path. An expression the format's validation already rejected (``out.rejected``) is
+    not reported again.
     """
     if path in out.rejected:
         return None
     try:
-        if vocabulary is not CORE_VOCABULARY:
+        if out.kind != "table" and vocabulary is not CORE_VOCABULARY:
             return Spec.parse(text, vocabulary)
         plain = out.whens.get(path)
         if plain is not None:
@@ -103,6 +106,37 @@ def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
     return CORE_VOCABULARY.with_extras(axes) if axes else CORE_VOCABULARY
 
 
+def family_definitions(out: ParsedFile, texts: Mapping[str, str],
+                       vocabulary: Vocabulary) -> Vocabulary:
+    """``vocabulary`` with a table's definitions (``define:``), each problem recorded in
+    ``out`` at the definition. Their parsed forms are kept in ``out.whens`` (the
+    precompiled tables store them), or taken from there on the fast path."""
+    if not texts:
+        return vocabulary
+    paths = {name: ("define", name) for name in texts}
+    if all(p in out.whens for p in paths.values()):
+        return vocabulary.with_definitions(
+            {name: Spec.decode(out.whens[p], vocabulary) for name, p in paths.items()})
+    from astrai.dispatch.expr.definitions import define  # parses: not on the fast path
+
+    defined = define(texts, vocabulary)
+    for name, problem in defined.problems:
+        if isinstance(problem, SpecSyntaxError):
+            spec_problem(out, paths[name], problem)
+        else:
+            out.problem(paths[name], problem, key=True)
+    if not defined.problems:
+        out.whens.update((p, defined.vocabulary.definitions[n].encode())
+                         for n, p in paths.items())
+    return defined.vocabulary
+
+
+def table_vocabulary(table: FamilyTable) -> Vocabulary:
+    """What a family's expressions may use: the core names, its axes, its definitions."""
+    vocabulary = family_vocabulary(table.axes)
+    return vocabulary.with_definitions(table.definitions) if table.definitions else vocabulary
+
+
 def family_axes(out: ParsedFile | None, declared: list[tuple[int, Data]]) -> dict[str, Axis]:
     """A table's extra axes from its ``axes:`` declarations given as ``(index, axis)``;
     a bad declaration is left out (and recorded in ``out``, when given)."""
@@ -128,7 +162,7 @@ def family_axes(out: ParsedFile | None, declared: list[tuple[int, Data]]) -> dic
 def build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
     """A validated table's data (a format dump) -> ``FamilyTable``, rows bound."""
     axes = family_axes(out, list(enumerate(data["axes"])))
-    vocabulary = family_vocabulary(axes)
+    vocabulary = family_definitions(out, data["define"], family_vocabulary(axes))
     rows = build_overlay_rows(out, ("rows",), data["family"], list(enumerate(data["rows"])),
                               vocabulary)
     names = list(dict.fromkeys(r["name"] for r in data["rows"]))
@@ -153,6 +187,7 @@ def build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
         description=data["description"],
         env_alias=data["env_alias"],
         axes=MappingProxyType(axes),
+        definitions=vocabulary.definitions,
         source=out.file,
         revision=out.revision,
         context=builder,
@@ -224,7 +259,7 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
         else:
             added = build_overlay_rows(parsed, (*path, "add"), family,
                                        list(enumerate(ov["add"])),
-                                       family_vocabulary(table.axes)) or []
+                                       table_vocabulary(table)) or []
     names = [*known, *(a["name"] for a in ov["add"])]
 
     def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
@@ -245,7 +280,7 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
     if ov["fallback"] is not None:
         check("fallback", [ov["fallback"]])
     when: dict[str, Spec] = {}
-    vocabulary = family_vocabulary(table.axes if table is not None else {})
+    vocabulary = table_vocabulary(table) if table is not None else CORE_VOCABULARY
     for name, text in ov["when"].items():
         if name not in names:
             parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"

@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "SUPPORTED_VERSION",
     "AxisModel",
+    "Definitions",
     "FamilyOverlayModel",
     "ProfileFile",
     "RowModel",
@@ -98,6 +99,13 @@ def _expression_help() -> str:
 
 Expression = Annotated[StrictStr, Field(min_length=1, description=_expression_help())]
 When = Annotated[Expression, AfterValidator(_parse_when)]
+DefinitionName = Annotated[
+    StrictStr,
+    Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+          description="a name rows use as an atom: not an axis, a predicate or a keyword"),
+]
+#: A table's ``define:``: name -> expression (checked as a whole by ``build``).
+Definitions = dict[DefinitionName, Expression]
 
 
 class _Model(BaseModel):
@@ -147,6 +155,12 @@ class TableFile(_Model):
     description: StrictStr = ""
     env_alias: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
     axes: list[AxisModel] = Field(default_factory=list)
+    define: Definitions = Field(
+        default_factory=dict,
+        description="named sub-expressions: each is an expression over the family's axes "
+                    "(and earlier or later definitions, never itself), usable as an atom "
+                    "in any row's 'when' and in profiles' rows for this family",
+    )
     context: ImportPath | None = Field(
         default=None,
         description="for astrai.ops.call: a callable taking the call's arguments and "

@@ -33,6 +33,7 @@ from astrai.dispatch.tables.build import (
     build_profile,
     build_table,
     family_axes,
+    family_definitions,
     family_vocabulary,
     no_fallback,
 )
@@ -49,6 +50,7 @@ _PATTERN_MEANS = {
     "available": "an import path 'module.path:attribute' (exactly one ':')",
     "env_alias": "an environment variable name (letters, digits, '_')",
     "requires": "a module name such as flash_attn",
+    "define": "a definition name (letters, digits and '_', starting with a letter or '_')",
 }
 _NAME_MEANS = "a valid name (letters, digits, '_', '.', '-', starting with a letter or '_')"
 #: The largest table or profile file read (the shipped ones are a few KiB).
@@ -225,9 +227,13 @@ def _report_validation(out: ParsedFile, exc: ValidationError) -> None:
         elif etype == "missing":
             out.problem(real[:-1] if real == loc else real, f"missing required key {dotted!r}")
         elif etype == "string_pattern_mismatch":
-            key = next((p for p in reversed(loc) if isinstance(p, str)), "")
+            named = loc[-1] == "[key]"  # a mapping's key: say which mapping
+            key = str(loc[-3]) if named and len(loc) >= 3 else next(
+                (p for p in reversed(loc) if isinstance(p, str)), "")
             means = _PATTERN_MEANS.get(key, _NAME_MEANS)
-            out.problem(real, f"{dotted}: {err['input']!r} is not {means}")
+            if named:
+                real, dotted = loc[:-1], ".".join(str(p) for p in loc[:-1])
+            out.problem(real, f"{dotted}: {err['input']!r} is not {means}", key=named)
         else:
             out.problem(real, f"{dotted}: {err['msg'].removeprefix('Value error, ')}")
 
@@ -242,7 +248,7 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
     if not isinstance(rows, list):
         return
     good: list[tuple[int, Data]] = []
-    vocabulary = _declared_vocabulary(data)
+    vocabulary = _declared_vocabulary(data, out)
     for i, raw in enumerate(rows):
         try:  # the structure only: the expressions were checked with the whole file
             good.append((i, RowModel.model_validate(raw).model_dump(mode="json")))
@@ -257,11 +263,12 @@ def _check_rows_anyway(out: ParsedFile, data: dict[str, Any]) -> None:
         no_fallback(out, fallback, names)
 
 
-def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
-    """The family's vocabulary from its well-formed ``axes`` declarations, if any."""
-    from pydantic import ValidationError
+def _declared_vocabulary(data: dict[str, Any], out: ParsedFile | None = None) -> Vocabulary:
+    """The family's vocabulary from its well-formed ``axes`` and ``define`` declarations;
+    the definitions' problems are recorded in ``out`` when given."""
+    from pydantic import TypeAdapter, ValidationError
 
-    from astrai.dispatch.tables.format import AxisModel
+    from astrai.dispatch.tables.format import AxisModel, Definitions
 
     declared = data.get("axes")
     well_formed: list[tuple[int, Data]] = []
@@ -270,7 +277,17 @@ def _declared_vocabulary(data: dict[str, Any]) -> Vocabulary:
             well_formed.append((i, AxisModel.model_validate(raw).model_dump(mode="json")))
         except ValidationError:
             continue
-    return family_vocabulary(family_axes(None, well_formed))
+    definitions: dict[str, str] = {}
+    defined = data.get("define")
+    adapter = TypeAdapter(Definitions)
+    for name, text in (defined.items() if isinstance(defined, dict) else ()):
+        try:
+            definitions.update(adapter.validate_python({name: text}))
+        except ValidationError:  # reported by the format
+            continue
+    vocabulary = family_vocabulary(family_axes(None, well_formed))
+    scratch = ParsedFile("", "table")  # problems seen without ``out`` are reported later
+    return family_definitions(out or scratch, definitions, vocabulary)
 
 
 def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:

@@ -102,6 +102,8 @@ class FamilyTable:
     description: str = ""
     env_alias: str | None = None
     axes: Mapping[str, Axis] = field(default_factory=lambda: MappingProxyType({}))
+    #: The table's definitions (``define:``): name -> its named ``Spec``.
+    definitions: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
     source: str = ""
     revision: str = ""
     outside_fallback: ImplRecord | None = None

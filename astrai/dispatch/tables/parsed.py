@@ -38,7 +38,7 @@ class ParsedFile:
     text: str | None = None  # kept on the fast path, to find exact positions on demand
     dump: dict[str, Any] | None = None  # the validated model's JSON dump (full path)
     lines: dict[PathT, tuple[int, int]] = field(default_factory=dict)  # rows' positions
-    whens: dict[PathT, Plain] = field(default_factory=dict)  # parsed core-vocabulary `when`s
+    whens: dict[PathT, Plain] = field(default_factory=dict)  # parsed `when`s, definitions
     rejected: set[PathT] = field(default_factory=set)  # `when`s the format already reported
 
     def where(self, path: PathT, *, key: bool = False) -> tuple[int, int]:
