@@ -26,11 +26,13 @@ import pytest
 import torch
 
 from astrai.dispatch import CallContext
-from astrai.dispatch.axes import LAZY_AXES
+from astrai.dispatch.axes import AXES, FEATURE_AXES, LAZY_AXES
 from astrai.dispatch.registry import shipped_tables_dir
 from astrai.dispatch.resolution import explanation
 from tests.test_cli import astrai_stderr
 
+#: The feature axes of a call that asks for none.
+FEATURES_OFF = {name: AXES[name].default for name in FEATURE_AXES}
 ASTR_VARS = ("ASTR_OPS", "ASTR_TABLES", "ASTR_BACKEND")
 LINEAR_IMPL = "astrai.backends.linear:torch_linear"
 SHIPPED = shipped_tables_dir()
@@ -365,7 +367,7 @@ class TestJsonTypes:
             "fwd": "decode", "dtype": "bfloat16", "device_cuda": False, "ndim": 3,
             "head_dim": 64, "has_cache": True, "has_mask": False, "grad_enabled": False,
             # the lazy (shape and hardware) axes the command line did not set
-            **dict.fromkeys(LAZY_AXES),
+            **dict.fromkeys(LAZY_AXES), **FEATURES_OFF,
         }
 
     def test_unset_axes_are_null(self, runs: dict[str, Any]) -> None:
@@ -385,7 +387,7 @@ class TestJsonTypes:
         context = got.as_dict()["context"]
         assert context == {"fwd": None, "dtype": "float32", "device_cuda": False, "ndim": 4,
                            "head_dim": 64, "has_cache": False, "has_mask": False,
-                           "grad_enabled": True, **dict.fromkeys(LAZY_AXES),
+                           "grad_enabled": True, **dict.fromkeys(LAZY_AXES), **FEATURES_OFF,
                            "device": "cpu", "q_len": 7}
         assert json.loads(json.dumps(got.as_dict()))["context"] == context
         # the text leaves out the lazy axes the call does not fill

@@ -26,7 +26,7 @@ from astrai.dispatch import (
     shipped_tables_dir,
     use_profile,
 )
-from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
+from astrai.dispatch.axes import AXES, CORE_VOCABULARY, PREDICATES, Axis, Vocabulary
 from astrai.dispatch.expr import definitions
 from astrai.dispatch.expr.definitions import (
     MAX_DEFINITION_DEPTH,
@@ -46,9 +46,7 @@ ATTENTION_LIKE = {
     "paged": "has_cache and ndim == 3 and fwd in {prefill, decode}",
 }
 CYCLE_HINT = "a definition may use other definitions but never itself, directly or through others"
-CORE_NAMES = ("batch, cuda_device, device, device_cuda, dtype, fwd, grad_enabled, has_cache, "
-              "has_mask, head_dim, heads, in_features, inference, kv_heads, kv_len, mask_free, "
-              "ndim, no_grad, out_features, q_len, sm, tokens, training")
+CORE_NAMES = ", ".join(sorted([*AXES, *PREDICATES]))
 
 
 def built(texts: dict[str, str], vocabulary: Vocabulary = CORE_VOCABULARY) -> Vocabulary:
@@ -105,12 +103,12 @@ class TestDefine:
 
     def test_family_axes_and_predicates(self) -> None:
         """A definition may use the family's extra axes and the built-in predicates."""
-        window = Axis("window", "int", nullable=True, core=False)
-        vocabulary = built({"long": "window > 4096 and mask_free"},
-                           CORE_VOCABULARY.with_extras({"window": window}))
-        assert vocabulary.definitions["long"].matches(CallContext("f", extra={"window": 8192}))
-        got = define({"long": "window > 4096"}, CORE_VOCABULARY)
-        assert rendered(got)["long"].startswith("unknown axis 'window'")
+        span = Axis("span", "int", nullable=True, core=False)
+        vocabulary = built({"long": "span > 4096 and mask_free"},
+                           CORE_VOCABULARY.with_extras({"span": span}))
+        assert vocabulary.definitions["long"].matches(CallContext("f", extra={"span": 8192}))
+        got = define({"long": "span > 4096"}, CORE_VOCABULARY)
+        assert rendered(got)["long"].startswith("unknown axis 'span'")
 
     def test_error_type(self) -> None:
         """A definition is type-checked like a ``when``: the error is placed in its text."""
@@ -148,7 +146,7 @@ class TestDefine:
 
     @pytest.mark.parametrize(("name", "what"), [
         ("ndim", "is already an axis"),
-        ("window", "is already an axis"),
+        ("span", "is already an axis"),
         ("mask_free", "is already a built-in predicate"),
         ("and", "is a keyword of the grammar"),
         ("none", "is a keyword of the grammar"),
@@ -156,8 +154,8 @@ class TestDefine:
     def test_error_name_clash(self, name: str, what: str) -> None:
         """A name that is an axis (core or the family's), a predicate or a keyword is
         refused, and left out of the vocabulary."""
-        window = Axis("window", "int", nullable=True, core=False)
-        got = define({name: "has_cache"}, CORE_VOCABULARY.with_extras({"window": window}))
+        span = Axis("span", "int", nullable=True, core=False)
+        got = define({name: "has_cache"}, CORE_VOCABULARY.with_extras({"span": span}))
         assert rendered(got) == {
             name: f"definition name {name!r} {what}; a definition needs a name of its own"}
         assert name not in got.vocabulary.definitions

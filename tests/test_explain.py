@@ -101,7 +101,7 @@ class TestExplain:
             version: 1
             family: ax
             axes:
-              - name: window
+              - name: span
                 type: int
                 nullable: true
               - name: causal
@@ -110,26 +110,26 @@ class TestExplain:
             rows:
               - name: windowed
                 impl: tests._impls:fast
-                when: window >= 64
+                when: span >= 64
               - name: ref
                 impl: tests._impls:ref
                 when: causal
             """))
-        call = CallContext("ax", extra={"window": 128, "causal": False})
+        call = CallContext("ax", extra={"span": 128, "causal": False})
         assert explain("ax", call).splitlines()[:-2] + explain("ax", call).splitlines()[-1:] == [
             "[ax] fwd=none dtype=none device_cuda=false ndim=none head_dim=none "
-            "has_cache=false has_mask=false grad_enabled=true causal=false window=128",
-            "  windowed: MATCH (window >= 64)",
+            "has_cache=false has_mask=false grad_enabled=true causal=false span=128",
+            "  windowed: MATCH (span >= 64)",
             "  ref: reject (causal (call has causal=false))  (fallback)",
             "=> windowed (origin=chain)",
         ]
-        lines = explain("ax", call.evolve(extra={"window": None, "causal": False})).splitlines()
-        assert lines[1] == "  windowed: reject (window >= 64 (call has none))"
+        lines = explain("ax", call.evolve(extra={"span": None, "causal": False})).splitlines()
+        assert lines[1] == "  windowed: reject (span >= 64 (call has none))"
         assert lines[-3:] == [
             "=> ERROR: no ax row can serve this call, not even the fallback 'ref'; call: "
             "fwd=none dtype=none device_cuda=false ndim=none head_dim=none has_cache=false "
-            "has_mask=false grad_enabled=true causal=false window=none",
-            "  windowed: requires window >= 64 (call has none)",
+            "has_mask=false grad_enabled=true causal=false span=none",
+            "  windowed: requires span >= 64 (call has none)",
             "  ref (fallback): requires causal (call has causal=false)",
         ]
 

@@ -102,7 +102,7 @@ TOKENS = [
     ",", "==", "!=", "<", "<=", ">", ">=", "=", "!", "fwd", "dtype", "ndim", "head_dim",
     "has_cache", "has_mask", "device_cuda", "grad_enabled", "inference", "training",
     "no_grad", "mask_free", "cuda_device", "prefill", "decode", "float16", "bfloat16",
-    "half", "float32", "int8", "0", "3", "-1", "64", "9" * 30, "dtpye", "bfloat61", "window",
+    "half", "float32", "int8", "0", "3", "-1", "64", "9" * 30, "dtpye", "bfloat61", "span",
     "@", "é", "\t", "#", ":", "'", '"', "&a", "*a", "|", ">", "- x", "\\", "%",
 ]  # fmt: skip
 GARBAGE_WHEN = st.one_of(
@@ -363,7 +363,7 @@ def rename_owner(draw: Draw, rel: str, data: Data) -> Data:
 
 
 AXIS_NAMES = st.one_of(NAMES, st.sampled_from(
-    ["window", "inference", "fwd", "and", "none", "always", "mode", "window"]))
+    ["span", "inference", "fwd", "and", "none", "always", "mode", "span"]))
 AXIS_DECLARATIONS = st.fixed_dictionaries(
     {"name": AXIS_NAMES, "type": st.sampled_from(["bool", "int", "enum", "dtype", "float"])},
     optional={"values": st.lists(st.one_of(NAMES, st.sampled_from(["and", "none", "true"])),

@@ -12,26 +12,29 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from astrai.dispatch.axes import CORE_VOCABULARY, DTYPES, KEYWORDS, Axis, CallContext, Vocabulary
+from astrai.dispatch.axes import (
+    AXES,
+    CORE_VOCABULARY,
+    DTYPES,
+    KEYWORDS,
+    PREDICATES,
+    Axis,
+    CallContext,
+    Vocabulary,
+)
 from astrai.dispatch.expr._parser import MAX_DEPTH
 from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.errors import ECHO, SpecSyntaxError
 
-WINDOW = Axis("window", "int", nullable=True, core=False)
-WINDOWED = CORE_VOCABULARY.with_extras({"window": WINDOW})
+SPAN = Axis("span", "int", nullable=True, core=False)
+SPANNED = CORE_VOCABULARY.with_extras({"span": SPAN})
 #: Error messages list the common dtypes (every torch dtype name is accepted).
 COMMON = ("float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2, int8, int16, "
           "int32, int64, uint8, bool, complex64, complex128")
 ALL_DTYPES = f"{COMMON}, none"
-CORE_AXES = (
-    "batch, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, head_dim, "
-    "heads, in_features, kv_heads, kv_len, ndim, out_features, q_len, sm, tokens"
-)
-CORE_NAMES = (
-    "batch, cuda_device, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, "
-    "head_dim, heads, in_features, inference, kv_heads, kv_len, mask_free, ndim, no_grad, "
-    "out_features, q_len, sm, tokens, training"
-)
+#: What error messages list: every built-in axis, then every axis and predicate, sorted.
+CORE_AXES = ", ".join(sorted(AXES))
+CORE_NAMES = ", ".join(sorted([*AXES, *PREDICATES]))
 
 BIG = (
     "fwd in {prefill, decode} and has_cache and ndim == 3 and dtype == bfloat16"
@@ -79,7 +82,7 @@ def error(message: str, source: str, caret: str) -> str:
 TOKEN_SOUP = [
     *sorted(KEYWORDS), "(", ")", "{", "}", ",", "==", "!=", "<", "<=", ">", ">=", "=", "!",
     "fwd", "dtype", "ndim", "head_dim", "has_cache", "has_mask", "device_cuda", "grad_enabled",
-    "inference", "training", "no_grad", "mask_free", "cuda_device", "dtpye", "window",
+    "inference", "training", "no_grad", "mask_free", "cuda_device", "dtpye", "span",
     "prefill", "decode", "float16", "half", "bfloat16", "bfloat61", "0", "3", "64", "3d",
     "9" * 30, "@", "é", "\n",
 ]  # fmt: skip
@@ -308,9 +311,9 @@ class TestParseExpression:
 
     def test_extra_axis(self) -> None:
         """An extra axis is accepted in the vocabulary that declares it."""
-        spec = parse_spec("window >= 128", WINDOWED)
-        assert spec.test is not None and spec.test.axis == WINDOW
-        assert spec.encode() == ["cmp", "window", ">=", 128]
+        spec = parse_spec("span >= 128", SPANNED)
+        assert spec.test is not None and spec.test.axis == SPAN
+        assert spec.encode() == ["cmp", "span", ">=", 128]
 
     def test_errors_are_value_errors(self) -> None:
         """The syntax error is a ValueError carrying the source and span."""
@@ -338,8 +341,8 @@ class TestParseExpression:
 
     def test_error_extra_axis_outside_its_vocabulary(self) -> None:
         """An extra axis is unknown to the core vocabulary."""
-        assert rendered("window >= 128") == error(
-            f"unknown axis 'window'; expected one of: {CORE_AXES}", "window >= 128", "^~~~~~"
+        assert rendered("span >= 128") == error(
+            f"unknown axis 'span'; expected one of: {CORE_AXES}", "span >= 128", "^~~~"
         )
 
     def test_error_unknown_dtype(self) -> None:
@@ -645,20 +648,20 @@ class TestMatches:
 
     def test_extra_axis_reads_the_context_extras(self) -> None:
         """An extra axis reads its value from ``ctx.extra``."""
-        spec = parse_spec("window >= 128 and has_cache", WINDOWED)
-        assert spec.matches(call(has_cache=True, extra={"window": 256}))
-        assert not spec.matches(call(has_cache=True, extra={"window": 64}))
+        spec = parse_spec("span >= 128 and has_cache", SPANNED)
+        assert spec.matches(call(has_cache=True, extra={"span": 256}))
+        assert not spec.matches(call(has_cache=True, extra={"span": 64}))
         assert not spec.matches(call(has_cache=True))
 
     def test_vocabulary_predicate(self) -> None:
         """A vocabulary's own predicate compiles from its expression."""
         vocabulary = Vocabulary(
-            predicates={"long_window": ("window > 4096", "window")}
-        ).with_extras({"window": WINDOW})
+            predicates={"long_window": ("span > 4096", "span")}
+        ).with_extras({"span": SPAN})
         spec = parse_spec("long_window", vocabulary)
         assert spec.description == "long_window"
-        assert spec.matches(call(extra={"window": 8192}))
-        assert not spec.matches(call(extra={"window": 1024}))
+        assert spec.matches(call(extra={"span": 8192}))
+        assert not spec.matches(call(extra={"span": 1024}))
 
     def test_error_decoding_an_unknown_axis(self) -> None:
         """Decoding names its axes in the vocabulary: an unknown one is a ValueError."""
@@ -710,18 +713,18 @@ class TestParseSpec:
 
     def test_cached_per_vocabulary(self) -> None:
         """Equal vocabularies share a cache entry; a different vocabulary does not."""
-        again = CORE_VOCABULARY.with_extras({"window": WINDOW})
-        spec = parse_spec("window == none", WINDOWED)
-        assert parse_spec("window == none", again) is spec
-        other = CORE_VOCABULARY.with_extras({"window": Axis("window", "int", core=False)})
-        with pytest.raises(SpecSyntaxError, match="expected an integer for 'window'"):
-            parse_spec("window == none", other)
+        again = CORE_VOCABULARY.with_extras({"span": SPAN})
+        spec = parse_spec("span == none", SPANNED)
+        assert parse_spec("span == none", again) is spec
+        other = CORE_VOCABULARY.with_extras({"span": Axis("span", "int", core=False)})
+        with pytest.raises(SpecSyntaxError, match="expected an integer for 'span'"):
+            parse_spec("span == none", other)
 
     def test_extra_axis_only_in_its_vocabulary(self) -> None:
         """An extra axis compiles in its vocabulary and fails in the core one."""
-        assert parse_spec("window > 0", WINDOWED).matches(call(extra={"window": 1}))
-        with pytest.raises(SpecSyntaxError, match="unknown axis 'window'"):
-            parse_spec("window > 0")
+        assert parse_spec("span > 0", SPANNED).matches(call(extra={"span": 1}))
+        with pytest.raises(SpecSyntaxError, match="unknown axis 'span'"):
+            parse_spec("span > 0")
 
     def test_error_is_rendered_with_caret(self) -> None:
         """Compilation raises the parser's error unchanged."""

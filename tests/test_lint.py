@@ -16,8 +16,8 @@ from astrai.dispatch.registry import current
 from astrai.dispatch.tables.model import FamilyTable, ImplRecord, View
 
 QUANT = Axis("quant", "enum", ("int8", "fp8"), nullable=True, core=False)
-WINDOW = Axis("window", "int", nullable=True, core=False)
-EXTRAS: Mapping[str, Axis] = MappingProxyType({"quant": QUANT, "window": WINDOW})
+SPAN = Axis("span", "int", nullable=True, core=False)
+EXTRAS: Mapping[str, Axis] = MappingProxyType({"quant": QUANT, "span": SPAN})
 
 Row = tuple[str, str | Spec] | tuple[str, str | Spec, dict[str, Any]]
 
@@ -127,15 +127,15 @@ class TestLintView:
 
     def test_extra_axes_are_analysed(self) -> None:
         """A family's extra axes are enumerated like core ones (enum with none, int classes)."""
-        report = lint_view(make_view(("q", "quant == int8 and window > 64"),
-                                     ("q2", "quant in {int8} and window >= 65"),
+        report = lint_view(make_view(("q", "quant == int8 and span > 64"),
+                                     ("q2", "quant in {int8} and span >= 65"),
                                      ("any", "quant != none"), ("ref", "always")))
         assert kinds(report) == {"q2": "shadowed"}
-        assert report.axes == ("quant", "window")
-        assert winner(report, quant="int8", window="65") == "q"
-        assert winner(report, quant="int8", window=">65") == "q"
-        assert winner(report, quant="fp8", window="64") == "any"
-        assert winner(report, quant="none", window="none") == "ref"
+        assert report.axes == ("quant", "span")
+        assert winner(report, quant="int8", span="65") == "q"
+        assert winner(report, quant="int8", span=">65") == "q"
+        assert winner(report, quant="fp8", span="64") == "any"
+        assert winner(report, quant="none", span="none") == "ref"
 
     def test_coverage_matrix_winners(self) -> None:
         """Each region of the coverage matrix names the row the chain picks there."""

@@ -126,7 +126,7 @@ class TestNothingReadUnlessCompared:
         pick, calls = self._counting("attention")
         q = torch.zeros(1, 4, 2, 8)
         for _ in range(3):
-            pick(None, (q, q, q, None, 0, None, False, None))
+            pick(None, (q, q, q, None, 0, None, False, None, {}))
         assert calls == [1]  # once, to build the context of the first (missed) call
         assert current().facade_keys["attention"] is None
 
@@ -135,7 +135,7 @@ class TestNothingReadUnlessCompared:
         pick, calls = self._counting("attention")
         q = torch.zeros(1, 4, 2, 8)
         for _ in range(3):
-            pick(None, (q, q, q, None, 0, None, False, None))
+            pick(None, (q, q, q, None, 0, None, False, None, {}))
         assert calls[0] == 4  # each call's key, plus the first call's context
 
 

@@ -29,6 +29,7 @@ from astrai.dispatch import (
     state,
     use_profile,
 )
+from astrai.dispatch.axes import AXES
 from tests import _impls
 from tests.conftest import TOY_TABLE, ctx
 
@@ -227,7 +228,7 @@ class TestLoadTables:
             f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, define, "
             f"description, env_alias, fallback, family, rows, version",
             f"{path}:8:5: unknown key 'whne' (did you mean 'when'?); expected one of: "
-            f"available, description, faithful, impl, name, requires, when",
+            f"available, description, faithful, features, impl, name, requires, when",
         ]
 
     def test_error_unknown_profile_key(self, toy: Path, write_yaml: Write) -> None:
@@ -336,9 +337,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:7:11: unknown axis 'ndimm' (did you mean 'ndim'?); expected one of: "
-            f"batch, device, device_cuda, dtype, fwd, grad_enabled, has_cache, has_mask, "
-            f"head_dim, heads, in_features, kv_heads, kv_len, ndim, out_features, q_len, sm, "
-            f"tokens\n"
+            f"{', '.join(sorted(AXES))}\n"
             f"    ndimm == 3\n"
             f"    ^~~~~"
         ]
@@ -475,7 +474,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:9:5: unknown key 'speed'; expected one of: available, description, "
-            f"faithful, impl, name, requires, when"
+            f"faithful, features, impl, name, requires, when"
         ]
 
     def test_error_structural_problem_keeps_declared_axes(self, write_yaml: Write) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "DEVICE_TYPES",
     "DTYPES",
     "EMPTY",
+    "FEATURE_AXES",
     "FWD_MODES",
     "LAZY_AXES",
     "PREDICATES",
@@ -26,10 +27,12 @@ __all__ = [
     "AxisKind",
     "CallContext",
     "Vocabulary",
+    "asked_features",
     "context_fields",
     "dtype_name",
     "format_context",
     "format_value",
+    "unremarkable",
 ]
 
 import dataclasses
@@ -68,11 +71,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def format_context(ctx: Any) -> str:
     """A call's axes as ``explain`` writes them: ``fwd=none dtype=int64 ndim=4 ...`` (a
-    lazy axis the call does not fill is left out)."""
+    lazy axis the call does not fill, or a feature it does not ask for, is left out)."""
     parts = [f"{name}={format_value(value)}" for name, axis in AXES.items()
-             if (value := axis.getter(ctx)) is not None or not axis.lazy]
+             if not unremarkable(name, value := axis.getter(ctx))]
     parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
     return " ".join(parts)
+
+
+def unremarkable(name: str, value: Any) -> bool:
+    """Whether explain's text leaves ``name=value`` out: a lazy axis the call does not
+    fill, or a feature the call does not ask for."""
+    axis = AXES.get(name)
+    return axis is not None and (axis.lazy or axis.feature) and value is axis.default
 
 
 def format_value(value: Any) -> str:
@@ -98,6 +108,9 @@ class Axis:
     A ``lazy`` axis (a shape or hardware axis) is read off a call only when some loaded
     table compares it, and an ordered one enters the decision-cache key as the interval
     between the tables' cut points its value falls in (``astrai.dispatch.keying``).
+    A ``feature`` axis is something a call asks for beyond plain computation (a custom
+    scale, soft-capping, ...): it is off (its default) unless asked for, and a row serves
+    a call that asks for it only when the row declares it (``features:``).
     """
 
     name: str
@@ -111,6 +124,7 @@ class Axis:
     flag: str = ""
     minimum: int = 0
     lazy: bool = False
+    feature: bool = False
 
     def __post_init__(self) -> None:
         if self.getter is None:
@@ -171,10 +185,12 @@ class Axis:
 
 
 def _axis(kind: AxisKind, default: Any, description: str, *, values: tuple[str, ...] = (),
-          nullable: bool = False, flag: str = "", minimum: int = 0, lazy: bool = False) -> Any:
+          nullable: bool = False, flag: str = "", minimum: int = 0, lazy: bool = False,
+          feature: bool = False) -> Any:
     """A ``CallContext`` field that is a core axis (its ``Axis`` rides in the metadata)."""
     spec = {"kind": kind, "default": default, "description": description, "values": values,
-            "nullable": nullable, "flag": flag, "minimum": minimum, "lazy": lazy}
+            "nullable": nullable, "flag": flag, "minimum": minimum, "lazy": lazy,
+            "feature": feature}
     return field(default=default, metadata={"axis": spec})
 
 
@@ -242,6 +258,20 @@ class CallContext:
                                "leading dimensions)", "--tokens")
     in_features: int | None = _size("linear: input features", "--in-features")
     out_features: int | None = _size("linear: output features", "--out-features")
+    # The features a call may ask for: off unless asked; served only by rows declaring them.
+    scale: bool = _axis("bool", False, "attention: a softmax scale other than "
+                        "head_dim ** -0.5", flag="--scale", feature=True)
+    softcap: bool = _axis("bool", False, "attention: logits soft-capped, cap * tanh(s / cap)",
+                          flag="--softcap", feature=True)
+    dropout: bool = _axis("bool", False, "attention: dropout on the probabilities (p > 0)",
+                          flag="--dropout", feature=True)
+    window: int | None = _axis("int", None, "attention: sliding window, each query sees its "
+                               "last window keys (itself included)", nullable=True,
+                               flag="--window", minimum=1, feature=True)
+    sinks: bool = _axis("bool", False, "attention: a learned sink logit per head joins the "
+                        "softmax", flag="--sinks", feature=True)
+    return_weights: bool = _axis("bool", False, "attention: the probabilities are returned "
+                                 "with the output", flag="--return-weights", feature=True)
     extra: Mapping[str, Any] = field(default_factory=lambda: EMPTY, hash=False)
     raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
@@ -287,6 +317,15 @@ AXES: Mapping[str, Axis] = MappingProxyType({
 CORE_AXES: tuple[str, ...] = tuple(AXES)
 #: The lazy axes (see ``Axis.lazy``), in declaration order.
 LAZY_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.lazy)
+#: The feature axes (see ``Axis.feature``), in declaration order.
+FEATURE_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.feature)
+_read_features = operator.attrgetter(*FEATURE_AXES)
+
+
+def asked_features(ctx: CallContext) -> frozenset[str]:
+    """The features ``ctx`` asks for (its feature axes not at their default)."""
+    return frozenset(name for name, value in zip(FEATURE_AXES, _read_features(ctx), strict=True)
+                     if value is not None and value is not False)
 _read_core = operator.attrgetter(*CORE_AXES)
 
 

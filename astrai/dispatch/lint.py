@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, format_value
+from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, asked_features, format_value
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import current
 from astrai.dispatch.tables.model import ImplRecord, View
@@ -278,6 +278,9 @@ def lint_view(view: View) -> LintReport:
             opaque_rows.add(rec.name)
             notes.append(f"row {rec.name!r} is not analysable: its condition calls Python "
                          f"({'; '.join(opaque)}); treated as 'may match anything'")
+    for feature in sorted(set().union(*(r.features for r in rows))):
+        # calls asking for a declared feature, and calls not asking for it
+        mentions.setdefault(feature, _Mention(AXES[feature]))
     order = [*AXES, *view.table.axes]
     _share_values(mentions)
     axes = sorted(mentions, key=lambda a: order.index(a) if a in order else len(order))
@@ -305,13 +308,16 @@ def lint_view(view: View) -> LintReport:
     taken_by: dict[str, set[str]] = {r.name: set() for r in rows}
     entries: list[Region] = []
     core = {a for a in axes if mentions[a].axis.core}
-    judges = [(r.name, r.spec, _tri if r.name in opaque_rows else _plain) for r in rows]
+    judges = [(r.name, r.spec, _tri if r.name in opaque_rows else _plain, r.features)
+              for r in rows]
     singles = [frozenset({j}) for j in range(max(map(len, domains), default=0))]
     for combo in combos:
         values = {a: domains[i][j][0] for i, (a, j) in enumerate(zip(axes, combo, strict=True))}
         ctx = CallContext(family, **{a: v for a, v in values.items() if a in core},
                           extra={a: v for a, v in values.items() if a not in core})
-        verdicts = {name: judge(spec, ctx) for name, spec, judge in judges}
+        asked = asked_features(ctx)
+        verdicts = {name: False if asked - features else judge(spec, ctx)
+                    for name, spec, judge, features in judges}
         satisfiable.update(n for n, v in verdicts.items() if v is not False)
         maybe: list[str] = []
         winner, later = fallback, []

@@ -34,11 +34,12 @@ from astrai.dispatch import state as process
 from astrai.dispatch._environ import environ_get
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import (
-    LAZY_AXES,
     CallContext,
+    asked_features,
     context_fields,
     format_context,
     format_value,
+    unremarkable,
 )
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.keying import signature_key
@@ -98,10 +99,20 @@ def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, 
         return UNAVAILABLE, reason
     if implicit and not rec.faithful and rec.name not in view.enabled:
         return UNFAITHFUL, ""
+    undeclared = asked_features(ctx) - rec.features
+    if undeclared:
+        return REJECT, undeclared_reason(rec, undeclared)
     why = rec.spec.failure(ctx)
     if why is not None:
         return REJECT, why
     return MATCH, rec.spec.description
+
+
+def undeclared_reason(rec: ImplRecord, undeclared: frozenset[str]) -> str:
+    """Why a row cannot serve a call asking for features it does not declare."""
+    asked = ", ".join(sorted(undeclared))
+    declared = ", ".join(sorted(rec.features)) or "none"
+    return f"features: [{asked}] (the call asks for {asked}; the row declares {declared})"
 
 
 def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
@@ -116,7 +127,7 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
         if not (probed[1] if probed is not None and probed[0] is rec
                 else state.availability(rec)[0]):
             return False
-    return rec.spec.matches(ctx)
+    return asked_features(ctx) <= rec.features and rec.spec.matches(ctx)
 
 
 def _adhoc(family: str, obj: Any) -> ImplRecord:
@@ -224,13 +235,14 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                              f"({why}); falling through")
         elif origin == "chain":
             probed = process.probed
+            asked = asked_features(ctx)
             for rec in view.chain:  # == serves(state, view, rec, ctx), inlined: the hot walk
                 if rec.available is not ALWAYS_AVAILABLE:
                     got = probed.get(id(rec))
                     if not (got[1] if got is not None and got[0] is rec
                             else state.availability(rec)[0]):
                         continue
-                if rec.spec.matches(ctx):
+                if (not asked or asked <= rec.features) and rec.spec.matches(ctx):
                     return _resolved(state, rec, origin)  # the seed's origin, fallback or not
         elif origin == "fallback":
             rec = view.fallback
@@ -412,7 +424,7 @@ class Explanation:
         """The SPEC §8 text."""
         lines = [f"[{self.family}] " + " ".join(f"{k}={format_value(v)}"
                                                 for k, v in self.context.items()
-                                                if v is not None or k not in LAZY_AXES)]
+                                                if not unremarkable(k, v))]
         if self.profiles:
             lines.append(f"  profiles: {' + '.join(self.profiles)}")
         lines += [_row_text(r) for r in self.rows]

@@ -9,11 +9,15 @@ object): strict, it raises rather than fall back.
 
 from __future__ import annotations
 
-__all__ = ["apply_rotary", "attention", "call", "context", "linear", "rms_norm"]
+__all__ = ["AttentionFeatures", "apply_rotary", "attention", "call", "context", "linear",
+           "rms_norm"]
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
@@ -24,6 +28,8 @@ from astrai.dispatch.torch_compile import compiling, decision_name, representati
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, route
 from astrai.ops._families import (
+    ATTENTION_ASKS,
+    ATTENTION_FEATURES,
     ATTENTION_READS,
     ATTENTION_SHAPE,
     LINEAR_READS,
@@ -32,6 +38,7 @@ from astrai.ops._families import (
     RMS_NORM_SHAPE,
     ROTARY_READS,
     ROTARY_SHAPE,
+    attention_features,
     describe_attention,
     describe_linear,
     describe_rms_norm,
@@ -43,6 +50,27 @@ from astrai.ops._families import (
 )
 
 
+class AttentionFeatures(TypedDict, total=False):
+    """What an attention call may ask for beyond plain softmax attention (each is a
+    feature axis: only rows that declare it serve a call asking for it)."""
+
+    scale: float | None  # softmax scale; None or head_dim ** -0.5 is the default
+    softcap: float | None  # logits become softcap * tanh(logits / softcap); None/0: off
+    dropout_p: float  # dropout on the probabilities; 0: off
+    window: int | None  # each query sees its last `window` keys (itself included)
+    sinks: torch.Tensor | None  # [heads]: a sink logit per head joins each softmax
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any = ...,
+              layer_id: int = ..., attn_mask: torch.Tensor | None = ..., is_causal: bool = ...,
+              fwd: str | None = ..., backend: Any = ..., *, return_weights: Literal[False] = ...,
+              **features: Unpack[AttentionFeatures]) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any = ...,
+              layer_id: int = ..., attn_mask: torch.Tensor | None = ..., is_causal: bool = ...,
+              fwd: str | None = ..., backend: Any = ..., *, return_weights: Literal[True],
+              **features: Unpack[AttentionFeatures]) -> tuple[torch.Tensor, torch.Tensor]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,16 +81,27 @@ def attention(
     is_causal: bool = False,
     fwd: str | None = None,
     backend: Any = None,
-) -> torch.Tensor:
+    *,
+    return_weights: bool = False,
+    **features: Unpack[AttentionFeatures],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention through the ``attention`` table.
 
     Dense ``[batch, seq, heads, head_dim]`` (training / no cache), or packed
     ``[tokens, heads, head_dim]`` with a paged ``kv_cache`` for ``fwd="prefill"`` /
-    ``"decode"``. K/V may have fewer heads (GQA). Returns ``[..., heads*head_dim]``.
+    ``"decode"``. K/V may have fewer heads (GQA). Returns ``[..., heads*head_dim]``;
+    with ``return_weights=True``, ``(output, weights [batch, heads, q_len, k_len])``.
+    The features (``scale``, ``softcap``, ``dropout_p``, ``window``, ``sinks``,
+    ``return_weights``) a call asks for are served only by rows that declare them.
     """
-    return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd))(  # type: ignore[no-any-return]
+    asked: dict[str, Any] = features  # type: ignore[assignment]
+    if features or return_weights:
+        if return_weights:
+            asked = {**features, "return_weights": return_weights}
+        asked = attention_features(q, is_causal, kv_cache, asked)
+    return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, asked))(  # type: ignore[no-any-return]
         q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
-        is_causal=is_causal, fwd=fwd)
+        is_causal=is_causal, fwd=fwd, **asked)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
@@ -86,7 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 FAMILY_CALLS: dict[str, FamilyCall] = {
     fc.family: fc for fc in (
         FamilyCall.of(attention, describe_attention, ATTENTION_READS, shape_attention,
-                      ATTENTION_SHAPE, positional=3),
+                      ATTENTION_SHAPE, positional=3, keywords=tuple(ATTENTION_FEATURES),
+                      asks=ATTENTION_ASKS,
+                      check=lambda full, asked: attention_features(full[0], full[6], full[3],
+                                                                   asked)),
         FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, shape_rotary, ROTARY_SHAPE,
                       positional=2),
         FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, shape_rms_norm,

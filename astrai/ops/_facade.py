@@ -41,16 +41,29 @@ class FamilyCall:
     describe: Callable[..., tuple[Any, ...]]
     lazy: tuple[str, ...]  # the lazy axes ``shape`` returns, in order
     shape: Callable[..., tuple[Any, ...]]
+    # A facade taking feature keywords: their names, the feature axes ``describe`` then
+    # appends (in order), and the check that keeps the features a call really asks for
+    # (given the full positional tuple and the keywords). The features travel as one
+    # more, last, element of the argument tuple: a dict of keyword -> value.
+    keywords: tuple[str, ...] = ()
+    asks: tuple[str, ...] = ()
+    check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
            reads: tuple[str, ...], shape: Callable[..., tuple[Any, ...]],
-           lazy: tuple[str, ...], *, positional: int) -> FamilyCall:
-        """The ``FamilyCall`` of ``facade`` (its parameters read off its signature)."""
+           lazy: tuple[str, ...], *, positional: int, keywords: tuple[str, ...] = (),
+           asks: tuple[str, ...] = (),
+           check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
+           ) -> FamilyCall:
+        """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
+        feature keywords, ``**features``, are given as ``keywords``)."""
         params = [p for p in inspect.signature(facade).parameters.values()
-                  if p.name != "backend"]
+                  if p.name != "backend" and p.kind is not p.VAR_KEYWORD
+                  and p.name not in keywords]
         return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
-                   tuple(p.default for p in params), positional, reads, describe, lazy, shape)
+                   tuple(p.default for p in params), positional, reads, describe, lazy, shape,
+                   keywords, asks, check)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The facade's full argument tuple for ``facade(*args, **kwargs)``."""
@@ -58,6 +71,7 @@ class FamilyCall:
             raise TypeError(f"{self.family} takes at most {len(self.params)} arguments "
                             f"({', '.join(self.params)}), got {len(args)}")
         full = list(args) + list(self.defaults[len(args):])
+        features = {n: kwargs.pop(n) for n in self.keywords if n in kwargs}
         for name, value in kwargs.items():
             if name not in self.params[len(args):]:
                 raise TypeError(f"{self.family} got an unexpected or repeated argument "
@@ -67,14 +81,24 @@ class FamilyCall:
                    if v is inspect.Parameter.empty]
         if missing:
             raise TypeError(f"{self.family} is missing {', '.join(missing)}")
+        if self.check is not None:
+            full.append(self.check(tuple(full), features) if features else features)
         return tuple(full)
+
+    def names(self, values: tuple[Any, ...]) -> tuple[str, ...]:
+        """The axes of ``describe``'s ``values`` (the feature axes when it appended them)."""
+        return self.reads if len(values) == len(self.reads) else (*self.reads, *self.asks)
 
     def context(self, *args: Any) -> CallContext:
         """The ``CallContext`` of a call given as the full argument tuple."""
-        cut = self.positional
-        return CallContext.of(self.family, (*self.reads, *self.lazy),
-                              (*self.describe(*args), *self.shape(*args)), raw=args[:cut],
-                              raw_kwargs=dict(zip(self.params[cut:], args[cut:], strict=True)))
+        cut, n = self.positional, len(self.params)
+        values = self.describe(*args)
+        raw_kwargs = dict(zip(self.params[cut:], args[cut:n], strict=True))
+        if self.check is not None:
+            raw_kwargs.update(args[n])
+        return CallContext.of(self.family, (*self.names(values), *self.lazy),
+                              (*values, *self.shape(*args)), raw=args[:cut],
+                              raw_kwargs=raw_kwargs)
 
 
 _UNSET: Any = object()
@@ -83,12 +107,12 @@ _UNSET: Any = object()
 def route(fc: FamilyCall) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call."""
     family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
-    lazy, shape = fc.lazy, fc.shape
-    every = (*reads, *lazy)
+    lazy, shape, names = fc.lazy, fc.shape, fc.names
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
         if compiling():  # before anything dynamo cannot trace (ContextVar.get)
+            every = (*names(values), *lazy)
             values = representatives(family, every, (*values, *shape(*args)))
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]

@@ -16,6 +16,8 @@ costs a handful of integer comparisons: this runs on every call, once.
 from __future__ import annotations
 
 __all__ = [
+    "ATTENTION_ASKS",
+    "ATTENTION_FEATURES",
     "ATTENTION_READS",
     "ATTENTION_SHAPE",
     "LINEAR_READS",
@@ -24,6 +26,7 @@ __all__ = [
     "RMS_NORM_SHAPE",
     "ROTARY_READS",
     "ROTARY_SHAPE",
+    "attention_features",
     "describe_attention",
     "describe_linear",
     "describe_rms_norm",
@@ -35,6 +38,7 @@ __all__ = [
     "shape_rotary",
 ]
 
+import math as _math
 from math import prod
 from typing import Any
 
@@ -60,6 +64,7 @@ RMS_NORM_SHAPE = ("device", "sm", "tokens")
 LINEAR_SHAPE = ("device", "sm", "tokens", "in_features", "out_features")
 
 _capabilities: dict[int, int] = {}
+_NONE: dict[str, Any] = {}
 _CPU = ("cpu", None)
 
 
@@ -90,6 +95,68 @@ def _tensors(family: str, **tensors: Any) -> None:
             raise TypeError(f"{family}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+#: The attention facade's feature keywords, and the feature axis each one sets.
+ATTENTION_FEATURES: dict[str, str] = {"scale": "scale", "softcap": "softcap",
+                                      "dropout_p": "dropout", "window": "window",
+                                      "sinks": "sinks", "return_weights": "return_weights"}
+#: The feature axes, in the order ``describe_attention`` appends them.
+ATTENTION_ASKS = tuple(ATTENTION_FEATURES.values())
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise TypeError(f"attention: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def attention_features(q: torch.Tensor, is_causal: bool, kv_cache: Any,
+                       features: dict[str, Any]) -> dict[str, Any]:
+    """The features an attention call asks for, checked, with those at their default
+    left out (a scale of ``head_dim ** -0.5``, no cap, ``dropout_p=0``, no window, no
+    sinks, no weights): a row receives exactly the keywords of what it must honour."""
+    asked: dict[str, Any] = {}
+    for name, value in features.items():
+        if name not in ATTENTION_FEATURES:
+            raise TypeError(f"attention got an unexpected keyword argument {name!r}; "
+                            f"features: {', '.join(ATTENTION_FEATURES)}")
+        if value is None:
+            continue
+        if name == "scale":
+            if _number(name, value) <= 0:
+                raise ValueError(f"attention: scale must be > 0, got {value!r}")
+            if not _math.isclose(value, q.shape[-1] ** -0.5, rel_tol=1e-6):
+                asked[name] = value
+        elif name == "softcap":
+            if _number(name, value) < 0:
+                raise ValueError(f"attention: softcap must be >= 0, got {value!r}")
+            if value:
+                asked[name] = value
+        elif name == "dropout_p":
+            if not 0 <= _number(name, value) < 1:
+                raise ValueError(f"attention: dropout_p must be in [0, 1), got {value!r}")
+            if value:
+                asked[name] = value
+        elif name == "window":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"attention: window must be an int >= 1, got {value!r}")
+            if not is_causal and kv_cache is None:
+                raise ValueError("attention: a sliding window needs is_causal=True (or the "
+                                 "paged path, causal per request)")
+            asked[name] = value
+        elif name == "sinks":
+            if not isinstance(value, Tensor) or tuple(value.shape) != (q.shape[-2],) or (
+                    not value.is_floating_point()):
+                raise ValueError(f"attention: sinks must be a float tensor [heads] = "
+                                 f"[{q.shape[-2]}], got "
+                                 f"{tuple(value.shape) if isinstance(value, Tensor) else value!r}")
+            asked[name] = value
+        elif value is not False:  # return_weights
+            if value is not True:
+                raise TypeError(f"attention: return_weights must be a bool, got {value!r}")
+            asked[name] = True
+    return asked
+
+
 def _attention_slow(q: Any, k: Any, v: Any, kv_cache: Any, layer_id: int, attn_mask: Any,
                     fwd: str | None) -> None:
     _tensors("attention", q=q, k=k, v=v)
@@ -108,11 +175,17 @@ def _attention_slow(q: Any, k: Any, v: Any, kv_cache: Any, layer_id: int, attn_m
 
 def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                        layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                       fwd: str | None) -> tuple[Any, ...]:
+                       fwd: str | None, features: dict[str, Any]) -> tuple[Any, ...]:
     """Dense ``[batch, seq, heads, head_dim]`` q/k/v that agree (GQA allowed), or a
-    packed ``[tokens, heads, head_dim]`` call that fits its paged batch."""
+    packed ``[tokens, heads, head_dim]`` call that fits its paged batch. ``features``
+    (checked by ``attention_features``) add ``ATTENTION_ASKS`` when there are any."""
     if fwd is not None and fwd not in PAGED_MODES:
         raise ValueError(f"fwd must be one of None, 'prefill', 'decode'; got {fwd!r}")
+    if features:
+        return (*describe_attention(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,
+                                    _NONE),
+                "scale" in features, "softcap" in features, "dropout_p" in features,
+                features.get("window"), "sinks" in features, "return_weights" in features)
     if kv_cache is None and attn_mask is None:
         try:  # the common dense call: unpacking and integer comparisons only
             b, _, h, d = q.shape
@@ -194,7 +267,7 @@ def describe_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def shape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                     layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                    fwd: str | None) -> tuple[Any, ...]:
+                    fwd: str | None, features: dict[str, Any]) -> tuple[Any, ...]:
     """``ATTENTION_SHAPE`` of a described call: for a packed call over a paged batch,
     ``batch`` is its request count and ``q_len`` / ``kv_len`` the longest request's."""
     device, sm = device_axes(q)

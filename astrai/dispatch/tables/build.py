@@ -97,6 +97,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         faithful=row["faithful"],
         description=row["description"],
         source=f"{out.file}:{line}",
+        features=frozenset(row.get("features", ())),
         **kwargs,
     )
 

@@ -42,7 +42,7 @@ from pydantic import (
     ValidationInfo,
 )
 
-from astrai.dispatch.axes import AXES
+from astrai.dispatch.axes import AXES, FEATURE_AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 
@@ -108,6 +108,9 @@ DefinitionName = Annotated[
 Definitions = dict[DefinitionName, Expression]
 
 
+Feature = Literal[FEATURE_AXES]  # type: ignore[valid-type]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -136,6 +139,11 @@ class RowModel(_Model):
         default=True, description="false: changes numerics; never picked implicitly"
     )
     description: StrictStr = ""
+    features: list[Feature] = Field(
+        default_factory=list,
+        description="the features (feature axes) this row honours; a call asking for one "
+                    "it does not list is not served by it: " + ", ".join(FEATURE_AXES),
+    )
     requires: list[ModuleName] = Field(
         default_factory=list,
         description="optional packages this row needs: when one is not installed the row "

@@ -63,6 +63,8 @@ class ImplRecord:
     position (0 for the first row). ``faithful=False`` marks a row that changes
     numerics: only explicit selection or a profile that enables it can pick it.
     ``source`` says where the row was defined (``file:line`` or ``register_family``).
+    ``features`` are the feature axes (``axes.FEATURE_AXES``: a custom scale,
+    soft-capping, ...) the row can honour: a call asking for any other is not its.
     """
 
     family: str
@@ -74,6 +76,7 @@ class ImplRecord:
     faithful: bool = True
     description: str = ""
     source: str = ""
+    features: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"ImplRecord({self.family}.{self.name}, when={self.spec.description!r})"
