@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "AXES",
+    "BASE_AXES",
     "CORE_AXES",
     "DEVICE_TYPES",
     "DTYPES",
@@ -281,13 +282,16 @@ class CallContext:
         return dataclasses.replace(self, **changes)
 
     def signature(self) -> tuple[Any, ...]:
-        """The hashable identity of the call: ``(family, *core axis values, extra)``;
-        ``raw`` excluded; computed once."""
+        """The hashable identity of the call: ``(family, *base axis values, extra)``, then
+        the lazy axes' values as one tuple when the call fills any; ``raw`` excluded;
+        computed once."""
         got = self.__dict__.get("_signature")
         if got is not None:
             return got  # type: ignore[no-any-return]
         extra = tuple(sorted(self.extra.items())) if self.extra else ()
-        got = (self.family, *_read_core(self), extra)
+        lazy = _read_lazy(self)
+        got = ((self.family, *_read_base(self), extra) if lazy == _UNFILLED
+               else (self.family, *_read_base(self), extra, lazy))
         object.__setattr__(self, "_signature", got)
         return got
 
@@ -317,14 +321,26 @@ AXES: Mapping[str, Axis] = MappingProxyType({
 CORE_AXES: tuple[str, ...] = tuple(AXES)
 #: The lazy axes (see ``Axis.lazy``), in declaration order.
 LAZY_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.lazy)
+#: The axes that are not lazy, in declaration order.
+BASE_AXES: tuple[str, ...] = tuple(name for name in CORE_AXES if name not in LAZY_AXES)
+_read_base = operator.attrgetter(*BASE_AXES)
+_read_lazy = operator.attrgetter(*LAZY_AXES)
+_UNFILLED = (None,) * len(LAZY_AXES)
 #: The feature axes (see ``Axis.feature``), in declaration order.
 FEATURE_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.feature)
 _read_features = operator.attrgetter(*FEATURE_AXES)
 
 
+_FEATURES_OFF = tuple(AXES[name].default for name in FEATURE_AXES)
+_NO_FEATURES: frozenset[str] = frozenset()
+
+
 def asked_features(ctx: CallContext) -> frozenset[str]:
     """The features ``ctx`` asks for (its feature axes not at their default)."""
-    return frozenset(name for name, value in zip(FEATURE_AXES, _read_features(ctx), strict=True)
+    values = _read_features(ctx)
+    if values == _FEATURES_OFF:
+        return _NO_FEATURES
+    return frozenset(name for name, value in zip(FEATURE_AXES, values, strict=True)
                      if value is not None and value is not False)
 _read_core = operator.attrgetter(*CORE_AXES)
 

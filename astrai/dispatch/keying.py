@@ -18,14 +18,15 @@ so a reload or a profile change recomputes it.
 
 from __future__ import annotations
 
-__all__ = ["Extend", "KeyPlan", "family_specs", "key_plan", "signature_key"]
+__all__ = ["PLAIN", "Extend", "KeyPlan", "family_specs", "identity_or_base", "key_plan",
+           "signature_key"]
 
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from astrai.dispatch.axes import AXES, CORE_AXES, LAZY_AXES, CallContext
+from astrai.dispatch.axes import AXES, BASE_AXES, LAZY_AXES, CallContext
 from astrai.dispatch.expr.spec import Comparisons, Spec, comparisons
 
 if TYPE_CHECKING:
@@ -143,18 +144,34 @@ def key_plan(state: Registry, family: str) -> KeyPlan:
     return got
 
 
-_BASE = tuple(n for n in CORE_AXES if n not in LAZY_AXES)
-_BASE_AT = tuple(CORE_AXES.index(n) for n in _BASE)
-_LAZY_AT = tuple(CORE_AXES.index(n) for n in LAZY_AXES)
+#: A signature's length when the call fills no lazy axis.
+PLAIN = len(BASE_AXES) + 2
+
+
+def identity_or_base(sig: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key of a family whose specs read no lazy axis: the signature without them."""
+    return sig if len(sig) == PLAIN else sig[:-1]
 
 
 def signature_key(state: Registry, ctx: CallContext) -> tuple[Any, ...]:
-    """The decision-cache key of a whole ``CallContext`` (``resolve``): its signature with
-    the lazy axes replaced by what they add to the key (nothing when no spec reads them)."""
-    sig = ctx.signature()
-    extend = key_plan(state, ctx.family).extend(_BASE, LAZY_AXES)
-    core = sig[1:-1]
-    base = tuple(core[i] for i in _BASE_AT)
+    """The decision-cache key of a whole ``CallContext`` (``resolve``): its signature
+    (``CallContext.signature``) with the lazy values replaced by what they add to the key
+    (nothing when no spec reads them)."""
+    keyer = state.signature_keys.get(ctx.family)
+    if keyer is None:
+        keyer = state.signature_keys[ctx.family] = _signature_keyer(
+            key_plan(state, ctx.family).extend(BASE_AXES, LAZY_AXES))
+    return keyer(ctx.signature())  # type: ignore[no-any-return]
+
+
+def _signature_keyer(extend: Extend | None) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """``signature_key``'s work for one family on one snapshot."""
     if extend is None:
-        return (sig[0], base, sig[-1])
-    return (sig[0], base, sig[-1], extend(base, tuple(core[i] for i in _LAZY_AT)))
+        return identity_or_base
+    unfilled = (None,) * len(LAZY_AXES)
+
+    def keyer(sig: tuple[Any, ...]) -> tuple[Any, ...]:
+        lazy = sig[-1] if len(sig) > PLAIN else unfilled
+        return (*sig[:PLAIN], extend(sig[1:PLAIN - 1], lazy))
+
+    return keyer

@@ -70,6 +70,8 @@ class Registry:
     keys: dict[str, Any] = field(init=False, default_factory=dict)  # family -> keying.KeyPlan
     # family -> what a facade call's lazy axes add to its key (keying.Extend, or None)
     facade_keys: dict[str, Any] = field(init=False, default_factory=dict)
+    # family -> how a whole CallContext becomes its key (keying.signature_key)
+    signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:

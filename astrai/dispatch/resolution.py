@@ -42,7 +42,7 @@ from astrai.dispatch.axes import (
     unremarkable,
 )
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.keying import signature_key
+from astrai.dispatch.keying import PLAIN, identity_or_base, signature_key
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
@@ -374,11 +374,13 @@ def same_context(ctx: CallContext) -> CallContext:
 
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
-    if ctx.family != family:
+    sig = ctx.signature()
+    if sig[0] != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
     state = process.snapshot or current()
-    got = decide(family, signature_key(state, ctx), explicit, same_context, (ctx,),
-                 state).resolution
+    if len(sig) != PLAIN or state.signature_keys.get(family) is not identity_or_base:
+        sig = signature_key(state, ctx)  # else the signature is the key (the common case)
+    got = decide(family, sig, explicit, same_context, (ctx,), state).resolution
     next(QUIET)  # a lookup that serves no call (a failed one counted itself)
     return got
 
