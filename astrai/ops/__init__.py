@@ -94,14 +94,19 @@ def attention(
     The features (``scale``, ``softcap``, ``dropout_p``, ``window``, ``sinks``,
     ``return_weights``) a call asks for are served only by rows that declare them.
     """
-    asked: dict[str, Any] = features  # type: ignore[assignment]
-    if features or return_weights:
-        if return_weights:
-            asked = {**features, "return_weights": return_weights}
-        asked = attention_features(q, is_causal, kv_cache, asked)
+    if not (features or return_weights):  # the common call: no feature keywords to pass
+        return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,  # type: ignore[no-any-return]
+                                    _NO_FEATURES))(
+            q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
+            is_causal=is_causal, fwd=fwd)
+    asked = attention_features(q, is_causal, kv_cache, {**features, "return_weights": True}
+                               if return_weights else features)  # type: ignore[arg-type]
     return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, asked))(  # type: ignore[no-any-return]
         q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
         is_causal=is_causal, fwd=fwd, **asked)
+
+
+_NO_FEATURES: dict[str, Any] = {}
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
