@@ -122,3 +122,15 @@ def slow_probe() -> bool:
 
 
 NOT_CALLABLE = 42
+
+
+#: The keyword arguments of every call ``attention_spy`` served, in order.
+SPY_CALLS: list[dict[str, Any]] = []
+
+
+def attention_spy(*args: Any, **kwargs: Any) -> Any:
+    """An attention row that records its keywords, then computes as ``math`` does."""
+    from astrai.backends.attention.math import math_attention
+
+    SPY_CALLS.append(dict(kwargs))
+    return math_attention(*args, **kwargs)

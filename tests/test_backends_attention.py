@@ -11,6 +11,7 @@ import functools
 import importlib
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -185,6 +186,38 @@ def pack(seqs: list[tuple[torch.Tensor, ...]], spans: list[tuple[int, int]]) -> 
     ]
 
 
+def paged_schedule(
+    impl: Callable[..., torch.Tensor], dtype: torch.dtype, heads: int = 4, kv_heads: int = 2,
+    d: int = 8, **features: Any,
+) -> tuple[list[tuple[torch.Tensor, ...]], list[torch.Tensor], KVPool]:
+    """Three requests through ``impl`` on layer 1 of a pool: a prefill, a chunked extend and
+    three decode steps. Returns each request's whole ``(q, k, v)`` ``[1, len, heads, d]``,
+    the outputs ``impl`` gave for its tokens, and the pool."""
+    prompts, chunk, steps = [3, 6, 1], [2, 1, 4], 3
+    total = [p + c + steps for p, c in zip(prompts, chunk, strict=True)]
+    seqs = sequences(dtype, total, heads, kv_heads, d, seed=11)
+    pool = KVPool(2, 64, kv_heads, d, 4, 16, dtype=dtype)
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def run(batch: Any, spans: list[tuple[int, int]], fwd: str) -> None:
+        q, k, v = pack(seqs, spans)
+        out = impl(q, k, v, kv_cache=batch, layer_id=1, fwd=fwd, **features)
+        assert out.shape == (q.shape[0], heads * d) and out.dtype == dtype
+        for i, (a, b) in enumerate(spans):
+            start = int(batch.qo_indptr[i])
+            got[i].append(out[start : start + b - a])
+
+    batch = prefill_batch(pool, prompts)
+    run(batch, [(0, p) for p in prompts], "prefill")
+    rows = batch.req_pool_indices
+    batch = extend_batch(pool, rows, chunk)
+    run(batch, [(p, p + c) for p, c in zip(prompts, chunk, strict=True)], "prefill")
+    for t in range(steps):
+        pos = [p + c + t for p, c in zip(prompts, chunk, strict=True)]
+        run(decode_batch(pool, rows), [(n, n + 1) for n in pos], "decode")
+    return seqs, [torch.cat(outs) for outs in got], pool
+
+
 class TestPagedNumerics:
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("row", ["math", "torch_native"])
@@ -192,34 +225,9 @@ class TestPagedNumerics:
         self, dtype: torch.dtype, row: str
     ) -> None:
         """Prefill, a chunked extend and decode steps equal causal attention per request."""
-        impl = dict(faithful_rows())[row]
-        prompts, chunk, steps = [3, 6, 1], [2, 1, 4], 3
-        total = [p + c + steps for p, c in zip(prompts, chunk, strict=True)]
-        heads, kv_heads, d = 4, 2, 8
-        seqs = sequences(dtype, total, heads, kv_heads, d, seed=11)
-        pool = KVPool(2, 64, kv_heads, d, 4, 16, dtype=dtype)
-        got: list[list[torch.Tensor]] = [[] for _ in prompts]
-
-        def run(batch: Any, spans: list[tuple[int, int]], fwd: str) -> None:
-            q, k, v = pack(seqs, spans)
-            out = impl(q, k, v, kv_cache=batch, layer_id=1, fwd=fwd)
-            assert out.shape == (q.shape[0], heads * d) and out.dtype == dtype
-            for i, (a, b) in enumerate(spans):
-                start = int(batch.qo_indptr[i])
-                got[i].append(out[start : start + b - a])
-
-        batch = prefill_batch(pool, prompts)
-        run(batch, [(0, p) for p in prompts], "prefill")
-        rows = batch.req_pool_indices
-        batch = extend_batch(pool, rows, chunk)
-        run(batch, [(p, p + c) for p, c in zip(prompts, chunk, strict=True)], "prefill")
-        for t in range(steps):
-            pos = [p + c + t for p, c in zip(prompts, chunk, strict=True)]
-            run(decode_batch(pool, rows), [(n, n + 1) for n in pos], "decode")
-
-        for i, (q, k, v) in enumerate(seqs):
-            want = loop_attention(q, k, v, causal=True)[0]
-            close(torch.cat(got[i]), want, dtype)
+        seqs, got, pool = paged_schedule(dict(faithful_rows())[row], dtype)
+        for (q, k, v), out in zip(seqs, got, strict=True):
+            close(out, loop_attention(q, k, v, causal=True)[0], dtype)
         assert not pool.k_buffer[0].any(), "layer 0 must be untouched"
 
     def test_paged_rows_agree_on_one_batch(self) -> None:

@@ -3,9 +3,11 @@
 Nothing is downloaded: every model is built from a config (hidden 64, 2 layers, 4
 heads, vocab 128). Llama covers GQA (2 key/value heads) and, for the attention
 weights, full multi-head attention too; Mistral a sliding window of 4 over 12
-tokens (small enough that it changes the logits), Gemma 2 a feature the facade
-must refuse (logit soft-capping). ``output_attentions=True`` is served by a row
-that returns the weights (``math``), and compared with transformers' eager.
+tokens (small enough that it changes the logits); Gemma 2 soft-capping, a sliding
+window and a custom scale (``query_pre_attn_scalar``); gpt-oss attention sinks.
+What a model asks for beyond plain attention becomes the facade's features, served
+by the first row that declares them (``math`` for soft-capping, sinks and
+``output_attentions=True``), and compared with transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ pytest.importorskip("transformers")
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -93,8 +96,10 @@ def build(
     config: PretrainedConfig,
     impls: tuple[str, ...] = ("astrai", "sdpa", "eager"),
     dtype: torch.dtype = torch.float32,
+    init: Callable[[PreTrainedModel], None] | None = None,
 ) -> dict[str, PreTrainedModel]:
-    """One model per attention implementation, all with the same random weights."""
+    """One model per attention implementation, all with the same random weights (changed
+    by ``init`` first, when given)."""
     torch.manual_seed(0)
     models: dict[str, PreTrainedModel] = {}
     state = None
@@ -104,6 +109,8 @@ def build(
             copy.deepcopy(config), attn_implementation=impl
         )
         if state is None:
+            if init is not None:
+                init(model)
             state = model.state_dict()
         else:
             model.load_state_dict(state)
@@ -242,17 +249,15 @@ class TestAstraiAttentionForward:
     @pytest.mark.parametrize(
         ("kwargs", "feature"),
         [
-            ({"scaling": 0.5}, "softmax scale"),
-            ({"dropout": 0.1}, "attention dropout"),
-            ({"softcap": 30.0}, "soft-capping"),
-            ({"s_aux": torch.zeros(4)}, "attention sinks"),
             ({"position_bias": torch.zeros(1, 4, 6, 6)}, "position bias"),
-            ({"sliding_window": 2}, "sliding window"),
-            ({"dropout": 0.1, "output_attentions": True}, "attention dropout"),
+            ({"s_aux": torch.zeros(3)}, r"attention sinks other than one logit per head \(\[4\]\)"),
+            ({"sinks": torch.zeros(1, 4, 6, 1)}, "attention sinks other than one logit per head"),
+            ({"sliding_window": 2, "is_causal": False}, "sliding window on a non-causal layer"),
+            ({"position_bias": torch.zeros(1), "output_attentions": True}, "position bias"),
         ],
     )
     def test_error_unsupported_feature(self, kwargs: dict[str, object], feature: str) -> None:
-        """A feature the facade cannot express is refused by name, and nothing is dispatched."""
+        """What the facade cannot express is refused by name, and nothing is dispatched."""
         q, kv = torch.zeros(1, 4, 6, 16), torch.zeros(1, 4, 6, 16)
         with pytest.raises(hf.UnsupportedFeatureError, match=feature) as info:
             hf.astrai_attention_forward(None, q, kv, kv, None, **kwargs)  # type: ignore[arg-type]
@@ -267,8 +272,134 @@ class TestAstraiAttentionForward:
             hf.astrai_attention_forward(None, q, q, q, object())  # type: ignore[arg-type]
 
 
+class _SinkAttention(_Attention):
+    """gpt-oss's attention layer as its eager function reads it: sinks on the module."""
+
+    def __init__(self, sinks: torch.Tensor) -> None:
+        super().__init__()
+        self.sinks = sinks
+
+
+def window_mask(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    """Bool ``[1, 1, q_len, kv_len]`` from transformers' own sliding-window definition
+    (``masking_utils``), queries aligned to the end of the keys."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    allowed = sliding_window_causal_mask_function(window)
+    rows = torch.arange(q_len).view(-1, 1) + (kv_len - q_len)
+    keep: torch.Tensor = allowed(torch.tensor(0), torch.tensor(0), rows, torch.arange(kv_len))
+    return keep.expand(1, 1, q_len, kv_len)
+
+
+def additive(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as eager's additive one."""
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+class TestFeaturesServed:
+    """What transformers passes beyond plain attention is served, equal to its eager code."""
+
+    def test_scaling(self) -> None:
+        """A custom ``scaling`` is the facade's ``scale``: torch_native serves it."""
+        q, k, v = gqa_call()
+        out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, None, scaling=0.5)
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        causal = additive(padding_mask(pad=0))
+        expected, _ = eager_attention_forward(_Attention(), q, k, v, causal, scaling=0.5)
+        torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL)
+        assert dispatch.stats().served("attention", "torch_native") == 1
+
+    @pytest.mark.parametrize("masked", [False, True], ids=["causal", "padding-mask"])
+    def test_softcap_and_scaling(self, masked: bool) -> None:
+        """Gemma 2's ``softcap`` with its ``scaling``: math serves, equal to Gemma 2's eager."""
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+        q, k, v = gqa_call()
+        mask = padding_mask(pad=0 if not masked else 2)
+        out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, mask if masked else None,
+                                             scaling=0.3, softcap=1.5)
+        expected, _ = eager_attention_forward(_Attention(), q, k, v, additive(mask),
+                                              scaling=0.3, softcap=1.5)
+        real = mask[:, 0].any(-1)
+        torch.testing.assert_close(out[real], expected[real], atol=FP32_TOL, rtol=FP32_TOL)
+        assert dispatch.stats().served("attention", "math") == 1
+
+    @pytest.mark.parametrize("name", ["s_aux", "sinks"])
+    def test_sinks(self, name: str) -> None:
+        """gpt-oss's ``s_aux`` (one logit per head) is ``sinks``: equal to gpt-oss's eager."""
+        from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+        q, k, v = gqa_call()
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+        out, weights = hf.astrai_attention_forward(_Attention(), q, k, v, None,
+                                                   output_attentions=True, **{name: sinks})
+        expected, expected_w = eager_attention_forward(
+            _SinkAttention(sinks), q, k, v, additive(padding_mask(pad=0)), scaling=16**-0.5)
+        torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL)
+        assert weights is not None
+        torch.testing.assert_close(weights, expected_w, atol=FP32_TOL, rtol=FP32_TOL)
+        assert dispatch.stats().served("attention", "math") == 1
+
+    @pytest.mark.parametrize(("q_len", "kv_len"), [(6, 6), (1, 9)], ids=["prefill", "decode"])
+    def test_sliding_window_without_a_mask(self, q_len: int, kv_len: int) -> None:
+        """No mask came with the call: the window is the facade's, with transformers' meaning
+        (query i sees keys i - window < j <= i), even for a single query."""
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        q, k, v = gqa_call(q_len, kv_len)
+        out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, None, sliding_window=3)
+        expected, _ = eager_attention_forward(_Attention(), q, k, v,
+                                              additive(window_mask(q_len, kv_len, 3)),
+                                              scaling=16**-0.5)
+        torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL)
+        assert dispatch.stats().served("attention", "torch_native") == 1
+        ctx = hf.call_context(q, k, v, sliding_window=3)
+        assert ctx.window == 3
+
+    def test_sliding_window_that_cuts_nothing_is_left_out(self) -> None:
+        """A window no shorter than the keys changes nothing, and is not asked for."""
+        q, k, v = gqa_call()
+        assert hf.call_context(q, k, v, sliding_window=6).window is None
+        assert hf.call_context(q, k, v, sliding_window=5).window == 5
+
+    def test_mask_carries_the_window(self) -> None:
+        """With a mask (transformers built it, window included) the window is not asked for."""
+        q, k, v = gqa_call()
+        mask = window_mask(6, 6, 3)
+        assert hf.call_context(q, k, v, mask, sliding_window=3).window is None
+        out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, mask, sliding_window=3)
+        plain, _ = hf.astrai_attention_forward(_Attention(), q, k, v, None, sliding_window=3)
+        torch.testing.assert_close(out, plain, atol=FP32_TOL, rtol=FP32_TOL)
+
+    def test_dropout_like_eager(self) -> None:
+        """Training dropout is ``dropout_p``; math drops exactly what eager drops (same seed)."""
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        q, k, v = gqa_call()
+        module = _Attention().train()
+        torch.manual_seed(7)
+        with dispatch.op_backend(attention="math"):
+            out, weights = hf.astrai_attention_forward(module, q, k, v, None, dropout=0.3,
+                                                       output_attentions=True)
+        torch.manual_seed(7)
+        expected, expected_w = eager_attention_forward(
+            module, q, k, v, additive(padding_mask(pad=0)), scaling=16**-0.5, dropout=0.3)
+        assert weights is not None and (weights == 0).any()
+        torch.testing.assert_close(weights, expected_w, atol=FP32_TOL, rtol=FP32_TOL)
+        torch.testing.assert_close(out, expected, atol=FP32_TOL, rtol=FP32_TOL)
+
+    def test_dropout_goes_to_torch_native(self) -> None:
+        """Without a scope, the chain's first row declaring dropout serves it."""
+        q, k, v = gqa_call()
+        ctx = hf.call_context(q, k, v, dropout=0.1)
+        assert ctx.dropout
+        hf.astrai_attention_forward(_Attention().train(), q, k, v, None, dropout=0.1)
+        assert dispatch.stats().served("attention", "torch_native") == 1
+
+
 class TestOutputAttentions:
-    """``output_attentions=True`` through the adapter: weights from a row that computes them."""
+    """``output_attentions=True`` through the adapter: the ``return_weights`` feature."""
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
     def test_weights_equal_eager(self, dtype: torch.dtype) -> None:
@@ -289,13 +420,13 @@ class TestOutputAttentions:
         assert torch.equal(weights.transpose(1, 2)[~real], torch.zeros(2, 4, 6, dtype=dtype))
 
     def test_counted_under_the_serving_row(self) -> None:
-        """The call is dispatched: counted under ``math``, selected explicitly by the adapter."""
+        """The chain skips torch_native (it does not declare return_weights): math serves."""
         q, k, v = gqa_call()
         for _ in range(3):
             hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
         usage = dispatch.stats()
         assert usage.served("attention") == 3
-        assert usage.served("attention", "math", "explicit") == 3
+        assert usage.served("attention", "math", "chain") == 3
 
     def test_without_output_attentions_unchanged(self) -> None:
         """Without the flag (or with it false) the chain's row serves and no weights come back."""
@@ -323,16 +454,15 @@ class TestOutputAttentions:
         assert dispatch.stats().served("attention", "math", "context") == 1
 
     def test_error_strict_scope_without_weights(self) -> None:
-        """A strict scope forcing ``torch_native`` is an error naming the row and the reason."""
+        """A strict scope forcing ``torch_native`` is an error naming the row and the feature."""
         q, k, v = gqa_call()
         with dispatch.op_backend(attention="torch_native"), \
                 pytest.raises(dispatch.ExplicitSelectionError) as info:
             hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
         assert str(info.value) == (
             "attention implementation 'torch_native' selected by an op_backend scope cannot "
-            "serve this call: it does not return attention weights, which output_attentions=True "
-            "needs (rows that do: math); select one of those in the scope, or leave "
-            "output_attentions off"
+            "serve this call: requires features: [return_weights] (the call asks for "
+            "return_weights; the row declares dropout, scale, window)"
         )
         assert (info.value.family, info.value.row) == ("attention", "torch_native")
         assert dispatch.stats().served("attention") == 0
@@ -348,12 +478,12 @@ class TestOutputAttentions:
                 hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
             hf.astrai_attention_forward(_Attention(), q, k, v, None)
         assert warnings(caplog) == [
-            "attention=torch_native from the environment (ASTR_OPS or ASTR_BACKEND) is not "
-            "honoured for output_attentions=True calls: torch_native does not return attention "
-            "weights; math serves them instead"
+            "attention=torch_native from ASTR_OPS (attention=torch_native) cannot serve this "
+            "call: requires features: [return_weights] (the call asks for return_weights; the "
+            "row declares dropout, scale, window); using the table's choice instead"
         ]
         usage = dispatch.stats()
-        assert usage.served("attention", "math", "explicit") == 2
+        assert usage.served("attention", "math", "chain") == 2
         assert usage.served("attention", "torch_native", "env") == 1
 
     def test_reference_profile(self) -> None:
@@ -366,59 +496,44 @@ class TestOutputAttentions:
     def test_error_no_row_returns_weights(
         self, write_yaml: Callable[[str, str], Path]
     ) -> None:
-        """With a table whose rows cannot return weights, the call is refused by name."""
+        """With a table whose rows cannot return weights, the call is refused with the reason."""
         dispatch.load_tables(write_yaml("attention.yaml", NO_WEIGHTS_TABLE))
         q, k, v = gqa_call()
-        with pytest.raises(hf.UnsupportedFeatureError, match="output_attentions=True") as info:
+        with pytest.raises(dispatch.NoImplementationError) as info:
             hf.astrai_attention_forward(_Attention(), q, k, v, None, output_attentions=True)
-        assert "no row of the attention table has a with_weights() method" in str(info.value)
+        assert ("torch_native (fallback): requires features: [return_weights] (the call asks "
+                "for return_weights; the row declares none)") in str(info.value)
         assert dispatch.stats().served("attention") == 0
         out, _ = hf.astrai_attention_forward(_Attention(), q, k, v, None)
         assert out.shape == (2, 6, 4, 16)  # ordinary calls are unaffected
-
-
-class TestMathWithWeights:
-    """``math_attention.with_weights``, the row method behind ``output_attentions``."""
-
-    def test_same_output_as_the_row(self) -> None:
-        """Its output is exactly the row's; its weights are the probabilities, rows summing to 1."""
-        from astrai.backends.attention.math import math_attention
-
-        q, k, v = (t.transpose(1, 2) for t in gqa_call())  # the facade's [B, S, H, D]
-        out, weights = math_attention.with_weights(q, k, v, is_causal=True)
-        assert torch.equal(out, math_attention(q, k, v, is_causal=True))
-        assert weights.shape == (2, 4, 6, 6)
-        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 6))
-        assert not weights.triu(1).any()  # causal
-
-    def test_error_paged_call(self) -> None:
-        """A paged call has no single weight matrix: refused before anything runs."""
-        from astrai.backends.attention.math import math_attention
-
-        q = torch.zeros(3, 4, 16)
-        with pytest.raises(ValueError, match=r"dense .* calls only"):
-            math_attention.with_weights(q, q, q, kv_cache=object(), fwd="prefill")
 
 
 class TestExplainCall:
     """``explain_call``."""
 
     def test_plain_call(self) -> None:
-        """Without ``output_attentions`` it is ``explain`` of ``call_context``."""
+        """Without features it is ``explain`` of ``call_context``."""
         q, k, v = gqa_call()
         assert hf.explain_call(q, k, v) == dispatch.explain("attention", hf.call_context(q, k, v))
 
     def test_output_attentions(self) -> None:
-        """With it, the decision is ``math`` selected explicitly, and a note says why."""
+        """With it, torch_native is rejected for the feature and math serves from the chain."""
         q, k, v = gqa_call()
         text = hf.explain_call(q, k, v, output_attentions=True)
-        assert ("  note: output_attentions=True: torch_native does not return attention "
-                "weights; math, the first row that does, serves (selected explicitly)") in text
-        assert text.endswith("=> math (origin=explicit)")
+        assert ("  torch_native: reject (features: [return_weights] (the call asks for "
+                "return_weights; the row declares dropout, scale, window))") in text
+        assert text.endswith("=> math (origin=chain)")
         assert dispatch.stats().served("attention") == 0
 
+    def test_model_features(self) -> None:
+        """Gemma 2's keywords show as the call's features (scale, softcap, window)."""
+        q, k, v = gqa_call()
+        text = hf.explain_call(q, k, v, scaling=0.3, softcap=50.0, sliding_window=4)
+        assert text.splitlines()[0].endswith("scale=true softcap=true window=4")
+        assert text.endswith("=> math (origin=chain)")
+
     def test_error_strict_scope(self) -> None:
-        """Under a strict scope without weights it ends in the adapter's error."""
+        """Under a strict scope without weights it ends in the engine's error."""
         q, k, v = gqa_call()
         with dispatch.op_backend(attention="torch_native"):
             text = hf.explain_call(q, k, v, output_attentions=True)
@@ -528,24 +643,28 @@ class TestModelFeatures:
             greedy(models["sdpa"], ids, cache_implementation="static"),
         )
 
-    def test_error_training_with_attention_dropout(self) -> None:
-        """Attention dropout in training is refused rather than silently skipped."""
+    def test_training_with_attention_dropout(self) -> None:
+        """Attention dropout in training is served: math drops exactly what eager drops (same
+        seed), and the chain gives it to torch_native, gradients included."""
         config = llama_config()
-        config.attention_dropout = 0.1
-        model = build(config, ("astrai",))["astrai"].train()
-        with pytest.raises(hf.UnsupportedFeatureError, match="attention dropout"):
-            model(tokens())
+        config.attention_dropout = 0.3
+        models = build(config, ("astrai", "eager"))
+        ids = tokens()
+        out = {}
+        for impl, model in models.items():
+            model.train()
+            torch.manual_seed(3)
+            with dispatch.op_backend(attention="math"), torch.no_grad():
+                out[impl] = model(ids).logits
+        torch.testing.assert_close(out["astrai"], out["eager"], atol=FP32_TOL, rtol=FP32_TOL)
+        dispatch.reset_stats()
+        model = models["astrai"]
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert dispatch.stats().served("attention", "torch_native", "chain") == 2
         model.eval()
-        assert logits(model, tokens()).shape == (2, SEQ, 128)  # no dropout at inference
-
-    def test_error_gemma2_softcapping(self) -> None:
-        """Gemma 2's attention logit soft-capping is refused with the feature named."""
-        config = Gemma2Config(**TINY, num_key_value_heads=2, head_dim=16,
-                              query_pre_attn_scalar=16, sliding_window=WINDOW,
-                              attn_logit_softcapping=50.0)
-        model = build(config, ("astrai",))["astrai"]
-        with pytest.raises(hf.UnsupportedFeatureError, match=r"soft-capping.*50\.0"):
-            logits(model, tokens())
+        assert not torch.allclose(logits(model, ids), out["astrai"], atol=1e-3)
 
     @pytest.mark.parametrize("arch", sorted(WEIGHT_CONFIGS))
     def test_output_attentions_equal_eager(self, arch: str) -> None:
@@ -569,7 +688,7 @@ class TestModelFeatures:
                                        atol=FP32_TOL, rtol=FP32_TOL)
         torch.testing.assert_close(out["astrai"].logits[real], out["eager"].logits[real],
                                    atol=FP32_TOL, rtol=FP32_TOL)
-        assert usage.served("attention") == usage.served("attention", "math", "explicit") == 2
+        assert usage.served("attention") == usage.served("attention", "math", "chain") == 2
 
     def test_output_attentions_generate(self) -> None:
         """Generating with ``output_attentions``: eager's tokens, and its weights at every step."""
@@ -610,9 +729,116 @@ class TestModelFeatures:
         with dispatch.op_backend(attention="torch_native"):
             with pytest.raises(dispatch.ExplicitSelectionError,
                                match=r"'torch_native' selected by an op_backend scope cannot "
-                                     r"serve this call: it does not return attention weights"):
+                                     r"serve this call: requires features: \[return_weights\]"):
                 logits(model, tokens(), output_attentions=True)
             assert logits(model, tokens()).shape == (2, SEQ, 128)  # without weights, it serves
+
+
+def gemma2_config(softcap: float | None = 2.0) -> PretrainedConfig:
+    """Gemma 2: soft-capping, a sliding window of 4 on every other layer, and a scale of
+    ``query_pre_attn_scalar ** -0.5`` with ``query_pre_attn_scalar`` 24, not head_dim 16."""
+    return Gemma2Config(**TINY, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                        sliding_window=WINDOW, attn_logit_softcapping=softcap)
+
+
+def sharpen(model: PreTrainedModel) -> None:
+    """Make the random logits large enough for soft-capping and scaling to matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(20)
+
+
+def with_sinks(model: PreTrainedModel) -> None:
+    """Give gpt-oss's sinks values far from zero, so they change the result."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 2)
+
+
+def gpt_oss_config() -> PretrainedConfig:
+    """gpt-oss: a sink logit per head, sliding window of 4 on every other layer, 4 experts."""
+    return GptOssConfig(**TINY, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                        num_local_experts=4, num_experts_per_tok=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+class TestGemma2:
+    """Gemma 2 (soft-capping, sliding window, custom scale) served, equal to eager."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_logits_equal_eager(self, dtype: torch.dtype) -> None:
+        """Logits match eager's (whose soft-capping changes them); math serves every layer."""
+        models = build(gemma2_config(), ("astrai", "eager"), dtype=dtype, init=sharpen)
+        ids, mask = left_padded()
+        dispatch.reset_stats()
+        got = logits(models["astrai"], ids, attention_mask=mask)
+        assert dispatch.stats().served("attention", "math", "chain") == 2
+        expected = logits(models["eager"], ids, attention_mask=mask)
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        real = mask.bool()
+        torch.testing.assert_close(got[real], expected[real], atol=tol, rtol=tol)
+        layers: Any = models["eager"].model.layers
+        for layer in layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = logits(models["eager"], ids, attention_mask=mask)
+        assert not torch.allclose(uncapped[real], expected[real], atol=0.1)
+
+    def test_attentions_equal_eager(self) -> None:
+        """``output_attentions=True``: every layer's weights (sliding and full) are eager's."""
+        models = build(gemma2_config(), ("astrai", "eager"), init=sharpen)
+        ids = tokens()
+        with torch.no_grad():
+            got = models["astrai"](ids, output_attentions=True).attentions
+            expected = models["eager"](ids, output_attentions=True).attentions
+        assert len(got) == len(expected) == 2
+        for layer, ref in zip(got, expected, strict=True):
+            torch.testing.assert_close(layer, ref, atol=FP32_TOL, rtol=FP32_TOL)
+        sliding = got[0][0, 0]  # layer 0 slides: the 5th key back is out of sight
+        assert not sliding.tril(-WINDOW).any() and sliding.tril(-(WINDOW - 1)).any()
+
+    def test_generate_equal_eager(self) -> None:
+        """Greedy generation yields eager's tokens."""
+        models = build(gemma2_config(), ("astrai", "eager"), init=sharpen)
+        ids = tokens()
+        assert torch.equal(greedy(models["astrai"], ids), greedy(models["eager"], ids))
+
+    def test_scale_alone_goes_to_torch_native(self) -> None:
+        """Without soft-capping, the custom scale is torch_native's: it serves, equal to eager."""
+        models = build(gemma2_config(softcap=None), ("astrai", "eager"), init=sharpen)
+        ids = tokens()
+        dispatch.reset_stats()
+        got = logits(models["astrai"], ids)
+        assert dispatch.stats().served("attention", "torch_native", "chain") == 2
+        torch.testing.assert_close(got, logits(models["eager"], ids), atol=FP32_TOL,
+                                   rtol=FP32_TOL)
+
+
+class TestGptOss:
+    """gpt-oss (attention sinks) served, equal to eager."""
+
+    def test_logits_equal_eager(self) -> None:
+        """Logits match eager's (whose sinks change them); math serves every layer."""
+        models = build(gpt_oss_config(), ("astrai", "eager"), init=with_sinks)
+        ids = tokens()
+        dispatch.reset_stats()
+        got = logits(models["astrai"], ids)
+        assert dispatch.stats().served("attention", "math", "chain") == 2
+        expected = logits(models["eager"], ids)
+        torch.testing.assert_close(got, expected, atol=FP32_TOL, rtol=FP32_TOL)
+        with torch.no_grad():
+            for name, param in models["eager"].named_parameters():
+                if name.endswith("self_attn.sinks"):
+                    param.fill_(-1e4)  # sinks that absorb nothing
+        assert not torch.allclose(logits(models["eager"], ids), expected, atol=1e-3)
+
+    def test_generate_equal_eager(self) -> None:
+        """Greedy generation yields eager's tokens."""
+        models = build(gpt_oss_config(), ("astrai", "eager"), init=with_sinks)
+        ids = tokens()
+        assert torch.equal(greedy(models["astrai"], ids), greedy(models["eager"], ids))
 
 
 class TestRunTransformersDemo:

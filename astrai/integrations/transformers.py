@@ -1,11 +1,11 @@
 """Hugging Face transformers plug-in: ``attn_implementation="astrai"``.
 
 After ``register()``, any model whose attention layers go through transformers'
-``AttentionInterface`` (Llama, Mistral, Qwen2, ... - transformers >= 4.48) can be
-built with ``attn_implementation="astrai"``; every attention call is then sent to
-``astrai.ops.attention``, so it is resolved against ``tables/attention.yaml``,
-counted in ``astrai.dispatch.stats()``, explainable with ``explain`` and
-overridable with ``ASTR_OPS``, ``op_backend`` and profiles::
+``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma 2, gpt-oss, ... - transformers
+>= 4.48) can be built with ``attn_implementation="astrai"``; every attention call is
+then sent to ``astrai.ops.attention``, so it is resolved against
+``tables/attention.yaml``, counted in ``astrai.dispatch.stats()``, explainable with
+``explain`` and overridable with ``ASTR_OPS``, ``op_backend`` and profiles::
 
     from astrai.integrations.transformers import register
     register()
@@ -24,38 +24,39 @@ What ``register()`` installs, under the name ``"astrai"``:
 The adapter translates transformers' call (``[batch, heads, seq, head_dim]``
 tensors, fewer K/V heads for GQA, its 4-d mask, ``is_causal``) to the facade's
 dense layout (``[batch, seq, heads, head_dim]``) and back, following the
-semantics of transformers' own ``sdpa_attention_forward`` exactly. What the
-facade cannot express is refused with ``UnsupportedFeatureError`` - never
-computed differently: a softmax scale other than ``head_dim ** -0.5``, attention
-dropout, logit soft-capping, attention sinks, position biases, ``BlockMask``
-masks, and a sliding window without a mask.
+semantics of transformers' own ``sdpa_attention_forward``, and hands what the
+model asks for beyond plain attention to the facade as features, so the call runs
+on the first row of the table that declares them all:
 
-``output_attentions=True`` (where transformers' sdpa warns and returns no
-weights) is served by a row that really computes them: one whose implementation
-object has a ``with_weights`` method (in the shipped table, ``math``; see
-``astrai.backends.attention.math``). The adapter then returns
-``(attn_output, attn_weights)`` like transformers' eager attention:
-``attn_weights`` is ``[batch, heads, q_len, kv_len]`` (one matrix per query head
-under GQA) in the query's dtype, the softmax taken in float32, so the model's
-``attentions`` equal eager's. One difference: a query row that may see no key at
-all (a left-padding position) gets zero weights, where eager's additive mask
-spreads them evenly over every key. The call still goes through the dispatch
-engine - resolved, cached, counted in ``stats()`` under the row that served it:
+==================================  ==============================================
+transformers passes                 the facade gets
+==================================  ==============================================
+``scaling`` (e.g. Gemma's           ``scale`` (left out when it is
+``query_pre_attn_scalar``)          ``head_dim ** -0.5``)
+``softcap`` (Gemma 2)               ``softcap``
+``dropout`` (training)              ``dropout_p``
+``sliding_window`` (Mistral,        ``window``, when no mask came with the call and
+Gemma 2, gpt-oss)                   the window cuts keys off; a mask transformers
+                                    built already carries the window (as for sdpa)
+``s_aux`` / ``sinks`` (gpt-oss),    ``sinks``
+one logit per head
+``output_attentions=True``          ``return_weights=True``
+==================================  ==============================================
 
-- if the row that resolution picks (an ``op_backend`` scope, ``ASTR_OPS``, a
-  profile, the chain) returns weights, it serves, with its usual origin;
-- if the chain picked a row without weights, the first row in table order that
-  returns weights and can serve the call (disabled and non-faithful rows skipped,
-  as in the chain; then the fallback) is selected by name, as ``backend="math"``
-  would: counted with origin ``explicit``; ``explain_call(...,
-  output_attentions=True)`` shows the decision and why;
-- a row without weights forced by a *strict* source (an ``op_backend`` scope) is
-  an ``ExplicitSelectionError`` naming the row and the reason;
-- a row without weights asked for by a *soft* source (``ASTR_OPS`` /
-  ``ASTR_BACKEND``, a profile's ``force``) is not honoured for these calls - the
-  row chosen as above serves them - and a warning is logged once;
-- when no row that returns weights can serve the call, it is refused with
-  ``UnsupportedFeatureError``.
+With ``output_attentions=True`` (where transformers' sdpa warns and returns no
+weights) the adapter returns ``(attn_output, attn_weights)`` like transformers'
+eager attention: ``attn_weights`` is ``[batch, heads, q_len, kv_len]`` (one matrix
+per query head under GQA) in the query's dtype, the softmax taken in float32, so
+the model's ``attentions`` equal eager's. One difference: a query row that may see
+no key at all (a left-padding position) gets zero weights, where eager's additive
+mask spreads them evenly over every key. Which row serves such a call is ordinary
+resolution: the chain skips rows that do not declare ``return_weights``, an
+``op_backend`` scope forcing one is an ``ExplicitSelectionError``, an ``ASTR_OPS``
+entry naming one warns once and falls through - as for every feature.
+
+What the facade cannot express is refused with ``UnsupportedFeatureError`` - never
+computed differently: position biases, ``BlockMask`` masks, sinks that are not one
+logit per head, and a sliding window on a non-causal layer without a mask.
 """
 
 from __future__ import annotations
@@ -72,37 +73,13 @@ __all__ = [
 ]
 
 import copy
-import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from astrai.backends.attention.math import WEIGHTS_METHOD
-from astrai.dispatch import (
-    OPS_ENV,
-    PRECEDENCE,
-    CallContext,
-    ImplRecord,
-    Resolution,
-    current,
-)
-from astrai.dispatch.keying import signature_key
-from astrai.dispatch.log import warn_once
-from astrai.dispatch.registry import Registry
-from astrai.dispatch.resolution import (
-    MATCH,
-    Decision,
-    decide,
-    evaluate,
-    explanation,
-    row_verdict,
-    same_context,
-)
-from astrai.dispatch.sources import active_view
-from astrai.dispatch.stats import QUIET
-from astrai.errors import ExplicitSelectionError, UnsupportedFeatureError
+from astrai.dispatch import CallContext, explain
+from astrai.errors import UnsupportedFeatureError
 from astrai.ops import attention
 from astrai.ops import context as facade_context
 
@@ -115,9 +92,6 @@ _INSTALL_HINT = (
 
 # Keyword arguments some architectures pass that the facade cannot honour, with why.
 _REFUSED_KWARGS: dict[str, str] = {
-    "softcap": "attention logit soft-capping (e.g. Gemma 2)",
-    "s_aux": "attention sinks (e.g. gpt-oss)",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias (e.g. T5 / ALiBi style)",
 }
 
@@ -131,27 +105,8 @@ def _refuse(feature: str, value: Any, hint: str | None = None) -> UnsupportedFea
     )
 
 
-def _check_supported(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: Any,
-    dropout: float,
-    scaling: float | None,
-    kwargs: dict[str, Any],
-) -> None:
-    """Raise ``UnsupportedFeatureError`` for anything the facade would compute differently."""
-    if dropout:
-        raise _refuse(
-            "attention dropout", dropout,
-            "set config.attention_dropout = 0.0 to train, or call model.eval()",
-        )
-    head_dim = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
-        raise _refuse(
-            f"a softmax scale other than head_dim ** -0.5 = {head_dim**-0.5:.6g}", scaling,
-            "the facade always scales by 1 / sqrt(head_dim) (e.g. Gemma's "
-            "query_pre_attn_scalar changes it); use attn_implementation='sdpa' or 'eager'",
-        )
+def _check_supported(attention_mask: Any, kwargs: dict[str, Any]) -> None:
+    """Raise ``UnsupportedFeatureError`` for anything the facade cannot express."""
     for name, feature in _REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise _refuse(feature, _summary(kwargs[name]))
@@ -160,13 +115,6 @@ def _check_supported(
             "an attention mask that is not a tensor", type(attention_mask).__name__,
             "pass a boolean or additive 4-d tensor mask (flex_attention's BlockMask is "
             "for attn_implementation='flex_attention')",
-        )
-    window = kwargs.get("sliding_window")
-    if attention_mask is None and window is not None and key.shape[2] > window:
-        raise _refuse(
-            "a sliding window without a materialised mask", window,
-            "transformers built no mask for this call; call register() before building the "
-            "model so the 'astrai' mask builder is installed",
         )
 
 
@@ -184,8 +132,9 @@ def _facade_arguments(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     is_causal: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-    """The facade's ``(q, k, v, attn_mask, is_causal)`` for one transformers call.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, bool]:
+    """The facade's ``(q, k, v, attn_mask, is_causal)`` for one transformers call, and
+    whether the layer is causal at all.
 
     Follows ``transformers.integrations.sdpa_attention.sdpa_attention_forward``:
     causality comes from the mask when there is one; without a mask, the call is
@@ -196,8 +145,9 @@ def _facade_arguments(
     sdpa - those slots are cut off, which makes both alignments coincide.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal) and attention_mask is None and q_len > 1
+    layer_causal = bool(is_causal if is_causal is not None
+                        else getattr(module, "is_causal", True))
+    causal = layer_causal and attention_mask is None and q_len > 1
     if causal and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
         kv_len = q_len
@@ -210,136 +160,81 @@ def _facade_arguments(
         value.transpose(1, 2),
         attention_mask,
         causal,
+        layer_causal,
     )
 
 
-_FAMILY = "attention"
-_WEIGHTS_FEATURE = "returning attention weights (output_attentions=True)"
-_STRICT = frozenset(source.origin for source in PRECEDENCE if source.strict)
+def _sinks(value: Any, heads: int) -> torch.Tensor:
+    """The facade's ``sinks`` from transformers' ``s_aux`` / ``sinks``: one logit per head."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] != heads:
+        raise _refuse(
+            f"attention sinks other than one logit per head ([{heads}])", _summary(value),
+            "the facade's sinks are a [heads] tensor (gpt-oss's s_aux); use "
+            "attn_implementation='eager' for this model",
+        )
+    return value
 
 
-def _returns_weights(obj: Any) -> bool:
-    """Whether an implementation object can hand back the attention probabilities."""
-    return callable(getattr(obj, WEIGHTS_METHOD, None))
-
-
-def _weights_rows(state: Registry) -> list[ImplRecord]:
-    """The rows of the active view that return weights, in table order (fallback last)."""
-    view = active_view(state, _FAMILY)
-    rows = [rec for rec in view.rows if _returns_weights(rec.obj)]
-    if view.fallback not in view.rows and _returns_weights(view.fallback.obj):
-        rows.append(view.fallback)
-    return rows
-
-
-def _weights_row(state: Registry, ctx: CallContext) -> ImplRecord:
-    """The row an ``output_attentions`` call goes to when resolution picked one without weights.
-
-    Chain semantics restricted to the rows that return weights: the first in table
-    order that is enabled, available, faithful (or enabled by a profile) and whose
-    ``when`` matches; then the fallback row, if it returns weights and can serve.
-    Refused (``UnsupportedFeatureError``) when none can, with every reason.
-    """
-    view = active_view(state, _FAMILY)
-    reasons: list[str] = []
-    for rec in view.rows:
-        if not _returns_weights(rec.obj):
-            continue
-        verdict, detail = row_verdict(state, view, rec, ctx)
-        if verdict == MATCH:
-            return rec
-        reasons.append(f"{rec.name}: {verdict} ({detail})" if detail else f"{rec.name}: {verdict}")
-    fallback = view.fallback
-    if _returns_weights(fallback.obj):
-        verdict, detail = row_verdict(state, view, fallback, ctx, implicit=False)
-        if verdict == MATCH:
-            return fallback
-        if fallback not in view.rows:
-            reasons.append(f"{fallback.name}: {verdict} ({detail})")
-    if not reasons:
-        reasons.append(f"no row of the {_FAMILY} table has a {WEIGHTS_METHOD}() method")
-    raise _refuse(
-        _WEIGHTS_FEATURE, True,
-        f"no {_FAMILY} row that returns them can serve this call ({'; '.join(reasons)}); "
-        "use attn_implementation='eager' for this model",
-    )
-
-
-def _source(state: Registry, res: Resolution) -> str:
-    """Who asked for ``res``'s row, for a message."""
-    if res.origin == "context":
-        return "an op_backend scope"
-    if res.origin == "env":
-        alias = state.aliases.get(_FAMILY)
-        names = f"{OPS_ENV} or {alias}" if alias else OPS_ENV
-        return f"the environment ({names})"
-    if res.origin == "profile":
-        forced = active_view(state, _FAMILY).forced
-        return f"profile {forced[1]}" if forced else "a profile"
-    return next((s.label for s in PRECEDENCE if s.origin == res.origin), res.origin)
-
-
-def _weights_handle(state: Registry, res: Resolution, ctx: CallContext) -> tuple[Any, str]:
-    """What to select for an ``output_attentions`` call that ordinary resolution gave ``res``.
-
-    Returns ``(None, "")`` when ``res``'s row returns weights; else the handle (a
-    row name, or the object of a fallback outside the chain) of the row that will,
-    and a sentence saying why. Raises when a strict source forced a row without
-    weights (``ExplicitSelectionError``) or when no row can (``UnsupportedFeatureError``).
-    """
-    if _returns_weights(res.obj):
-        return None, ""
-    if res.origin in _STRICT:
-        raise ExplicitSelectionError(
-            f"{_FAMILY} implementation {res.name!r} selected by {_source(state, res)} cannot "
-            f"serve this call: it does not return attention weights, which "
-            f"output_attentions=True needs (rows that do: "
-            f"{', '.join(r.name for r in _weights_rows(state)) or 'none'}); "
-            "select one of those in the scope, or leave output_attentions off",
-            family=_FAMILY, row=res.name)
-    rec = _weights_row(state, ctx)
-    handle: Any = rec.name if active_view(state, _FAMILY).row(rec.name) is rec else rec.obj
-    if res.origin in ("chain", "fallback"):
-        return handle, (f"output_attentions=True: {res.name} does not return attention "
-                        f"weights; {rec.name}, the first row that does, serves (selected "
-                        "explicitly)")
-    return handle, (f"{_FAMILY}={res.name} from {_source(state, res)} is not honoured for "
-                    f"output_attentions=True calls: {res.name} does not return attention "
-                    f"weights; {rec.name} serves them instead")
-
-
-def _weights_decision(ctx: CallContext) -> Decision:
-    """The cached decision for an ``output_attentions`` call: a row that returns weights."""
-    state = current()
-    sig = signature_key(state, ctx)
-    decision = decide(_FAMILY, sig, None, same_context, (ctx,), state)
-    if _returns_weights(decision.obj):
-        return decision
-    next(QUIET)  # that lookup serves no call: the one below does
-    handle, why = _weights_handle(current(), decision.resolution, ctx)
-    if decision.resolution.origin not in ("chain", "fallback"):
-        warn_once(why)  # a soft choice of the user's is set aside for this call: say so
-    return decide(_FAMILY, sig, handle, same_context, (ctx,), state)
-
-
-def _attention_with_weights(
-    q: torch.Tensor,
+def _features(
+    query: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, weights)`` of a facade-layout call, through the dispatch engine.
+    layer_causal: bool,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[bool, dict[str, Any]]:
+    """The facade's ``is_causal`` and feature keywords for one transformers call.
 
-    Resolved, cached and counted like a facade call (``stats()`` shows the row
-    that served it); the row's ``with_weights`` computes both.
+    A sliding window becomes ``window`` only when no mask carries it and it cuts
+    keys off (the last query of a causal call sees every key; more than ``window``
+    of them is when it matters); a one-query call is then made causal, which for one
+    query changes nothing else. The facade checks the values and drops those at
+    their default.
     """
-    ctx = facade_context("attention", q, k, v, attn_mask=mask, is_causal=causal)
-    decision = _weights_decision(ctx)
-    next(decision.counter)
-    with_weights = getattr(decision.obj, WEIGHTS_METHOD)
-    out, weights = with_weights(q, k, v, attn_mask=mask, is_causal=causal)
-    return out, weights
+    features: dict[str, Any] = {}
+    if scaling is not None:
+        features["scale"] = scaling
+    if kwargs.get("softcap") is not None:
+        features["softcap"] = kwargs["softcap"]
+    if dropout:
+        features["dropout_p"] = dropout
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            features["sinks"] = _sinks(kwargs[name], query.shape[1])
+    window = kwargs.get("sliding_window")
+    if window is not None and mask is None and k.shape[1] > window:
+        if not layer_causal:
+            raise _refuse(
+                "a sliding window on a non-causal layer without a mask", window,
+                "the facade's window is causal (each query sees its last keys); call "
+                "register() before building the model so transformers builds the mask",
+            )
+        causal = True
+        features["window"] = window
+    if kwargs.get("output_attentions"):
+        features["return_weights"] = True
+    return causal, features
+
+
+def _translate(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """The facade call for one transformers call: ``((q, k, v), keywords)``."""
+    _check_supported(attention_mask, kwargs)
+    q, k, v, mask, causal, layer_causal = _facade_arguments(
+        module, query, key, value, attention_mask, is_causal)
+    causal, features = _features(query, k, mask, causal, layer_causal, dropout, scaling, kwargs)
+    return (q, k, v), {"attn_mask": mask, "is_causal": causal, **features}
 
 
 def astrai_attention_forward(
@@ -362,16 +257,17 @@ def astrai_attention_forward(
     ``(attn_output [batch, q_len, heads, head_dim], None)`` like transformers' sdpa;
     with ``output_attentions=True``, ``(attn_output, attn_weights)`` like its eager
     attention, ``attn_weights`` ``[batch, heads, q_len, kv_len]`` in the query's
-    dtype, computed by a row that returns weights (see the module docstring).
-    Unsupported features raise ``UnsupportedFeatureError``.
+    dtype. ``scaling``, ``softcap``, ``dropout``, ``sliding_window`` and ``s_aux``
+    become the facade's features (see the module docstring); what it cannot
+    express raises ``UnsupportedFeatureError``.
     """
-    _check_supported(query, key, attention_mask, dropout, scaling, kwargs)
-    q, k, v, mask, causal = _facade_arguments(module, query, key, value, attention_mask, is_causal)
+    (q, k, v), keywords = _translate(module, query, key, value, attention_mask, dropout,
+                                     scaling, is_causal, kwargs)
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
-    if not kwargs.get("output_attentions"):
-        out = attention(q, k, v, attn_mask=mask, is_causal=causal)
+    if not keywords.get("return_weights"):
+        out = attention(q, k, v, **keywords)
         return out.view(batch, q_len, heads, -1), None
-    out, weights = _attention_with_weights(q, k, v, mask, causal)
+    out, weights = attention(q, k, v, **keywords)
     cut = key.shape[2] - k.shape[1]
     if cut:  # static-cache prefill: the unwritten slots that were cut off get zero weight
         weights = torch.nn.functional.pad(weights, (0, cut))
@@ -384,15 +280,22 @@ def call_context(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     is_causal: bool | None = True,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
 ) -> CallContext:
     """The ``CallContext`` the facade sees for this transformers-layout call.
 
-    Feed it to ``astrai.dispatch.explain("attention", ...)`` to see which row
-    would serve the call and why the others would not (``explain_call`` does
-    both, and knows about ``output_attentions``).
+    Takes what the adapter takes (``scaling``, ``softcap``, ``sliding_window``,
+    ``s_aux``, ``output_attentions``, ...), so the context carries the features the
+    call asks for. Feed it to ``astrai.dispatch.explain("attention", ...)`` to see
+    which row would serve the call and why the others would not (``explain_call``
+    does both).
     """
-    q, k, v, mask, causal = _facade_arguments(None, query, key, value, attention_mask, is_causal)
-    return facade_context("attention", q, k, v, attn_mask=mask, is_causal=causal)
+    (q, k, v), keywords = _translate(None, query, key, value, attention_mask, dropout,
+                                     scaling, is_causal, kwargs)
+    return facade_context("attention", q, k, v, **keywords)
 
 
 def explain_call(
@@ -401,28 +304,12 @@ def explain_call(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     is_causal: bool | None = True,
-    output_attentions: bool = False,
+    **kwargs: Any,
 ) -> str:
-    """``explain`` of the decision the adapter takes for this transformers-layout call.
-
-    Without ``output_attentions`` this is ``explain("attention", call_context(...))``.
-    With it, the decision is the one the adapter takes for a call that must return
-    the attention weights; a note says when that differs from ordinary resolution,
-    and a call the adapter would refuse ends in ``=> ERROR: ...``.
-    """
-    ctx = call_context(query, key, value, attention_mask, is_causal)
-    if not output_attentions:
-        return explanation(_FAMILY, ctx).render()
-    state = current()
-    try:
-        handle, why = _weights_handle(state, evaluate(_FAMILY, ctx, state=state), ctx)
-    except (ValueError, RuntimeError, NotImplementedError) as exc:
-        plain = explanation(_FAMILY, ctx)
-        return dataclasses.replace(plain, row=None, origin=None, error=str(exc)).render()
-    explained = explanation(_FAMILY, ctx, handle)
-    if why:
-        explained = dataclasses.replace(explained, notes=(*explained.notes, why))
-    return explained.render()
+    """``explain`` of the decision the adapter takes for this transformers-layout call
+    (``explain("attention", call_context(...))``, with the same keywords)."""
+    return explain("attention", call_context(query, key, value, attention_mask, is_causal,
+                                             **kwargs))
 
 
 def _interfaces() -> tuple[Any, Any, Callable[..., Any] | None]:
@@ -478,7 +365,7 @@ def run_transformers_demo(seed: int = 0, max_new_tokens: int = 8) -> str:
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
 
-    from astrai.dispatch import explain, op_backend, reset_stats, stats
+    from astrai.dispatch import op_backend, reset_stats, stats
 
     register()
     layers, heads, kv_heads, head_dim, prompt = 2, 4, 2, 16, 10

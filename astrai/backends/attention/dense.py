@@ -10,7 +10,12 @@ Every attention row follows the same conventions, stated here once:
 - ``attn_mask`` is bool (``True`` = may attend) or additive float, broadcastable
   to ``[batch, heads, q_len, k_len]``; it combines with ``is_causal``.
 - A query that may attend to no key at all gets a zero output.
-- The scale is ``1 / sqrt(head_dim)``.
+- The scale is ``1 / sqrt(head_dim)`` unless a call asks for another (``scale``).
+- A sliding ``window`` (only with ``is_causal``, or on the paged path) keeps the
+  last ``window`` keys of the causal rule, the query's own position included:
+  query ``i`` sees keys ``j`` with ``i + k_len - q_len - window < j <= i + k_len -
+  q_len`` (transformers' ``sliding_window`` mask for Mistral / Gemma 2; flash-attn's
+  ``window_size=(window - 1, 0)``).
 """
 
 from __future__ import annotations
@@ -77,11 +82,16 @@ def check_mask(attn_mask: torch.Tensor, target: tuple[int, int, int, int]) -> No
         )
 
 
-def causal_keep(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned)."""
+def causal_keep(q_len: int, k_len: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned),
+    and, with a ``window``, only the last ``window`` of those keys."""
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
-    return cols <= rows + (k_len - q_len)
+    last = rows + (k_len - q_len)
+    if window is None:
+        return cols <= last
+    return (cols <= last) & (cols > last - window)
 
 
 def merge_masks(
@@ -91,8 +101,9 @@ def merge_masks(
     k_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    window: int | None = None,
 ) -> torch.Tensor | None:
-    """One mask equivalent to ``attn_mask`` combined with ``is_causal``.
+    """One mask equivalent to ``attn_mask`` combined with ``is_causal`` (and its ``window``).
 
     Bool masks stay bool; additive masks become ``dtype`` with ``-inf`` where the
     causal rule forbids. ``None`` when there is nothing to mask.
@@ -101,7 +112,7 @@ def merge_masks(
         if attn_mask is None or attn_mask.dtype == torch.bool:
             return attn_mask
         return attn_mask.to(dtype)
-    keep = causal_keep(q_len, k_len, device)
+    keep = causal_keep(q_len, k_len, device, window)
     if attn_mask is None:
         return keep
     if attn_mask.dtype == torch.bool:

@@ -7,6 +7,11 @@ back to back and runs ``flash_attn_varlen_func`` with ``qo_indptr`` /
 ``kv_indptr`` as the cumulative lengths; flash-attn's causal mask is aligned to
 the bottom-right corner, which is exactly the per-request rule of ``_paged``.
 
+Features: ``scale`` (``softmax_scale``), ``softcap`` (flash-attn >= 2.6, applied
+to the scaled logits as Gemma 2 does), ``dropout_p`` (not together with
+``softcap``: flash-attn refuses that pair; the table's ``when`` says so) and a
+sliding ``window`` (``window_size``), on both paths.
+
 flash-attn is imported lazily, on first use; ``flash_available`` says why the
 row cannot run where the package or a suitable GPU is missing. The row is a plain
 function: which calls it serves (CUDA, fp16/bf16, head_dim <= 256, no mask) is
@@ -15,7 +20,7 @@ function: which calls it serves (CUDA, fp16/bf16, head_dim <= 256, no mask) is
 
 from __future__ import annotations
 
-__all__ = ["flash_attention", "flash_available"]
+__all__ = ["flash_attention", "flash_available", "flash_options"]
 
 import importlib
 import importlib.util
@@ -74,11 +79,17 @@ def flash_attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     fwd: str | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype (mask-free calls)."""
     fa = _module or _flash()
+    options = flash_options(scale, softcap, dropout_p, window)
     if kv_cache is None:
-        return merge_heads(fa.flash_attn_func(q, k, v, causal=is_causal))
+        return merge_heads(fa.flash_attn_func(q, k, v, causal=is_causal, **options))
     batch: PagedBatch = kv_cache
     store_kv(batch, layer_id, k, v)
     k_ctx, v_ctx = packed_kv(batch, layer_id)
@@ -91,5 +102,26 @@ def flash_attention(
         max_seqlen_q=batch.max_extend_len,
         max_seqlen_k=batch.max_seq_len,
         causal=True,
+        **options,
     )
     return merge_heads(out)
+
+
+def flash_options(scale: float | None, softcap: float | None, dropout_p: float,
+                  window: int | None) -> dict[str, Any]:
+    """flash-attn's keywords for the features a call asks for (none when it asks none,
+    so a flash-attn too old for one of them still serves the others).
+
+    ``window`` keys back, the query's own position included, is flash-attn's
+    ``window_size=(window - 1, 0)``: its window is bottom-right aligned like ours.
+    """
+    options: dict[str, Any] = {}
+    if scale is not None:
+        options["softmax_scale"] = scale
+    if softcap:
+        options["softcap"] = softcap
+    if dropout_p:
+        options["dropout_p"] = dropout_p
+    if window is not None:
+        options["window_size"] = (window - 1, 0)
+    return options

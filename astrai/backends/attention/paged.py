@@ -6,7 +6,8 @@ The paged path takes packed ``q`` ``[tokens, heads, head_dim]`` and ``k``/``v``
 at ``out_cache_loc`` for ``layer_id``, then attends, per request, causally over
 that request's whole context read back from the pool: new token ``j`` of a
 request with ``prefix`` cached positions sees positions ``<= prefix + j``
-(``is_causal`` is not consulted: the paged path is always causal). The cache
+(``is_causal`` is not consulted: the paged path is always causal), and with a
+sliding ``window`` only those ``> prefix + j - window``. The cache
 keeps no autograd history, so gradients reach ``q`` but not ``k``/``v`` here.
 """
 
@@ -117,15 +118,19 @@ def token_coords(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, offset
 
 
-def padded_keep(batch: PagedBatch, q_len: int) -> torch.Tensor:
+def padded_keep(batch: PagedBatch, q_len: int, window: int | None = None) -> torch.Tensor:
     """Bool ``[batch, 1, q_len, max_seq_len]``: padded query ``j`` may see key ``p``.
 
     Key ``p`` is visible when it lies in the request's context and
-    ``p <= prefix_len + j``.
+    ``p <= prefix_len + j`` (and, with a sliding ``window``, ``p > prefix_len + j -
+    window``).
     """
     device = batch.seq_lens.device
     keys = torch.arange(batch.max_seq_len, device=device).view(1, 1, -1)
     queries = torch.arange(q_len, device=device).view(1, -1, 1)
-    prefix = batch.prefix_lens.view(-1, 1, 1)
+    last = batch.prefix_lens.view(-1, 1, 1) + queries
     seq = batch.seq_lens.view(-1, 1, 1)
-    return ((keys < seq) & (keys <= prefix + queries)).unsqueeze(1)
+    keep = (keys < seq) & (keys <= last)
+    if window is not None:
+        keep &= keys > last - window
+    return keep.unsqueeze(1)

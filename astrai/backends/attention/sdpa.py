@@ -6,6 +6,11 @@ context into one padded ``[batch, max_seq_len, ...]`` tensor and runs a single
 SDPA call with a mask that encodes both the ragged lengths and the per-request
 causal rule; decode steps skip the query padding entirely.
 
+Features (``tables/attention.yaml`` declares them): ``scale`` and ``dropout_p`` are
+SDPA's own arguments; a sliding ``window`` becomes part of the boolean mask (the
+rule is ``dense``'s), on both paths. Soft-capping, sinks and the weights need the
+logits or the probabilities, which SDPA never hands out: not this row's.
+
 The row is a plain function: ``tables/attention.yaml``'s ``when`` decides which
 calls it serves, and the facade (``astrai.ops.attention``) validates the call
 before any row runs; called directly, it relies on SDPA's own shape checks.
@@ -30,19 +35,23 @@ _SDPA = F.scaled_dot_product_attention
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+    scale: float | None = None, dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """SDPA on ``[B, H, S, D]`` tensors, with GQA when k/v have fewer heads."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads == kv_heads:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              dropout_p=dropout_p, scale=scale)
     if _HAS_GQA:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, scale=scale,
+            enable_gqa=True,
         )
     group = heads // kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          dropout_p=dropout_p, scale=scale)
 
 
 def sdpa_attention(
@@ -54,11 +63,15 @@ def sdpa_attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     fwd: str | None = None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype, via PyTorch's SDPA."""
     if kv_cache is not None:
-        return _paged(q, k, v, kv_cache, layer_id)
-    if attn_mask is None and _HAS_GQA:
+        return _paged(q, k, v, kv_cache, layer_id, scale, dropout_p, window)
+    if attn_mask is None and window is None and scale is None and not dropout_p and _HAS_GQA:
         # Hot path (dense, no mask): only the causal rule's square case is tested here.
         qs, ks, vs = q.shape, k.shape, v.shape
         if not is_causal or qs[1] == ks[1]:
@@ -73,7 +86,7 @@ def sdpa_attention(
             if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
                 return out.reshape(qs[0], 1, qs[2] * vs[-1])
             return out.transpose(1, 2).flatten(-2)
-    return _dense(q, k, v, attn_mask, is_causal)
+    return _dense(q, k, v, attn_mask, is_causal, scale, dropout_p, window)
 
 
 def _dense(
@@ -82,20 +95,25 @@ def _dense(
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
     is_causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    window: int | None,
 ) -> torch.Tensor:
     q_len, k_len = q.shape[1], k.shape[1]
-    if is_causal and attn_mask is None and q_len == k_len:
+    if is_causal and attn_mask is None and q_len == k_len and window is None:
         # SDPA's own causal flag is top-left aligned, which equals ours when square.
         mask, causal = None, True
     else:
-        mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device)
+        mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device, window)
         causal = False
-    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
+    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal,
+                scale, dropout_p)
     return merge_heads(out.transpose(1, 2))
 
 
 def _paged(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch, layer_id: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch, layer_id: int,
+    scale: float | None, dropout_p: float, window: int | None,
 ) -> torch.Tensor:
     store_kv(batch, layer_id, k, v)
     k_pad, v_pad = padded_kv(batch, layer_id)  # [B, L, Hkv, D]
@@ -109,7 +127,8 @@ def _paged(
         owner, offset = token_coords(batch)
         q_pad = q.new_zeros(batch.batch_size, q_len, *q.shape[1:])
         q_pad = q_pad.index_put((owner, offset), q)
-    out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, padded_keep(batch, q_len), False)
+    keep = padded_keep(batch, q_len, window)
+    out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, keep, False, scale, dropout_p)
     out = out.transpose(1, 2)  # [B, q_len, H, D]
     if q_len == 1:
         return merge_heads(out[:, 0])
