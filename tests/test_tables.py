@@ -227,7 +227,7 @@ class TestLoadTables:
             f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, description, "
             f"env_alias, fallback, family, rows, version",
             f"{path}:8:5: unknown key 'whne' (did you mean 'when'?); expected one of: "
-            f"available, description, faithful, impl, name, requires, when",
+            f"available, description, explicit_only, faithful, impl, name, requires, when",
         ]
 
     def test_error_unknown_profile_key(self, toy: Path, write_yaml: Write) -> None:
@@ -473,7 +473,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:9:5: unknown key 'speed'; expected one of: available, description, "
-            f"faithful, impl, name, requires, when"
+            f"explicit_only, faithful, impl, name, requires, when"
         ]
 
     def test_error_structural_problem_keeps_declared_axes(self, write_yaml: Write) -> None:

@@ -45,7 +45,7 @@ engine - resolved, cached, counted in ``stats()`` under the row that served it:
 - if the row that resolution picks (an ``op_backend`` scope, ``ASTR_OPS``, a
   profile, the chain) returns weights, it serves, with its usual origin;
 - if the chain picked a row without weights, the first row in table order that
-  returns weights and can serve the call (disabled and non-faithful rows skipped,
+  returns weights and can serve the call (disabled, non-faithful and explicit-only rows skipped,
   as in the chain; then the fallback) is selected by name, as ``backend="math"``
   would: counted with origin ``explicit``; ``explain_call(...,
   output_attentions=True)`` shows the decision and why;

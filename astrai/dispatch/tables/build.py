@@ -94,6 +94,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         faithful=row["faithful"],
         description=row["description"],
         source=f"{out.file}:{line}",
+        explicit_only=row.get("explicit_only", False),
         **kwargs,
     )
 
