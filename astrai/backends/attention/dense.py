@@ -6,7 +6,9 @@ Every attention row follows the same conventions, stated here once:
   head ``h`` reads key/value head ``h // (heads // kv_heads)``.
 - ``is_causal`` is aligned to the bottom-right corner (as in flash-attn and the
   paged path): query ``i`` of ``q_len`` sees keys ``j <= i + k_len - q_len``. With
-  ``q_len == k_len`` this is the usual lower triangle.
+  ``q_len == k_len`` this is the usual lower triangle. A sliding ``window`` ``w``
+  (``causal_keep``, ``keeps``) also drops keys ``j <= i + k_len - q_len - w``: each
+  query keeps its ``w`` most recent positions, its own included.
 - ``attn_mask`` is bool (``True`` = may attend) or additive float, broadcastable
   to ``[batch, heads, q_len, k_len]``; it combines with ``is_causal``.
 - A query that may attend to no key at all gets a zero output.
@@ -21,8 +23,10 @@ __all__ = [
     "causal_keep",
     "check_dense",
     "check_mask",
+    "keeps",
     "merge_heads",
     "merge_masks",
+    "repeat_kv_heads",
 ]
 
 import torch
@@ -77,11 +81,25 @@ def check_mask(attn_mask: torch.Tensor, target: tuple[int, int, int, int]) -> No
         )
 
 
-def causal_keep(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned)."""
+def keeps(q_idx: torch.Tensor, k_idx: torch.Tensor, offset: int,
+          window: int | None = None) -> torch.Tensor:
+    """The causal rule on index tensors: query ``q_idx`` (at position ``q_idx + offset``,
+    ``offset = k_len - q_len``) keeps key ``k_idx``; with a ``window``, only the
+    ``window`` most recent positions."""
+    pos = q_idx + offset
+    keep = k_idx <= pos
+    if window is not None:
+        keep = keep & (k_idx > pos - window)
+    return keep
+
+
+def causal_keep(q_len: int, k_len: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned;
+    ``window`` as in ``keeps``)."""
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
-    return cols <= rows + (k_len - q_len)
+    return keeps(rows, cols, k_len - q_len, window)
 
 
 def merge_masks(
@@ -112,3 +130,11 @@ def merge_masks(
 def merge_heads(out: torch.Tensor) -> torch.Tensor:
     """``[..., heads, head_dim]`` -> ``[..., heads * head_dim]``."""
     return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
+def repeat_kv_heads(
+    k: torch.Tensor, v: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, kv_heads, S, D]`` k/v with each head repeated to ``heads`` (GQA made plain MHA)."""
+    group = heads // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
