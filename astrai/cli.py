@@ -148,8 +148,10 @@ def _row_flags(view: View, rec: Any) -> list[str]:
     flags = []
     if not rec.faithful:
         flags.append("not faithful")
-        if rec.name in view.enabled:
-            flags.append(f"enabled by profile {view.enabled[rec.name]}")
+    if rec.explicit_only:
+        flags.append("explicit-only")
+    if not rec.implicit and rec.name in view.enabled:
+        flags.append(f"enabled by profile {view.enabled[rec.name]}")
     if rec.name in view.disabled:
         flags.append(f"disabled by profile {view.disabled[rec.name]}")
     if rec is view.fallback:
@@ -187,6 +189,7 @@ def _family_dict(state: Registry, view: View) -> dict[str, Any]:
             "available": ok,
             "reason": None if ok else reason,
             "faithful": rec.faithful,
+            "explicit_only": rec.explicit_only,
             "fallback": rec is view.fallback,
             "in_chain": rec in view.rows,
             "enabled_by": view.enabled.get(rec.name),

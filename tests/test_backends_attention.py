@@ -42,12 +42,14 @@ def load_impl(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def faithful_rows() -> list[tuple[str, Any]]:
-    """Faithful rows available on this machine, as (name, impl)."""
+def faithful_rows(*call: Any, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Faithful rows available on this machine, as (name, impl); given a call, only the rows
+    whose ``when`` accepts it."""
     out = []
     for row in ROWS:
         probe = row.get("available")
-        if row.get("faithful", True) and (probe is None or load_impl(probe)()):
+        if row.get("faithful", True) and (probe is None or load_impl(probe)()) and (
+                not call or WHEN[row["name"]].matches(attention_context(*call, **kwargs))):
             out.append((row["name"], load_impl(row["impl"])))
     return out
 
@@ -136,11 +138,11 @@ class TestDenseNumerics:
             close(a, b, dtype)
 
     def test_query_without_visible_keys_gives_zero(self) -> None:
-        """A fully masked query row yields zeros in every row, never NaN."""
+        """A fully masked query row yields zeros in every row that takes masks, never NaN."""
         q, k, v = dense_inputs(torch.float32, 3, 4)
         mask = torch.ones(1, 1, 3, 4, dtype=torch.bool)
         mask[..., 1, :] = False
-        for _, impl in faithful_rows():
+        for _, impl in faithful_rows(q, k, v, attn_mask=mask):
             out = impl(q, k, v, attn_mask=mask)
             assert not out.isnan().any()
             assert (out[:, 1] == 0).all()
@@ -148,8 +150,9 @@ class TestDenseNumerics:
     def test_gradients_flow_through_dense_rows(self) -> None:
         """Dense rows are differentiable and agree on gradients."""
         grads = []
-        for _, impl in faithful_rows():
-            q, k, v = (t.requires_grad_() for t in dense_inputs(torch.float32, 4, 4))
+        call = dense_inputs(torch.float32, 4, 4)
+        for _, impl in faithful_rows(*call, is_causal=True):
+            q, k, v = (t.clone().requires_grad_() for t in call)
             impl(q, k, v, is_causal=True).square().sum().backward()
             grads.append(torch.cat([t.grad.flatten() for t in (q, k, v)]))  # type: ignore[union-attr]
         for a, b in itertools.combinations(grads, 2):
@@ -233,7 +236,10 @@ class TestPagedNumerics:
     def test_paged_rows_agree_on_one_batch(self) -> None:
         """Every faithful row gives the same prefill output on identical pools."""
         outs = []
-        for _, impl in faithful_rows():
+        pool = KVPool(1, 32, 1, 8, 4, 8)
+        call = pack(sequences(torch.float32, [2, 5, 3], 3, 1, 8, 3), [(0, 2), (0, 5), (0, 3)])
+        for _, impl in faithful_rows(*call, kv_cache=prefill_batch(pool, [2, 5, 3]),
+                                     fwd="prefill"):
             pool = KVPool(1, 32, 1, 8, 4, 8)
             batch = prefill_batch(pool, [2, 5, 3])
             seqs = sequences(torch.float32, [2, 5, 3], 3, 1, 8, 3)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astrai import ops
-from astrai.backends.rotary import reference_rotary, rotary_freqs, torch_rotary
+from astrai.backends.rotary import inductor_rotary, reference_rotary, rotary_freqs, torch_rotary
 from astrai.dispatch import ExplicitSelectionError, parse_spec, shipped_tables_dir
 from astrai.ops import context as ops_context
 
@@ -173,8 +173,9 @@ class TestRotaryNumerics:
 class TestTable:
     def test_table_names_the_module_objects(self) -> None:
         """The rows bind to this module's instances, in the documented order."""
-        assert list(IMPLS) == ["complex", "torch", "reference"]
+        assert list(IMPLS) == ["complex", "inductor_large", "torch", "inductor", "reference"]
         assert IMPLS["torch"] is torch_rotary and IMPLS["reference"] is reference_rotary
+        assert IMPLS["inductor"] is IMPLS["inductor_large"] is inductor_rotary
         assert yaml.safe_load((shipped_tables_dir() / "rotary.yaml").read_text())[
             "fallback"
         ] == "reference"

@@ -114,6 +114,10 @@ CASES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "demo": (("demo",), {}),
 }
 
+#: The shipped attention table's rows, in order (``explicit_only`` rows included).
+ATTENTION_ROWS = ["flash", "torch_native", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex",
+                  "sdpa_math", "math"]
+
 
 def _console_script() -> str | None:
     name = "astrai-ops.exe" if os.name == "nt" else "astrai-ops"
@@ -229,8 +233,8 @@ class TestList:
         """``list`` shows each family's rows in table order, each followed by its condition."""
         section = get(runs, "list").stdout.split("[attention]")[1].split("\n[")[0]
         names = re.findall(r"^  (\w+)\s+(?:available|unavailable)", section, re.M)
-        assert names == ["flash", "torch_native", "math"]
-        assert section.count("when: ") == 3
+        assert names == ATTENTION_ROWS
+        assert section.count("when: ") == len(ATTENTION_ROWS)
 
     def test_unavailable_reason(self, runs: Runs) -> None:
         """``list`` reports a missing accelerated backend as unavailable, with the reason."""
@@ -268,7 +272,7 @@ class TestExplain:
         assert doc["family"] == "attention"
         assert doc["decision"] == {"row": "torch_native", "origin": "chain"}
         assert doc["error"] is None
-        assert [r["name"] for r in doc["rows"]] == ["flash", "torch_native", "math"]
+        assert [r["name"] for r in doc["rows"]] == ATTENTION_ROWS
 
     def test_explicit_backend(self, runs: Runs) -> None:
         """``--backend math`` selects the named row with origin ``explicit``."""

@@ -56,6 +56,10 @@ FILES = {
         """,
 }
 
+#: The shipped attention table's rows, in order (``explicit_only`` rows included).
+ATTENTION_ROWS = ["flash", "torch_native", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flex",
+                  "sdpa_math", "math"]
+
 
 def _env(extra: dict[str, str], *, unbuffered: bool | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ASTR_VARS}
@@ -317,9 +321,10 @@ class TestExplainTable:
         assert out.startswith("[attention] ")
         assert re.search(rf"^  from: {re.escape(str(SHIPPED / 'attention.yaml'))}$", out, re.M)
         names = re.findall(r"^  (\w+)\s+(?:available|unavailable)", out, re.M)
-        assert names == ["flash", "torch_native", "math"]
-        assert out.count("when: ") == 3
+        assert names == ATTENTION_ROWS
+        assert out.count("when: ") == len(ATTENTION_ROWS)
         assert re.search(r"^  math\s+available \[fallback\]$", out, re.M)
+        assert re.search(r"^  sdpa_math\s+available \[explicit-only\]$", out, re.M)
         assert not re.search(r"^=>", out, re.M)
         for made_up in ("origin=", "dtype=none", "reject", "MATCH"):
             assert made_up not in out
@@ -333,7 +338,7 @@ class TestExplainTable:
         assert doc["source"] == str(SHIPPED / "attention.yaml")
         assert doc["call"] is None
         assert "decision" not in doc and "context" not in doc
-        assert [r["name"] for r in doc["rows"]] == ["flash", "torch_native", "math"]
+        assert [r["name"] for r in doc["rows"]] == ATTENTION_ROWS
         assert doc["fallback"] == "math"
         for row in doc["rows"]:
             assert isinstance(row["available"], bool)

@@ -253,3 +253,25 @@ class TestCutPoints:
 def test_values_are_type_checked(text: str, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         parse_spec(text)
+
+
+class TestShippedTablesUseTheAxes:
+    """The shipped tables give the compiled rows the token counts they were measured to
+    win (``tables/rms_norm.yaml``, ``tables/rotary.yaml``), and nothing else."""
+
+    @pytest.mark.parametrize("family, dtype, small, large", [
+        ("rms_norm", torch.float32, 4095, 4096),
+        ("rotary", torch.bfloat16, 63, 64),
+    ])
+    def test_compiled_row_from_its_cut(self, family: str, dtype: torch.dtype, small: int,
+                                       large: int) -> None:
+        from astrai.backends.inductor import inductor_available
+
+        if inductor_available() is not True:
+            pytest.skip("inductor cannot compile on this machine")
+        ndim = 2 if family == "rms_norm" else 3
+        below = resolve(family, CallContext(family, dtype=dtype, ndim=ndim, tokens=small))
+        above = resolve(family, CallContext(family, dtype=dtype, ndim=ndim, tokens=large))
+        assert below.name != "inductor_large"
+        assert (above.name, above.origin) == ("inductor_large", "chain")
+        assert key_plan(current(), family).found.points["tokens"] == (large,)

@@ -128,7 +128,7 @@ class TestLoadTables:
         before = resolve("rotary", call)
         data = yaml.safe_load((shipped_tables_dir() / "rotary.yaml").read_text())
         rows = data["rows"]
-        second = next(r for r in rows[1:] if r["name"] != data["fallback"])
+        second = next(r for r in rows[1:] if r["name"] == "torch")  # serves fp32 calls too
         data["rows"] = [second, *(r for r in rows if r is not second)]
         load_tables(write_yaml("rotary.yaml", yaml.safe_dump(data, sort_keys=False)))
         after = resolve("rotary", call)
@@ -228,7 +228,8 @@ class TestLoadTables:
             f"{path}:3:1: unknown key 'colour'; expected one of: axes, context, define, "
             f"description, env_alias, fallback, family, rows, version",
             f"{path}:8:5: unknown key 'whne' (did you mean 'when'?); expected one of: "
-            f"available, description, faithful, features, impl, name, requires, when",
+            f"available, description, explicit_only, faithful, features, impl, name, requires, "
+            f"when",
         ]
 
     def test_error_unknown_profile_key(self, toy: Path, write_yaml: Write) -> None:
@@ -474,7 +475,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:9:5: unknown key 'speed'; expected one of: available, description, "
-            f"faithful, features, impl, name, requires, when"
+            f"explicit_only, faithful, features, impl, name, requires, when"
         ]
 
     def test_error_structural_problem_keeps_declared_axes(self, write_yaml: Write) -> None:

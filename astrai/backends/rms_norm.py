@@ -1,20 +1,32 @@
-"""RMS norm: rows ``torch`` (``torch.rms_norm``) and ``reference`` (explicit float32).
+"""RMS norm: rows ``torch`` (``torch.rms_norm``), ``inductor`` and ``reference`` (float32).
 
 ``rms_norm(x, weight, eps) = x / sqrt(mean(x**2, -1) + eps) * weight`` over the
 last dimension; ``weight`` is ``[x.shape[-1]]``. The output has ``x``'s shape and
 dtype. Rows are plain functions: the table's ``when`` decides which calls they
 serve, and the facade (``astrai.ops.rms_norm``) validates shapes before any row
 runs, so a row does neither.
+
+``inductor`` is ``reference_rms_norm`` compiled by ``torch.compile`` with dynamic
+shapes, on its first call per (dtype, weight dtype, device, rank of x): token counts
+and feature sizes share one graph. Inside a user's ``torch.compile`` it is the
+reference math, which the user's compile compiles with the rest of the graph.
 """
 
 from __future__ import annotations
 
-__all__ = ["reference_rms_norm", "torch_rms_norm", "torch_rms_norm_available"]
+__all__ = [
+    "inductor_rms_norm",
+    "reference_rms_norm",
+    "torch_rms_norm",
+    "torch_rms_norm_available",
+]
 
 import torch
 import torch.nn.functional as F
 
+from astrai.backends.inductor import Compiled
 from astrai.dispatch.tables.model import Unavailable
+from astrai.dispatch.torch_compile import compiling
 
 
 def torch_rms_norm_available() -> bool | Unavailable:
@@ -43,3 +55,14 @@ def reference_rms_norm(
     xw = x.to(compute)
     inv_rms = torch.rsqrt(xw.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (xw * inv_rms * weight.to(compute)).to(x.dtype)
+
+
+_compiled = Compiled(reference_rms_norm, dynamic=True)
+
+
+def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``reference_rms_norm`` compiled by inductor (dynamic shapes, compiled lazily)."""
+    if compiling():
+        return reference_rms_norm(x, weight, eps)
+    # Keyed by rank too: a copy per rank keeps each graph's guards to one kind of input.
+    return _compiled((x.dtype, weight.dtype, x.device, x.dim()), x, weight, eps)  # type: ignore[no-any-return]

@@ -1,4 +1,4 @@
-"""Rotary position embedding: rows ``torch``, ``complex`` and ``reference``.
+"""Rotary position embedding: rows ``complex``, ``torch``, ``inductor`` and ``reference``.
 
 Layout (SPEC §9): ``x`` is ``[batch, seq, heads, head_dim]`` or packed
 ``[tokens, heads, head_dim]``; ``freqs_cis`` is ``[batch or 1, seq, head_dim/2, 2]``
@@ -16,6 +16,12 @@ each serves, and the facade (``astrai.ops.apply_rotary``) validates the call wit
 ``check_rotary_call`` before any row runs, so a row does neither. Each row gives
 ``freqs_cis`` a broadcast axis for the heads (``unsqueeze(-3)``), which lines it up
 with ``x`` viewed as pairs ``[..., heads, head_dim/2, 2]`` for every accepted layout.
+
+``inductor`` is ``reference_rotary`` compiled by ``torch.compile`` with dynamic
+shapes, on its first call per (dtypes, device, ranks of x and the table): lengths and
+batch sizes share its graphs. The tensors go in as they are (reshaping them first
+cost more per call than the graphs it saves). Inside a user's ``torch.compile`` it is
+the reference math, which the user's compile compiles with the rest of the graph.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from __future__ import annotations
 __all__ = [
     "check_rotary_call",
     "complex_rotary",
+    "inductor_rotary",
     "reference_rotary",
     "rotary_freqs",
     "torch_rotary",
 ]
 
 import torch
+
+from astrai.backends.inductor import Compiled
+from astrai.dispatch.torch_compile import compiling
 
 _COMPLEX_DTYPES = (torch.float32, torch.float64)
 
@@ -123,3 +133,14 @@ def reference_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     out[..., 0::2] = even * cos - odd * sin
     out[..., 1::2] = even * sin + odd * cos
     return out.to(x.dtype)
+
+
+_compiled = Compiled(reference_rotary, dynamic=True)
+
+
+def inductor_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """``reference_rotary`` compiled by inductor (dynamic shapes, compiled lazily)."""
+    if compiling():
+        return reference_rotary(x, freqs_cis)
+    key = (x.dtype, freqs_cis.dtype, x.device, x.dim(), freqs_cis.dim())
+    return _compiled(key, x, freqs_cis)  # type: ignore[no-any-return]

@@ -205,12 +205,14 @@ def table_revision(table: FamilyTable) -> str:
 
     A YAML table's is the SHA-256 of its file's text (whatever its path; rows whose
     import fails keep the same revision). A ``register_family`` table's hashes its rows:
-    names, implementation and probe paths, ``when`` text, ``faithful``, the fallback.
+    names, implementation and probe paths, ``when`` text, ``faithful`` (and
+    ``explicit_only`` where set), the fallback.
     """
     if table.revision and table.source != "register_family":
         return table.revision
     rows = [[r.name, _object_path(r.obj), r.spec.description,
-             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful]
+             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful,
+             *(["explicit_only"] if r.explicit_only else [])]
             for r in table.rows]
     text = json.dumps([table.name, table.fallback, table.env_alias, rows])
     return "py-" + hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -4,7 +4,7 @@ A family's rows are checked against every distinguishable call: the axes some ro
 tests, each narrowed to the values the expressions mention (plus one
 representative of everything else). Lint assumes every row is available —
 availability depends on the machine — but respects what profiles do: disabled
-rows and non-faithful rows nobody enables never win implicitly, and a forced row
+rows and non-faithful or explicit-only rows nobody enables never win implicitly, and a forced row
 takes every call it accepts. It reports:
 
 - *unsatisfiable* rows, whose condition accepts no call at all;
@@ -234,7 +234,7 @@ def _plain(spec: Spec, ctx: CallContext) -> bool | None:
 
 def _eligible(view: View, rec: ImplRecord) -> bool:
     """Whether the implicit chain may pick ``rec`` (lint assumes it is available)."""
-    return rec.name not in view.disabled and (rec.faithful or rec.name in view.enabled)
+    return rec.name not in view.disabled and (rec.implicit or rec.name in view.enabled)
 
 
 def _quote(names: list[str] | tuple[str, ...]) -> str:
@@ -302,6 +302,9 @@ def lint_view(view: View) -> LintReport:
         elif not rec.faithful and rec.name not in view.enabled:
             notes.append(f"row {rec.name!r} is explicit-only (not faithful; no profile enables "
                          "it)")
+        elif rec.explicit_only and rec.name not in view.enabled:
+            notes.append(f"row {rec.name!r} is explicit-only (explicit_only: true; no profile "
+                         "enables it)")
 
     satisfiable: set[str] = set()
     can_win: set[str] = set()

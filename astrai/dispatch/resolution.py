@@ -83,22 +83,23 @@ class Resolution:
 # -- the evaluator ---------------------------------------------------------
 
 MATCH, REJECT, UNAVAILABLE = "MATCH", "reject", "unavailable"
-UNFAITHFUL, DISABLED = "unfaithful", "disabled"
+UNFAITHFUL, DISABLED, BY_NAME = "unfaithful", "disabled", "explicit-only"
 
 
 def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
                 implicit: bool = True) -> tuple[str, str]:
     """``(verdict, detail)`` for one row and one call; the chain and explain both use this.
 
-    ``implicit`` is true for the chain: there, disabled and non-faithful rows are skipped.
+    ``implicit`` is true for the chain: there, disabled, non-faithful and explicit-only
+    rows (none of them enabled by a profile) are skipped.
     """
     if implicit and rec.name in view.disabled:
         return DISABLED, view.disabled[rec.name]
     ok, reason = state.availability(rec)
     if not ok:
         return UNAVAILABLE, reason
-    if implicit and not rec.faithful and rec.name not in view.enabled:
-        return UNFAITHFUL, ""
+    if implicit and not rec.implicit and rec.name not in view.enabled:
+        return (UNFAITHFUL if not rec.faithful else BY_NAME), ""
     undeclared = asked_features(ctx) - rec.features
     if undeclared:
         return REJECT, undeclared_reason(rec, undeclared)
@@ -120,7 +121,7 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
     """Whether ``row_verdict`` would say MATCH, without building its words (the
     evaluator's fast path; the words are built only for explain and errors)."""
     if implicit and (rec.name in view.disabled
-                     or (not rec.faithful and rec.name not in view.enabled)):
+                     or (not rec.implicit and rec.name not in view.enabled)):
         return False
     if rec.available is not ALWAYS_AVAILABLE:
         probed = process.probed.get(id(rec))  # == state.availability(rec), inlined
@@ -166,6 +167,8 @@ def _no_row(state: Registry, view: View, ctx: CallContext) -> NoImplementationEr
             why = f"disabled by profile {detail}"
         elif verdict == UNFAITHFUL:
             why = "not faithful (explicit or profile-enabled only)"
+        elif verdict == BY_NAME:
+            why = "explicit-only (explicit or profile-enabled only)"
         else:
             why = _why(verdict, detail)
         reasons.append((f"{rec.name} (fallback)" if rec is view.fallback else rec.name, why))
@@ -403,7 +406,7 @@ class RowVerdict:
     """One row's line in an explanation."""
 
     name: str
-    verdict: str  # MATCH | reject | unavailable | unfaithful | disabled
+    verdict: str  # MATCH | reject | unavailable | unfaithful | explicit-only | disabled
     detail: str
     fallback: bool
 
@@ -462,6 +465,8 @@ def _row_text(r: RowVerdict) -> str:
         return f"  {r.name}: SKIP unavailable ({r.detail}){tag}"
     if r.verdict == UNFAITHFUL:
         return f"  {r.name}: SKIP not faithful (explicit-only){tag}"
+    if r.verdict == BY_NAME:
+        return f"  {r.name}: SKIP explicit-only (selected by name or a profile){tag}"
     return f"  {r.name}: SKIP disabled by profile {r.detail}{tag}"
 
 
@@ -472,7 +477,7 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     rows = []
     for rec in view.rows:
         verdict, detail = row_verdict(state, view, rec, ctx)
-        if verdict == MATCH and not rec.faithful:
+        if verdict == MATCH and not rec.implicit:
             detail += f"; enabled by profile {view.enabled[rec.name]}"
         elif verdict == DISABLED and view.forced is not None and view.forced[0] == rec.name:
             detail += f" in the chain, but forced by profile {view.forced[1]}"

@@ -15,7 +15,7 @@ Every attention row follows the same conventions, stated here once:
   last ``window`` keys of the causal rule, the query's own position included:
   query ``i`` sees keys ``j`` with ``i + k_len - q_len - window < j <= i + k_len -
   q_len`` (transformers' ``sliding_window`` mask for Mistral / Gemma 2; flash-attn's
-  ``window_size=(window - 1, 0)``).
+  ``window_size=(window - 1, 0)``); ``causal_keep`` and ``keeps`` state it once.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ __all__ = [
     "causal_keep",
     "check_dense",
     "check_mask",
+    "keeps",
     "merge_heads",
     "merge_masks",
+    "repeat_kv_heads",
 ]
 
 import torch
@@ -82,16 +84,25 @@ def check_mask(attn_mask: torch.Tensor, target: tuple[int, int, int, int]) -> No
         )
 
 
+def keeps(q_idx: torch.Tensor, k_idx: torch.Tensor, offset: int,
+          window: int | None = None) -> torch.Tensor:
+    """The causal rule on index tensors: query ``q_idx`` (at position ``q_idx + offset``,
+    ``offset = k_len - q_len``) keeps key ``k_idx``; with a ``window``, only the
+    ``window`` most recent positions."""
+    pos = q_idx + offset
+    keep = k_idx <= pos
+    if window is not None:
+        keep = keep & (k_idx > pos - window)
+    return keep
+
+
 def causal_keep(q_len: int, k_len: int, device: torch.device,
                 window: int | None = None) -> torch.Tensor:
-    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned),
-    and, with a ``window``, only the last ``window`` of those keys."""
+    """Bool ``[q_len, k_len]``: query ``i`` may see key ``j`` (bottom-right aligned;
+    ``window`` as in ``keeps``)."""
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
-    last = rows + (k_len - q_len)
-    if window is None:
-        return cols <= last
-    return (cols <= last) & (cols > last - window)
+    return keeps(rows, cols, k_len - q_len, window)
 
 
 def merge_masks(
@@ -123,3 +134,11 @@ def merge_masks(
 def merge_heads(out: torch.Tensor) -> torch.Tensor:
     """``[..., heads, head_dim]`` -> ``[..., heads * head_dim]``."""
     return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
+def repeat_kv_heads(
+    k: torch.Tensor, v: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, kv_heads, S, D]`` k/v with each head repeated to ``heads`` (GQA made plain MHA)."""
+    group = heads // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -6,26 +6,28 @@ context into one padded ``[batch, max_seq_len, ...]`` tensor and runs a single
 SDPA call with a mask that encodes both the ragged lengths and the per-request
 causal rule; decode steps skip the query padding entirely.
 
-Features (``tables/attention.yaml`` declares them): ``scale`` and ``dropout_p`` are
-SDPA's own arguments; a sliding ``window`` becomes part of the boolean mask (the
-rule is ``dense``'s), on both paths. Soft-capping, sinks and the weights need the
-logits or the probabilities, which SDPA never hands out: not this row's.
-
 The row is a plain function: ``tables/attention.yaml``'s ``when`` decides which
 calls it serves, and the facade (``astrai.ops.attention``) validates the call
 before any row runs; called directly, it relies on SDPA's own shape checks.
+
+``sdpa_dense`` and ``sdpa_paged`` are the row's two paths with the SDPA call itself
+(``core``, on ``[batch, heads, seq, head_dim]`` tensors) passed in: the rows pinned to
+one SDPA backend (``astrai.backends.attention.pinned``) reuse them with a core that
+adapts a call to what their kernel takes.
 """
 
 from __future__ import annotations
 
-__all__ = ["sdpa_attention"]
+__all__ = ["Core", "sdpa_attention", "sdpa_core", "sdpa_dense", "sdpa_paged"]
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.attention.dense import merge_heads, merge_masks
+from astrai.backends.attention.dense import merge_heads, merge_masks, repeat_kv_heads
 from astrai.backends.attention.paged import padded_keep, padded_kv, store_kv, token_coords
 from astrai.kv_cache import PagedBatch
 
@@ -33,10 +35,20 @@ from astrai.kv_cache import PagedBatch
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 _SDPA = F.scaled_dot_product_attention
 
+#: An SDPA call on ``[B, H, S, D]`` tensors: ``core(q, k, v, mask, causal)``, where
+#: ``causal`` is SDPA's own (top-left) flag, set only for square calls without a mask.
+Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool],
+                torch.Tensor]
 
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-    scale: float | None = None, dropout_p: float = 0.0,
+
+def sdpa_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """SDPA on ``[B, H, S, D]`` tensors, with GQA when k/v have fewer heads."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -48,8 +60,7 @@ def _sdpa(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, scale=scale,
             enable_gqa=True,
         )
-    group = heads // kv_heads
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = repeat_kv_heads(k, v, heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           dropout_p=dropout_p, scale=scale)
 
@@ -68,10 +79,14 @@ def sdpa_attention(
     dropout_p: float = 0.0,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype, via PyTorch's SDPA."""
+    """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype, via PyTorch's SDPA
+    (``scale`` and ``dropout_p`` are SDPA's own; a ``window`` becomes part of the mask)."""
+    core: Core = sdpa_core
+    if scale is not None or dropout_p:
+        core = functools.partial(sdpa_core, scale=scale, dropout_p=dropout_p)
     if kv_cache is not None:
-        return _paged(q, k, v, kv_cache, layer_id, scale, dropout_p, window)
-    if attn_mask is None and window is None and scale is None and not dropout_p and _HAS_GQA:
+        return sdpa_paged(q, k, v, kv_cache, layer_id, core, window=window)
+    if attn_mask is None and window is None and core is sdpa_core and _HAS_GQA:
         # Hot path (dense, no mask): only the causal rule's square case is tested here.
         qs, ks, vs = q.shape, k.shape, v.shape
         if not is_causal or qs[1] == ks[1]:
@@ -86,19 +101,21 @@ def sdpa_attention(
             if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
                 return out.reshape(qs[0], 1, qs[2] * vs[-1])
             return out.transpose(1, 2).flatten(-2)
-    return _dense(q, k, v, attn_mask, is_causal, scale, dropout_p, window)
+    return sdpa_dense(q, k, v, attn_mask, is_causal, core, window=window)
 
 
-def _dense(
+def sdpa_dense(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
     is_causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    window: int | None,
+    core: Core = sdpa_core,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """A dense call through ``core``: the causal rule (and ``window``) and the mask merged
+    into one mask (SDPA's own causal flag where the call is square and has no mask)."""
     q_len, k_len = q.shape[1], k.shape[1]
     if is_causal and attn_mask is None and q_len == k_len and window is None:
         # SDPA's own causal flag is top-left aligned, which equals ours when square.
@@ -106,15 +123,22 @@ def _dense(
     else:
         mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device, window)
         causal = False
-    out = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal,
-                scale, dropout_p)
+    out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
     return merge_heads(out.transpose(1, 2))
 
 
-def _paged(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch, layer_id: int,
-    scale: float | None, dropout_p: float, window: int | None,
+def sdpa_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PagedBatch,
+    layer_id: int,
+    core: Core = sdpa_core,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """The paged path through ``core``: one padded call whose mask encodes every
+    request's context length and causal rule (and ``window``)."""
     store_kv(batch, layer_id, k, v)
     k_pad, v_pad = padded_kv(batch, layer_id)  # [B, L, Hkv, D]
     k_pad = k_pad.to(q.dtype).transpose(1, 2)
@@ -127,8 +151,7 @@ def _paged(
         owner, offset = token_coords(batch)
         q_pad = q.new_zeros(batch.batch_size, q_len, *q.shape[1:])
         q_pad = q_pad.index_put((owner, offset), q)
-    keep = padded_keep(batch, q_len, window)
-    out = _sdpa(q_pad.transpose(1, 2), k_pad, v_pad, keep, False, scale, dropout_p)
+    out = core(q_pad.transpose(1, 2), k_pad, v_pad, padded_keep(batch, q_len, window), False)
     out = out.transpose(1, 2)  # [B, q_len, H, D]
     if q_len == 1:
         return merge_heads(out[:, 0])

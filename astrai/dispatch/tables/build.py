@@ -98,6 +98,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         description=row["description"],
         source=f"{out.file}:{line}",
         features=frozenset(row.get("features", ())),
+        explicit_only=row.get("explicit_only", False),
         **kwargs,
     )
 

@@ -138,6 +138,11 @@ class RowModel(_Model):
     faithful: StrictBool = Field(
         default=True, description="false: changes numerics; never picked implicitly"
     )
+    explicit_only: StrictBool = Field(
+        default=False,
+        description="true: picked by name only (backend=, op_backend, ASTR_OPS, a profile's "
+                    "force) or when a profile enables it; never by the implicit chain",
+    )
     description: StrictStr = ""
     features: list[Feature] = Field(
         default_factory=list,
@@ -189,7 +194,8 @@ class FamilyOverlayModel(_Model):
     )
     disable: list[Name] = Field(default_factory=list, description="rows left out of the chain")
     enable: list[Name] = Field(
-        default_factory=list, description="non-faithful rows allowed in the implicit chain"
+        default_factory=list,
+        description="non-faithful or explicit-only rows allowed in the implicit chain"
     )
     when: dict[Name, Expression] = Field(
         default_factory=dict, description="replace rows' expressions"

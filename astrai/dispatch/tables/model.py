@@ -7,7 +7,7 @@ precompiled artifact or ``register_family``):
   with its fallback;
 - ``Profile`` and ``FamilyOverlay``, what a profile (SPEC §6) changes per family
   (or ``"*"`` for all): ``force`` a row or the fallback, ``order`` rows, ``disable``
-  rows, ``enable`` non-faithful rows for the implicit chain, replace a row's
+  rows, ``enable`` non-faithful or explicit-only rows for the implicit chain, replace a row's
   ``when``, set ``fallback``, ``add`` rows;
 - ``View`` and ``make_view``: active profiles applied in order on top of a family's
   table, giving the rows as resolution actually walks them, plus who changed what
@@ -62,6 +62,8 @@ class ImplRecord:
     the seed; ties keep the provider's order); YAML rows take their priority from their
     position (0 for the first row). ``faithful=False`` marks a row that changes
     numerics: only explicit selection or a profile that enables it can pick it.
+    ``explicit_only=True`` gives a faithful row the same reach (a row that never wins
+    the chain on the calls the tables can tell apart, kept for selection by name).
     ``source`` says where the row was defined (``file:line`` or ``register_family``).
     ``features`` are the feature axes (``axes.FEATURE_AXES``: a custom scale,
     soft-capping, ...) the row can honour: a call asking for any other is not its.
@@ -77,6 +79,13 @@ class ImplRecord:
     description: str = ""
     source: str = ""
     features: frozenset[str] = frozenset()
+    explicit_only: bool = False
+
+    @property
+    def implicit(self) -> bool:
+        """Whether the implicit chain may pick this row without a profile enabling it:
+        faithful and not ``explicit_only``."""
+        return self.faithful and not self.explicit_only
 
     def __repr__(self) -> str:
         return f"ImplRecord({self.family}.{self.name}, when={self.spec.description!r})"
@@ -215,14 +224,14 @@ class View:
     enabled: Mapping[str, str] = field(default_factory=dict)  # row -> profile
     forced: tuple[str, str] | None = None  # (row, profile)
     notes: tuple[str, ...] = ()  # what profiles changed, for explain
-    #: The rows the implicit chain may try, in order: not disabled, and faithful or
-    #: enabled (availability and ``when`` are checked per call).
+    #: The rows the implicit chain may try, in order: not disabled, and implicit (faithful,
+    #: not explicit-only) or enabled (availability and ``when`` are checked per call).
     chain: tuple[ImplRecord, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chain", tuple(
             r for r in self.rows if r.name not in self.disabled
-            and (r.faithful or r.name in self.enabled)))
+            and (r.implicit or r.name in self.enabled)))
 
     def row(self, name: str) -> ImplRecord | None:
         """The row called ``name`` in this view."""

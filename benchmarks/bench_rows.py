@@ -1,0 +1,279 @@
+"""Every available row of each family, timed side by side on this machine (issue 13).
+
+For each bucket (one call shape), every row that is available here and whose table
+``when`` accepts the call is called directly, as the facade would call it. Compiled
+rows compile on an untimed warm-up call. Then the rows are timed in interleaved rounds
+(the order rotates from round to round), and the table shows the median microseconds
+per call. The fastest faithful row of each bucket is marked ``*`` and named in the
+winner column; non-faithful rows (``linear``'s ``bf16``) are timed as well but can
+never win. CPU, one thread by default, under ``torch.no_grad()``.
+
+The clock is the calling thread's CPU time (``time.thread_time``): with one intra-op
+thread every kernel runs on that thread, and on a shared machine wall-clock medians of
+one and the same kernel were seen to differ by 2x between neighbouring rows, while CPU
+time leaves out the time the thread waits for a core. ``--wall`` times wall clock.
+
+Buckets:
+
+- attention, batch 1, 8 query heads (GQA: 2 kv heads): decode (q_len 1, kv_len 512);
+  causal prefill with q_len == kv_len in {16, 128, 512, 2048}; non-causal in {128, 512};
+  chunked prefill (q_len 16, kv_len 512, causal); head_dim 64 and 128, fp32 and bf16.
+- attention training (forward + backward of ``out.sum()``, grad mode on): causal
+  q_len == kv_len in {16, 128, 512}, head_dim 64 (MHA) and 128 (GQA, 128 only).
+- rms_norm, rotary, linear: tokens in {1, 64, 4096}, two feature sizes, fp32 and bf16.
+
+Usage: ``python benchmarks/bench_rows.py [--threads N] [--quick] [--json PATH]
+[--family F ...] [--no-training] [--wall]``.
+The whole run takes about three minutes on two cores, about half of it compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import astrai.dispatch as dispatch
+from astrai import ops
+from astrai.backends.rotary import rotary_freqs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SAMPLE_S = 0.004  # each timed sample runs the call this long, at least
+TIE = 0.03  # rows within 3% of the fastest are named with it: that close is noise here
+
+
+@dataclass
+class Bucket:
+    """One call shape: ``args`` for the family's facade, a short label; ``train``: time
+    the forward and the backward of ``out.sum()`` with grad mode on."""
+
+    family: str
+    label: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    train: bool = False
+
+
+@dataclass
+class Result:
+    bucket: Bucket
+    us: dict[str, float]  # row -> median us per call
+    unfaithful: set[str]
+    seconds: float
+
+    @property
+    def winner(self) -> str:
+        fair = {k: v for k, v in self.us.items() if k not in self.unfaithful}
+        return min(fair, key=fair.__getitem__)
+
+    @property
+    def ties(self) -> list[str]:
+        """Other faithful rows within ``TIE`` of the winner."""
+        best = self.us[self.winner]
+        return [k for k, v in self.us.items() if k != self.winner
+                and k not in self.unfaithful and v <= best * (1 + TIE)]
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def attention_buckets(quick: bool) -> list[Bucket]:
+    """The attention shapes (see the module docstring)."""
+    out: list[Bucket] = []
+
+    def add(q_len: int, kv_len: int, d: int, kv_heads: int, dt: str, causal: bool) -> None:
+        dtype = DTYPES[dt]
+        q = _rand(1, q_len, 8, d, dtype=dtype, seed=1)
+        k = _rand(1, kv_len, kv_heads, d, dtype=dtype, seed=2)
+        v = _rand(1, kv_len, kv_heads, d, dtype=dtype, seed=3)
+        kind = "mha" if kv_heads == 8 else "gqa"
+        label = (f"q{q_len:<4} kv{kv_len:<4} d{d:<3} {kind} {dt} "
+                 f"{'causal' if causal else 'full'}")
+        out.append(Bucket("attention", label, (q, k, v), {"is_causal": causal}))
+
+    shapes = [(64, 8), (128, 8), (128, 2)]  # (head_dim, kv_heads): MHA 64/128, GQA 128
+    lengths = (16, 128) if quick else (16, 128, 512)
+    for dt in DTYPES:
+        for d, kvh in shapes:
+            add(1, 512, d, kvh, dt, True)  # decode
+        for n in lengths:
+            for d, kvh in ((64, 8), (128, 2)):
+                add(n, n, d, kvh, dt, True)  # causal prefill
+        for n in lengths[1:]:
+            add(n, n, 64, 8, dt, False)  # non-causal (encoder-style)
+        add(16, 512, 128, 2, dt, True)  # a chunk of prefill over a cached context
+        if not quick:
+            add(2048, 2048, 64, 8, dt, True)
+    return out
+
+
+def training_buckets(quick: bool) -> list[Bucket]:
+    """Attention forward + backward (grad mode on), causal, batch 1, 8 query heads."""
+    out: list[Bucket] = []
+    shapes = [(16, 64, 8), (128, 64, 8), (128, 128, 2)] + ([] if quick else [(512, 64, 8)])
+    for dt, dtype in DTYPES.items():
+        for n, d, kvh in shapes:
+            q = _rand(1, n, 8, d, dtype=dtype, seed=1).requires_grad_()
+            k = _rand(1, n, kvh, d, dtype=dtype, seed=2).requires_grad_()
+            v = _rand(1, n, kvh, d, dtype=dtype, seed=3).requires_grad_()
+            kind = "mha" if kvh == 8 else "gqa"
+            out.append(Bucket("attention", f"q{n:<4} kv{n:<4} d{d:<3} {kind} {dt} causal",
+                              (q, k, v), {"is_causal": True}, train=True))
+    return out
+
+
+def token_buckets(family: str, quick: bool) -> list[Bucket]:
+    """rms_norm / rotary / linear over tokens {1, 64, 4096} and two feature sizes."""
+    out: list[Bucket] = []
+    tokens = (1, 64) if quick else (1, 64, 4096)
+    for dt, dtype in DTYPES.items():
+        for n in tokens:
+            if family == "rms_norm":
+                for f in (512, 4096):
+                    x = _rand(n, f, dtype=dtype, seed=n)
+                    w = torch.rand(f).to(dtype) + 0.5
+                    out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt}", (x, w)))
+            elif family == "rotary":
+                for hd in (64, 128):
+                    x = _rand(1, n, 8, hd, dtype=dtype, seed=n)
+                    out.append(Bucket(family, f"tokens{n:<5} 8x{hd:<4} {dt}",
+                                      (x, rotary_freqs(torch.arange(n)[None], hd))))
+            else:
+                for fi, fo in ((512, 512), (1024, 4096)):
+                    x = _rand(n, fi, dtype=dtype, seed=n)
+                    w = _rand(fo, fi, dtype=dtype, seed=fo) / fi**0.5
+                    out.append(Bucket(family, f"tokens{n:<5} {fi}->{fo:<5} {dt}", (x, w)))
+    return out
+
+
+def rows_for(bucket: Bucket) -> tuple[dict[str, Callable[[], object]], set[str]]:
+    """The rows that serve ``bucket`` here: name -> zero-argument call; and the
+    non-faithful ones."""
+    reg = dispatch.current()
+    ctx = ops.context(bucket.family, *bucket.args, **bucket.kwargs)
+    calls: dict[str, Callable[[], object]] = {}
+    unfaithful: set[str] = set()
+    for rec in reg.family(bucket.family).rows:
+        if not reg.availability(rec)[0] or not rec.spec.matches(ctx):
+            continue
+        obj, args, kwargs = rec.obj, bucket.args, bucket.kwargs
+        if bucket.train:
+            calls[rec.name] = lambda obj=obj, args=args, kwargs=kwargs: (
+                obj(*args, **kwargs).sum().backward())
+        else:
+            calls[rec.name] = lambda obj=obj, args=args, kwargs=kwargs: obj(*args, **kwargs)
+        if not rec.faithful:
+            unfaithful.add(rec.name)
+    return calls, unfaithful
+
+
+def time_rows(calls: dict[str, Callable[[], object]], rounds: int,
+              timer: Callable[[], float]) -> dict[str, float]:
+    """Median us per call of each function, in interleaved rounds after a warm-up."""
+    number: dict[str, int] = {}
+    for name, fn in calls.items():
+        fn()  # compiles a compiled row
+        t = timeit.timeit(fn, number=1, timer=timer)
+        number[name] = max(1, int(SAMPLE_S / max(t, 1e-7)))
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            n = number[name]
+            samples[name].append(timeit.timeit(calls[name], number=n, timer=timer) / n * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def run(buckets: list[Bucket], rounds: int, timer: Callable[[], float]) -> list[Result]:
+    results = []
+    for b in buckets:
+        start = time.perf_counter()
+        calls, unfaithful = rows_for(b)
+        # Few rounds for the slow shapes: their medians are steady and the run stays short.
+        probe = min(timeit.timeit(fn, number=1, timer=timer) for fn in calls.values())
+        n_rounds = rounds if probe < 0.02 else max(3, rounds // 3)
+        us = time_rows(calls, n_rounds, timer)
+        results.append(Result(b, us, unfaithful, time.perf_counter() - start))
+        print(f"  {b.family:9} {b.label:40} {time.perf_counter() - start:6.1f}s", file=sys.stderr)
+    return results
+
+
+def render(family: str, results: list[Result], title: str = "") -> str:
+    rows = [name for name in (r.name for r in dispatch.current().family(family).rows)
+            if any(name in res.us for res in results)]
+    width = max(len(r.bucket.label) for r in results)
+    head = f"{'bucket':{width}}  " + "  ".join(f"{n:>13}" for n in rows) + "  winner"
+    lines = [f"{title or family} (median us per call; * fastest faithful row; ~ not faithful)",
+             head]
+    for res in results:
+        cells = []
+        for n in rows:
+            if n not in res.us:
+                cells.append(f"{'-':>13}")
+                continue
+            mark = "*" if n == res.winner else ("~" if n in res.unfaithful else " ")
+            cells.append(f"{res.us[n]:12.1f}{mark}")
+        tie = f" (= {', '.join(res.ties)} within {TIE:.0%})" if res.ties else ""
+        lines.append(f"{res.bucket.label:{width}}  " + "  ".join(cells) + f"  {res.winner}{tie}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller buckets")
+    parser.add_argument("--json", help="write every median here")
+    parser.add_argument("--family", action="append", help="only these families")
+    parser.add_argument("--no-training", action="store_true",
+                        help="leave out the attention forward + backward buckets")
+    parser.add_argument("--wall", action="store_true",
+                        help="time wall clock instead of this thread's CPU time")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    families = args.family or ["attention", "rms_norm", "rotary", "linear"]
+    reg = dispatch.current()
+    timer = time.perf_counter if args.wall else time.thread_time
+    clock = "wall clock" if args.wall else "CPU time of the calling thread"
+    print(f"torch {torch.__version__}, {args.threads} thread(s), torch.no_grad(), {clock}")
+    for fam in families:
+        for rec in reg.family(fam).rows:
+            ok, why = reg.availability(rec)
+            if not ok:
+                print(f"{fam}.{rec.name}: not timed, unavailable ({why})")
+    report: dict[str, list[dict[str, Any]]] = {}
+    for fam in families:
+        with torch.no_grad():
+            buckets = (attention_buckets(args.quick) if fam == "attention"
+                       else token_buckets(fam, args.quick))
+            results = run(buckets, args.rounds, timer)
+        print()
+        print(render(fam, results))
+        report[fam] = [{"bucket": r.bucket.label, "us": r.us, "winner": r.winner,
+                        "ties": r.ties} for r in results]
+        if fam == "attention" and not args.no_training:
+            results = run(training_buckets(args.quick), args.rounds, timer)
+            print()
+            print(render(fam, results, "attention training: forward + backward"))
+            report["attention-training"] = [
+                {"bucket": r.bucket.label, "us": r.us, "winner": r.winner, "ties": r.ties}
+                for r in results]
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
