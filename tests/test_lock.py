@@ -189,6 +189,27 @@ class TestCheck:
         assert change.row == "ref"
         assert change.reason == "row 'fast' cannot serve the call now: unavailable (toggled off)"
 
+    def test_reason_under_the_recorded_scope(self, tmp_path: Path) -> None:
+        """A call made under ``use_profile`` is checked under it: its reason names what
+        changed (the forced row's ``when``), not the profile."""
+        with record() as wl, dispatch.use_profile("reference"):
+            ops.rms_norm(X, W)
+        lock = lock_workload(wl.workload())
+        assert (lock.decisions[0].row, lock.decisions[0].origin) == ("reference", "profile")
+        table = tmp_path / "rms_norm.yaml"
+        text = (SHIPPED / "rms_norm.yaml").read_text()
+        row = text.index("  - name: reference")
+        table.write_text(text[:row] + text[row:].replace(
+            "when: ndim >= 1 and dtype in {float16, bfloat16, float32, float64}",
+            "when: dtype == float64"))
+        dispatch.load_tables(table)
+        (change,) = check_lock(lock).changes
+        assert (change.row, change.origin) == ("torch", "chain")
+        assert change.reason.startswith("row 'reference' cannot serve the call now: requires "
+                                        "dtype == float64 (call has float32); the rms_norm "
+                                        "table changed (revision ")
+        assert "profiles" not in change.reason
+
     def test_fingerprint_mismatch_is_a_note(self, lock_path: Path) -> None:
         """A lock made on another machine says how it differs."""
         lock_path.write_text(lock_path.read_text().replace("cores: ", "cores: 1000"))
@@ -281,10 +302,13 @@ class TestLive:
                                                         monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
         """``pin`` raises when the locked row cannot serve the call any more."""
-        dispatch.load_tables(edited_attention(tmp_path, lambda t: t.replace(
-            "when: dtype in {float16, bfloat16, float32, float64} and (dense or paged and "
-            "mask_free)\n    description: torch.nn",
-            "when: dtype == float64\n    description: torch.nn", 1)))
+        def float64_only(text: str) -> str:
+            row = text.index("  - name: torch_native")
+            start = text.index("    when: ", row)
+            end = text.index("\n", start)
+            return text[:start] + "    when: dtype == float64" + text[end:]
+
+        dispatch.load_tables(edited_attention(tmp_path, float64_only))
         use_lock(monkeypatch, lock_path, "pin")
         with pytest.raises(LockDriftError, match="row 'torch_native' cannot serve the call "
                                                  "now: requires dtype == float64"):

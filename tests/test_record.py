@@ -32,6 +32,8 @@ def every_facade() -> None:
     kv = torch.randn(2, 6, 2, 8, generator=g)
     ops.attention(q, kv, kv, is_causal=True)
     ops.attention(q, kv, kv, attn_mask=torch.ones(6, 6, dtype=torch.bool))
+    ops.attention(q, kv, kv, is_causal=True, scale=0.25, window=3)  # features asked
+    ops.attention(q, kv, kv, sinks=torch.zeros(4), return_weights=True)
     ops.linear(torch.randn(3, 8, generator=g), torch.randn(5, 8, generator=g),
                torch.randn(5, generator=g))
     ops.rms_norm(torch.randn(2, 3, 8, dtype=torch.float64, generator=g),
@@ -69,6 +71,17 @@ class TestRecord:
                              TensorArg((2, 5, 2, 8), "float32", "cpu"))
         assert call.kwargs == {"kv_cache": None, "layer_id": 0, "attn_mask": None,
                                "is_causal": True, "fwd": None}
+
+    def test_features_asked_are_keywords(self) -> None:
+        """The features a call asks for are recorded as the keywords its row gets."""
+        q = torch.randn(1, 4, 2, 8)
+        with record() as wl:
+            ops.attention(q, q, q, is_causal=True, scale=0.25, window=2)
+            ops.attention(q, q, q, scale=8 ** -0.5)  # the default scale: asks for nothing
+        first, second = wl.calls
+        assert (first.kwargs["scale"], first.kwargs["window"]) == (0.25, 2)
+        assert first.axes["scale"] is True and first.axes["window"] == 2
+        assert "scale" not in second.kwargs and second.axes["scale"] is False
 
     def test_alike_calls_are_counted_together(self) -> None:
         """Calls that differ only in the layer they come from are one call; another

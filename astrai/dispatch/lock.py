@@ -17,8 +17,8 @@ from __future__ import annotations
 __all__ = ["Change", "LockCheck", "check_lock", "lock_workload"]
 
 import os
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +34,19 @@ from astrai.dispatch.workload import ObjectArg, RecordedCall, Workload, now_utc
 _NOT_LOADED = "(not loaded)"
 
 
+@contextmanager
+def _made_under(family: str, scope_backend: Any,
+                scope_profiles: tuple[str, ...]) -> Iterator[None]:
+    """Within the block, the ``op_backend`` row and ``use_profile`` profiles a recorded
+    call was made under."""
+    with ExitStack() as stack:
+        if scope_backend is not None:
+            stack.enter_context(op_backend(**{family: scope_backend}))
+        if scope_profiles:
+            stack.enter_context(use_profile(*scope_profiles))
+        yield
+
+
 def _decide(state: Registry, family: str, axes: Any, backend: Any, scope_backend: Any,
             scope_profiles: tuple[str, ...]) -> tuple[str | None, str | None, str | None,
                                                       dict[str, str]]:
@@ -41,11 +54,7 @@ def _decide(state: Registry, family: str, axes: Any, backend: Any, scope_backend
     ctx = context_from_fields(family, axes)
     profiles: dict[str, str] = {}
     try:
-        with ExitStack() as stack:
-            if scope_backend is not None:
-                stack.enter_context(op_backend(**{family: scope_backend}))
-            if scope_profiles:
-                stack.enter_context(use_profile(*scope_profiles))
+        with _made_under(family, scope_backend, scope_profiles):
             names = active_profiles(state, env_now(state))
             profiles = {n: state.profiles[n].revision for n in names}
             res = evaluate(family, ctx, backend, state=state)
@@ -166,12 +175,13 @@ def check_lock(lock: Lock) -> LockCheck:
                                         d.scope_profiles)
         if row == d.row:
             continue
-        if row is None:
-            reason = f"no row can serve the call now: {error}"
-        elif d.family not in state.families:
+        if d.family not in state.families:
             reason = f"family {d.family!r} is no longer loaded"
+        elif row is None:
+            reason = f"no row can serve the call now: {error}"
         else:
-            reason = drift_reason(state, d, _can_serve(state, d))[0]
+            with _made_under(d.family, d.scope_backend, d.scope_profiles):
+                reason = drift_reason(state, d, _can_serve(state, d))[0]
         changes.append(Change(d, row, origin, reason))
     notes = []
     changed = {c.decision.family for c in changes}
@@ -179,8 +189,9 @@ def check_lock(lock: Lock) -> LockCheck:
         table = state.families.get(family)
         now = _NOT_LOADED if table is None else table_revision(table)
         if now != revision and family not in changed:
-            notes.append(f"the {family} table changed (revision {revision} -> {now}, "
-                         f"{source}), but no locked decision did")
+            where = "" if table is None or table.source == source else f", now {table.source}"
+            notes.append(f"the {family} table changed (revision {revision} -> {now}{where}), "
+                         f"but no locked decision did")
     differs = this_machine().differences(lock.machine)
     if differs:
         notes.append(f"the lock was made on another machine: {'; '.join(differs)}")

@@ -100,8 +100,9 @@ def attention(
                                     _NO_FEATURES))(
             q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
             is_causal=is_causal, fwd=fwd)
-    asked = attention_features(q, is_causal, kv_cache, {**features, "return_weights": return_weights}
-                               if return_weights else features)  # type: ignore[arg-type]
+    asked = attention_features(q, is_causal, kv_cache,
+                               {**features, "return_weights": return_weights}  # type: ignore[arg-type]
+                               if return_weights else features)
     return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, asked))(  # type: ignore[no-any-return]
         q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
         is_causal=is_causal, fwd=fwd, **asked)
