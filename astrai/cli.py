@@ -131,6 +131,18 @@ def _parser() -> argparse.ArgumentParser:
     d = command("demo", "run the demo model and show which rows served it")
     d.add_argument("--transformers", action="store_true",
                    help="run a tiny random Hugging Face Llama through astrai instead")
+    d.add_argument("--record", metavar="WORKLOAD",
+                   help="record every call the demo makes and write the workload there")
+
+    k = command("lock", "write the decision of every call of a recorded workload to a lock "
+                        "file, or check a lock against the tables now (--check)")
+    k.add_argument("workload", nargs="?", metavar="WORKLOAD",
+                   help="a workload file (astrai-ops demo --record, ASTR_RECORD, record())")
+    k.add_argument("-o", "--output", default="astrai.lock", metavar="LOCK",
+                   help="where to write the lock (default: astrai.lock)")
+    k.add_argument("--check", metavar="LOCK",
+                   help="resolve every locked decision again; exit 1 with a table of the "
+                        "ones that changed")
     return p
 
 
@@ -429,8 +441,9 @@ def _cmd_lint(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    from astrai.dispatch.schemas import stale_schemas, write_schemas
     from astrai.dispatch.tables.artifact import ARTIFACT, render_artifact, shipped_tables_dir
-    from astrai.dispatch.tables.format import schemas_dir, stale_schemas, write_schemas
+    from astrai.dispatch.tables.format import schemas_dir
     from astrai.dispatch.tables.load import validate_directory
 
     tables = shipped_tables_dir()
@@ -519,15 +532,70 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.transformers:
-        from astrai.integrations.transformers import run_transformers_demo
+    from astrai.dispatch.recording import Recording
 
-        print(run_transformers_demo())
-        return OK
-    from astrai.demo import run_demo
+    recording = Recording()
+    with recording if args.record else ExitStack():  # recording costs: only when asked
+        if args.transformers:
+            from astrai.integrations.transformers import run_transformers_demo
 
-    print(run_demo())
+            report = run_transformers_demo()
+        else:
+            from astrai.demo import run_demo
+
+            report = run_demo()
+    print(report)
+    if args.record:
+        workload = recording.workload()
+        try:
+            path = workload.save(args.record)
+        except OSError as exc:
+            print(f"astrai-ops demo: error: cannot write {args.record}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return PROBLEMS
+        print(f"\nrecorded {len(workload.calls)} distinct calls ({workload.total} calls) "
+              f"to {path}")
     return OK
+
+
+def _cmd_lock(args: argparse.Namespace) -> int:
+    from astrai.dispatch.lock import check_lock, lock_workload
+    from astrai.dispatch.lockfile import Lock
+    from astrai.dispatch.workload import Workload
+
+    if args.check is not None:
+        if args.workload is not None:
+            raise UsageError("give a WORKLOAD to write a lock, or --check LOCK, not both")
+        report = check_lock(Lock.load(args.check))
+        print(report.render())
+        return OK if report.ok else PROBLEMS
+    if args.workload is None:
+        raise UsageError("give the WORKLOAD to lock (or --check LOCK)")
+    lock = lock_workload(Workload.load(args.workload), source=args.workload)
+    try:
+        path = lock.save(args.output)
+    except OSError as exc:
+        print(f"astrai-ops lock: error: cannot write {args.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return PROBLEMS
+    print(_lock_summary(lock))
+    print(f"wrote {path}: {len(lock.decisions)} decisions, digest {lock.digest}")
+    return OK
+
+
+def _lock_summary(lock: Any) -> str:
+    """Per family, row and origin: the locked signatures and the calls they stand for."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for d in lock.decisions:
+        got = groups.setdefault((d.family, d.row or "(none)", d.origin or "error"), [0, 0])
+        got[0] += 1
+        got[1] += d.calls
+    lines = [f"{'family':<12} {'row':<16} {'origin':<9} {'signatures':>10} {'calls':>8}"]
+    lines += [f"{f:<12} {r:<16} {o:<9} {n:>10} {c:>8}"
+              for (f, r, o), (n, c) in sorted(groups.items())]
+    errors = [d for d in lock.decisions if d.error is not None]
+    lines += [f"  {d.signature}: {d.error}" for d in errors]
+    return "\n".join(lines)
 
 
 _COMMANDS = {
@@ -538,6 +606,7 @@ _COMMANDS = {
     "schema": _cmd_schema,
     "init": _cmd_init,
     "demo": _cmd_demo,
+    "lock": _cmd_lock,
 }
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 __all__ = [
     "AstraiError",
     "ExplicitSelectionError",
+    "FileFormatError",
     "KVCacheFullError",
+    "LockDriftError",
     "NoImplementationError",
     "PlanMismatchError",
     "ScopeError",
@@ -113,15 +115,54 @@ class TableProblem:
         return f"{self.file}:{self.line}:{self.column}: {clip(self.message, 4 * CLIP)}"
 
 
-class TableError(AstraiError, ValueError):
-    """A table or profile file that cannot be loaded; lists every problem found."""
+class _ProblemsError(AstraiError, ValueError):
+    """A file that cannot be read; lists every problem found (``problems``), each located
+    (``file:line:col: message``)."""
 
     def __init__(self, problems: list[TableProblem]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (TableError, (self.problems,))
+        return (type(self), (self.problems,))
+
+
+class TableError(_ProblemsError):
+    """A table or profile file that cannot be loaded; lists every problem found."""
+
+
+class FileFormatError(_ProblemsError):
+    """A workload or lock file that cannot be read; lists every problem found, each
+    located (``file:line:col: message``), like ``TableError`` for tables."""
+
+
+class LockDriftError(AstraiError, RuntimeError):
+    """A live decision differs from the one a decision lock (``ASTR_LOCK``) holds.
+
+    ``family`` and ``signature`` name the call, ``locked`` and ``live`` the rows (``live``
+    is ``None`` when no row can serve the call; ``locked`` is ``None`` for a call the lock
+    does not know), ``reason`` says why they differ.
+    """
+
+    def __init__(self, message: str, *, family: str = "", signature: str = "",
+                 locked: str | None = None, live: str | None = None,
+                 reason: str = "") -> None:
+        self.family = family
+        self.signature = signature
+        self.locked = locked
+        self.live = live
+        self.reason = reason
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_drift_error, (str(self), self.family, self.signature, self.locked,
+                                       self.live, self.reason))
+
+
+def _rebuild_drift_error(message: str, family: str, signature: str, locked: str | None,
+                         live: str | None, reason: str) -> LockDriftError:
+    return LockDriftError(message, family=family, signature=signature, locked=locked,
+                          live=live, reason=reason)
 
 
 class ExplicitSelectionError(AstraiError, RuntimeError):

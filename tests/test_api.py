@@ -13,6 +13,8 @@ from astrai.dispatch import (
     AstraiError,
     CallContext,
     ExplicitSelectionError,
+    FileFormatError,
+    LockDriftError,
     NoImplementationError,
     SpecSyntaxError,
     TableError,
@@ -23,6 +25,8 @@ from astrai.dispatch import (
 #: Each public error and the builtin closest in meaning (STYLE: both bases).
 ERRORS = [
     (ExplicitSelectionError, RuntimeError),
+    (FileFormatError, ValueError),
+    (LockDriftError, RuntimeError),
     (NoImplementationError, RuntimeError),
     (SpecSyntaxError, ValueError),
     (TableError, ValueError),
@@ -100,6 +104,9 @@ class TestErrors:
             SpecSyntaxError("unknown axis 'ndimm'", "ndimm == 3", (0, 5), file="t.yaml",
                             line=3, column=11),
             TableError([TableProblem("t.yaml", 3, 11, "duplicate row name 'a'")]),
+            FileFormatError([TableProblem("w.yaml", 2, 7, "unknown key 'colour'")]),
+            LockDriftError("toy drifted", family="toy", signature="toy[ndim=3]",
+                           locked="fast", live="ref", reason="a table edit"),
             UnknownFamilyError("toys", ["toy", "rotary"]),
         ],
         ids=lambda e: type(e).__name__,
@@ -120,6 +127,15 @@ class TestErrors:
         """ExplicitSelectionError carries the family and the row."""
         err = ExplicitSelectionError("msg", family="toy", row="fast")
         assert (err.family, err.row, str(err)) == ("toy", "fast", "msg")
+
+    def test_lock_drift_fields(self) -> None:
+        """LockDriftError carries the family, the call, both rows and the reason, also
+        through pickling."""
+        err = LockDriftError("msg", family="toy", signature="toy[ndim=3]", locked="fast",
+                             live=None, reason="a new signature")
+        back = pickle.loads(pickle.dumps(err))
+        assert (back.family, back.signature, back.locked, back.live, back.reason) == (
+            "toy", "toy[ndim=3]", "fast", None, "a new signature")
 
     def test_unknown_family_fields(self) -> None:
         """UnknownFamilyError carries the name and the sorted known families."""

@@ -50,6 +50,8 @@ from astrai.dispatch.tables.model import FamilyTable, ImplRecord, Unavailable
 from astrai.errors import (
     AstraiError,
     ExplicitSelectionError,
+    FileFormatError,
+    LockDriftError,
     PlanMismatchError,
     ScopeError,
     SpecSyntaxError,
@@ -67,9 +69,15 @@ __all__ = [
     "CallContext",
     "ExplicitSelectionError",
     "FamilyTable",
+    "FileFormatError",
     "ImplRecord",
+    "Lock",
+    "LockCheck",
+    "LockDriftError",
     "NoImplementationError",
     "PlanMismatchError",
+    "RecordedCall",
+    "Recording",
     "Resolution",
     "ScopeError",
     "Source",
@@ -80,7 +88,9 @@ __all__ = [
     "Unavailable",
     "UnknownFamilyError",
     "UsageStats",
+    "Workload",
     "check_agreement",
+    "check_lock",
     "current",
     "current_overrides",
     "current_profiles",
@@ -92,8 +102,10 @@ __all__ = [
     "list_families",
     "list_profiles",
     "load_tables",
+    "lock_workload",
     "op_backend",
     "parse_spec",
+    "record",
     "refresh",
     "register_env_alias",
     "register_family",
@@ -110,12 +122,26 @@ __all__ = [
 
 if TYPE_CHECKING:
     from astrai.dispatch.distributed import AgreedPlan, check_agreement
+    from astrai.dispatch.lock import LockCheck, check_lock, lock_workload
+    from astrai.dispatch.lockfile import Lock
+    from astrai.dispatch.recording import Recording, record
+    from astrai.dispatch.workload import RecordedCall, Workload
+
+#: What loads on first use, and from where: most processes never need it (import time).
+_ON_FIRST_USE = {
+    "AgreedPlan": "distributed", "check_agreement": "distributed",
+    "LockCheck": "lock", "check_lock": "lock", "lock_workload": "lock",
+    "Lock": "lockfile",
+    "Recording": "recording", "record": "recording",
+    "RecordedCall": "workload", "Workload": "workload",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """Rank agreement is loaded on first use: most processes never need it (import time)."""
-    if name in ("AgreedPlan", "check_agreement"):
-        from astrai.dispatch import distributed
+    """Rank agreement, recording and locks are loaded on first use (import time)."""
+    module = _ON_FIRST_USE.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(distributed, name)
+        return getattr(importlib.import_module(f"astrai.dispatch.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ encoded names and values, so a lookup there by a pre-encoded name is one dict ge
 
 from __future__ import annotations
 
-__all__ = ["ENVIRON_DATA", "encoded", "environ_get", "raw_get"]
+__all__ = ["ENVIRON_DATA", "LOCK_ENV", "LOCK_KEY", "encoded", "environ_get", "raw_get"]
 
 import functools
 import os
@@ -34,3 +34,9 @@ def raw_get(key: Any) -> Any:
 
 #: ``raw_get`` itself, or where possible the dict's own ``get`` (the hot path's).
 environ_get = raw_get if ENVIRON_DATA is None else ENVIRON_DATA.get
+
+
+#: The decision lock in force (``astrai.dispatch.lockfile``), and its name as
+#: ``os.environ`` stores it: a decision-cache miss reads it raw.
+LOCK_ENV = "ASTR_LOCK"
+LOCK_KEY = encoded(LOCK_ENV)

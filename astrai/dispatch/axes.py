@@ -29,7 +29,9 @@ __all__ = [
     "CallContext",
     "Vocabulary",
     "asked_features",
+    "call_key",
     "context_fields",
+    "context_from_fields",
     "dtype_name",
     "format_context",
     "format_value",
@@ -357,6 +359,35 @@ def context_fields(ctx: CallContext) -> dict[str, Any]:
     fields = {name: plain(value) for name, value in zip(CORE_AXES, _read_core(ctx), strict=True)}
     fields.update({k: plain(v) for k, v in sorted(ctx.extra.items())})
     return fields
+
+
+def context_from_fields(family: str, fields: Mapping[str, Any]) -> CallContext:
+    """The context whose ``context_fields`` are ``fields`` (a core axis's value given as
+    the grammar writes it, a dtype by its name); names that are not core axes go to
+    ``extra``. ``ValueError`` naming the axis for a value it cannot take."""
+    core: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for name, value in fields.items():
+        axis = AXES.get(name)
+        if axis is None:
+            extra[name] = value
+            continue
+        try:
+            core[name] = axis.parse(format_value(value))
+        except ValueError as exc:
+            raise ValueError(f"axis {name!r}: {exc}") from None
+    return CallContext(family, **core, extra=extra or EMPTY)
+
+
+def call_key(ctx: CallContext) -> str:
+    """A call's label, e.g. ``attention[fwd=decode dtype=bfloat16 ndim=3 has_cache=true]``.
+
+    Axes at their default value are left out; the label is the same in every process.
+    """
+    parts = [f"{name}={format_value(getattr(ctx, name))}" for name, axis in AXES.items()
+             if getattr(ctx, name) != axis.default]
+    parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
+    return f"{ctx.family}[{' '.join(parts)}]"
 
 
 #: Named predicates: name -> (expression it abbreviates, axis it reads).

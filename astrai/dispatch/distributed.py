@@ -51,11 +51,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astrai import __version__
-from astrai.dispatch.axes import AXES, CallContext, format_value
+from astrai.dispatch._environ import LOCK_KEY, environ_get
+from astrai.dispatch.axes import CallContext, call_key
 from astrai.dispatch.registry import current
-from astrai.dispatch.resolution import MATCH, evaluate, row_verdict
+from astrai.dispatch.resolution import MATCH, evaluate, row_verdict, settle
 from astrai.dispatch.sources import active_profiles, env_settings, op_backend
-from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, FamilyTable
+from astrai.dispatch.tables.model import table_revision
 from astrai.errors import PlanMismatchError
 
 if TYPE_CHECKING:
@@ -97,8 +98,9 @@ class Fingerprint:
 
     ``tables`` maps each family the calls name to its revision (``table_revision``),
     ``profiles`` lists the active profiles with their file revisions, ``calls`` the
-    decision per call. ``orders`` (rows in effective order) and ``unavailable``
-    (``(family, row, reason)``) explain and settle differences.
+    decision per call, ``lock`` the decision lock in force (digest and mode).
+    ``orders`` (rows in effective order) and ``unavailable`` (``(family, row,
+    reason)``) explain and settle differences.
     """
 
     version: str
@@ -108,6 +110,7 @@ class Fingerprint:
     calls: tuple[CallPlan, ...]
     orders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     unavailable: tuple[tuple[str, str, str], ...] = ()
+    lock: str = ""  # the decision lock in force (ASTR_LOCK): its digest and mode, or ""
 
     def to_wire(self) -> dict[str, Any]:
         """Builtins only (JSON-ready), so a rank with another astrai version can read it."""
@@ -136,6 +139,7 @@ class Fingerprint:
                 calls=tuple(_call_plan(c) for c in _seq(fields["calls"])),
                 orders=tuple((_text(family), _texts(rows)) for family, rows in orders),
                 unavailable=tuple(_triple(u) for u in _seq(fields["unavailable"])),
+                lock=_text(fields["lock"]),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -184,40 +188,6 @@ def _call_plan(data: Any) -> CallPlan:
                     _texts(data["candidates"]))
 
 
-def call_key(ctx: CallContext) -> str:
-    """A call's label, e.g. ``attention[fwd=decode dtype=bfloat16 ndim=3 has_cache=true]``.
-
-    Axes at their default value are left out; the label is the same in every process.
-    """
-    parts = [f"{name}={format_value(getattr(ctx, name))}" for name, axis in AXES.items()
-             if getattr(ctx, name) != axis.default]
-    parts += [f"{k}={format_value(v)}" for k, v in sorted(ctx.extra.items())]
-    return f"{ctx.family}[{' '.join(parts)}]"
-
-
-def _object_path(obj: Any) -> str:
-    target = obj if hasattr(obj, "__qualname__") else type(obj)
-    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
-
-
-def table_revision(table: FamilyTable) -> str:
-    """A revision of a table's content, equal in every process that loaded the same table.
-
-    A YAML table's is the SHA-256 of its file's text (whatever its path; rows whose
-    import fails keep the same revision). A ``register_family`` table's hashes its rows:
-    names, implementation and probe paths, ``when`` text, ``faithful`` (and
-    ``explicit_only`` where set), the fallback.
-    """
-    if table.revision and table.source != "register_family":
-        return table.revision
-    rows = [[r.name, _object_path(r.obj), r.spec.description,
-             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful,
-             *(["explicit_only"] if r.explicit_only else [])]
-            for r in table.rows]
-    text = json.dumps([table.name, table.fallback, table.env_alias, rows])
-    return "py-" + hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def _contexts(contexts: Contexts) -> dict[str, CallContext]:
     if isinstance(contexts, Mapping):
         for family, ctx in contexts.items():
@@ -257,7 +227,8 @@ def _local(contexts: Contexts) -> tuple[Fingerprint, dict[str, Exception]]:
                     if not ok:
                         unavailable.append((family, rec.name, reason))
         try:  # never leave before the collective: a failure is data like any decision
-            res = evaluate(family, ctx, state=state)
+            res = settle(state, family, None, ctx, evaluate(family, ctx, state=state),
+                         enforce=False)[0]  # a pinning lock's row is the one that runs
             view = state.view(family, names)
             candidates = tuple(r.name for r in view.rows
                                if row_verdict(state, view, r, ctx)[0] == MATCH)
@@ -269,7 +240,17 @@ def _local(contexts: Contexts) -> tuple[Fingerprint, dict[str, Exception]]:
     profiles = tuple((n, state.profiles[n].revision) for n in names)
     return Fingerprint(__version__, socket.gethostname(), tuple(sorted(tables.items())),
                        profiles, tuple(plans), tuple(sorted(orders.items())),
-                       tuple(unavailable)), errors
+                       tuple(unavailable), _lock_digest()), errors
+
+
+def _lock_digest() -> str:
+    """The decision lock in force (``ASTR_LOCK``): its digest and mode, or ``""``."""
+    if environ_get(LOCK_KEY) is None:
+        return ""
+    from astrai.dispatch.lockfile import lock_in_force  # deferred: only with a lock in force
+
+    active = lock_in_force()
+    return "" if active is None else active.digest
 
 
 def fingerprint(contexts: Contexts) -> Fingerprint:
@@ -296,6 +277,7 @@ class PlanDifference:
     """One item on which ranks differ, with the ranks holding each value.
 
     ``kind``: ``table`` (a family's revision), ``profiles`` (the active profiles),
+    ``lock`` (the decision lock in force, ``ASTR_LOCK``: its digest and mode),
     ``row`` (ranks resolve a call to different rows; consensus can settle it),
     ``call`` (a call failed, or was not checked, on some ranks), ``consensus`` (no row
     of a family that every rank can run for all its calls; values are candidate rows),
@@ -327,6 +309,7 @@ class PlanDifference:
             "consensus": f"{self.item}: no row every rank can run for all its {self.item} "
                          "calls (rows each rank can run)",
             "format": "fingerprint format",
+            "lock": "decision lock (ASTR_LOCK digest and mode)",
         }.get(self.kind, self.item)
         return "\n".join([f"{label}: {shown}", *(f"    {n}" for n in self.notes)])
 
@@ -365,6 +348,9 @@ def differences(prints: Sequence[Fingerprint], ranks: Sequence[int]) -> list[Pla
             diffs.append(PlanDifference("table", family,
                                         tuple((v if v.startswith("(") else f"revision {v}", rs)
                                               for v, rs in groups)))
+    groups = _groups([p.lock or "(none)" for p in prints], ranks)
+    if len(groups) > 1:
+        diffs.append(PlanDifference("lock", "lock", groups))
     groups = _groups(_profile_values(prints), ranks)
     if len(groups) > 1:
         diffs.append(PlanDifference("profiles", "profiles", groups))

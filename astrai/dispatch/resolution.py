@@ -21,17 +21,20 @@ __all__ = [
     "resolve",
     "resolve_plan",
     "same_context",
+    "serve_problem",
     "set_max_decisions",
+    "settle",
 ]
 
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FunctionType, MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import environ_get
+from astrai.dispatch._environ import LOCK_ENV, LOCK_KEY, environ_get
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import (
     CallContext,
@@ -60,6 +63,9 @@ from astrai.dispatch.sources import (
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 from astrai.errors import ExplicitSelectionError, NoImplementationError
+
+if TYPE_CHECKING:
+    from astrai.dispatch.lockfile import Drift
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,12 @@ def _lookup(view: View, handle: Any) -> ImplRecord | None:
 
 def _why(verdict: str, detail: str) -> str:
     return f"unavailable ({detail})" if verdict == UNAVAILABLE else f"requires {detail}"
+
+
+def serve_problem(state: Registry, view: View, rec: ImplRecord, ctx: CallContext) -> str | None:
+    """Why ``rec`` cannot serve ``ctx`` when selected by name (``None`` when it can)."""
+    verdict, detail = row_verdict(state, view, rec, ctx, implicit=False)
+    return None if verdict == MATCH else _why(verdict, detail)
 
 
 def _no_row(state: Registry, view: View, ctx: CallContext) -> NoImplementationError:
@@ -326,12 +338,41 @@ def _uncached(state: Registry, family: str, explicit: Any, ctx: CallContext) -> 
 
 def _evaluate_counted(state: Registry, family: str, ctx: CallContext,
                       explicit: Any) -> Resolution:
-    """``evaluate``; a lookup that raises serves no call, so it counts as ``QUIET``."""
+    """``evaluate``, then the lock in force (``ASTR_LOCK``) has its say; a lookup that
+    raises serves no call, so it counts as ``QUIET``."""
     try:
-        return evaluate(family, ctx, explicit, state=state)
+        res = evaluate(family, ctx, explicit, state=state)
+        if environ_get(LOCK_KEY) is not None:
+            res = settle(state, family, explicit, ctx, res)[0]
+        return res
     except BaseException:
         next(QUIET)
         raise
+
+
+def settle(state: Registry, family: str, explicit: Any, ctx: CallContext, res: Resolution,
+           *, enforce: bool = True) -> tuple[Resolution, Drift | None]:
+    """``res`` as the lock in force (``ASTR_LOCK``, ``astrai.dispatch.lockfile``) has
+    it: the locked row instead (origin ``lock``) in ``pin`` mode, and the drift from the
+    lock, if any. With ``enforce`` a drift warns once, or raises ``LockDriftError`` when
+    the lock's mode makes it fatal."""
+    if environ_get(LOCK_KEY) is None:
+        return res, None
+    from astrai.dispatch.lockfile import lock_in_force  # deferred: only with a lock in force
+
+    active = lock_in_force()
+    if active is None:
+        return res, None
+    view = active_view(state, family)
+    pinned, drift = active.judge(state, family, explicit, ctx, res.name,
+                                 lambda rec: serve_problem(state, view, rec, ctx))
+    if pinned is not None:
+        res = _resolved(state, pinned, "lock")
+    if drift is not None and enforce:
+        if drift.fatal:
+            raise drift.error()
+        warn_once(drift.message())
+    return res, drift
 
 
 def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
@@ -486,7 +527,14 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     row = origin = error = None
     try:
         res = evaluate(family, ctx, explicit, state=state, notes=notes)
+        res, drift = settle(state, family, explicit, ctx, res, enforce=False)
         row, origin = res.name, res.origin
+        if origin == "lock":
+            notes.append(f"the lock {os.environ.get(LOCK_ENV)} pins {row}")
+        if drift is not None:
+            notes.append(f"lock: {drift.message()}")
+            if drift.fatal:
+                error = drift.error().args[0]
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
     return Explanation(family, context_fields(ctx), view.profiles, tuple(rows), tuple(notes),

@@ -19,6 +19,7 @@ __all__ = ["reset"]
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,6 +51,22 @@ MISSES: itertools.count[int] = itertools.count()
 UNCACHED: itertools.count[int] = itertools.count()
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
+
+# -- recording and decision locks (``record``, ``lockfile``) -----------------------
+#: The recordings in force (``record()``, ``ASTR_RECORD``): each facade call is added to
+#: every one of them. A tuple, replaced whole (never changed in place).
+recordings: tuple[Any, ...] = ()
+#: Called with ``True`` when recording starts (no recording was in force) and ``False``
+#: when it ends: the facades switch to their recording routes and back, so a call costs
+#: nothing extra while nothing records (``astrai.ops`` registers its switch on import).
+record_switches: list[Callable[[bool], None]] = []
+#: Serialises starting and ending recordings (never taken on the call path).
+record_lock = threading.Lock()
+#: Decision locks read for ``ASTR_LOCK``: (raw path, raw mode) -> the lock in force, or
+#: the error reading it gave (``lockfile.lock_in_force``).
+locks: dict[tuple[Any, Any], Any] = {}
+#: Per lock in force and table snapshot: its decisions by decision key (``lockfile``).
+lock_indexes: dict[tuple[int, int], Any] = {}
 
 # -- torch.compile support (see ``torch_compile``) ---------------------------------
 #: Every object a decision taken at trace time may return, by ``impl_key``: dynamo
@@ -102,18 +119,35 @@ def reset() -> None:
     with warned_lock:
         warned.clear()
     env_parsed.clear()
+    locks.clear()
+    lock_indexes.clear()
     reset_counts()
     if snapshot is not None:
         snapshot.decisions.clear()
 
 
+def update_recordings(change: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> None:
+    """Put ``change(recordings)`` in force as the recordings (under ``record_lock``),
+    switching the facades' routes when recording starts or ends."""
+    global recordings
+    with record_lock:
+        was = bool(recordings)
+        recordings = now = change(recordings)
+        if was != bool(now):
+            for switch in record_switches:
+                switch(bool(now))
+
+
 def _after_fork_in_child() -> None:
     """A forked child starts clean: fresh locks (the parent's may have been held by
-    another thread), no cached decisions or parsed environment, counters from zero."""
-    global swap_lock, probe_lock, warned_lock
+    another thread), no cached decisions or parsed environment, counters from zero, and
+    no recording (the parent's recordings are the parent's to write)."""
+    global swap_lock, probe_lock, warned_lock, record_lock
     swap_lock = threading.RLock()
     probe_lock = threading.RLock()
     warned_lock = threading.Lock()
+    record_lock = threading.Lock()
+    update_recordings(lambda _: ())
     reset()
 
 

@@ -27,7 +27,7 @@ from astrai.dispatch import state as process
 from astrai.dispatch.axes import AXES, CallContext
 from astrai.dispatch.keying import key_plan
 from astrai.dispatch.registry import current
-from astrai.dispatch.resolution import evaluate
+from astrai.dispatch.resolution import evaluate, settle
 
 #: Dynamo folds this to True while tracing (it cannot trace the ContextVar read of the
 #: eager path); eagerly it is a one-line ``return False``.
@@ -65,7 +65,10 @@ def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], 
     ``key`` is ``state.compile_key`` as the traced code read it: it is passed so the
     read (and so the guard) is part of the graph.
     """
-    record = evaluate(family, CallContext.of(family, names, values), backend).record
+    ctx = CallContext.of(family, names, values)
+    state = current()
+    record = settle(state, family, backend, ctx, evaluate(family, ctx, backend,
+                                                          state=state))[0].record
     name = process.impl_key(family, record.name, record.obj)
     if name not in process.impls:
         raise RuntimeError(

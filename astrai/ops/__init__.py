@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = ["AttentionFeatures", "apply_rotary", "attention", "call", "context", "linear",
            "rms_norm"]
 
+import os
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
@@ -26,7 +27,7 @@ from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.ops._contexts import generic_context
-from astrai.ops._facade import FamilyCall, route
+from astrai.ops._facade import FamilyCall, Route, recording, route
 from astrai.ops._families import (
     ATTENTION_ASKS,
     ATTENTION_FEATURES,
@@ -133,7 +134,8 @@ FAMILY_CALLS: dict[str, FamilyCall] = {
                       ATTENTION_SHAPE, positional=3, keywords=tuple(ATTENTION_FEATURES),
                       asks=ATTENTION_ASKS,
                       check=lambda full, asked: attention_features(full[0], full[6], full[3],
-                                                                   asked)),
+                                                                   asked),
+                      incidental=("layer_id",)),
         FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, shape_rotary, ROTARY_SHAPE,
                       positional=2),
         FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, shape_rms_norm,
@@ -144,10 +146,34 @@ FAMILY_CALLS: dict[str, FamilyCall] = {
 }
 _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
                             "rms_norm": rms_norm, "linear": linear}
-_attention = route(FAMILY_CALLS["attention"])
-_rotary = route(FAMILY_CALLS["rotary"])
-_rms_norm = route(FAMILY_CALLS["rms_norm"])
-_linear = route(FAMILY_CALLS["linear"])
+#: Each facade's route: ``route`` itself, or while a recording is in force (and only
+#: then, so that nothing else costs anything) the same route feeding the recordings.
+_PLAIN: dict[str, Route] = {family: route(fc) for family, fc in FAMILY_CALLS.items()}
+_RECORDING: dict[str, Route] = {}
+_attention, _rotary, _rms_norm, _linear = (
+    _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rms_norm"], _PLAIN["linear"])
+
+
+def _switch_routes(recording_now: bool) -> None:
+    """Point the facades at their recording routes (``True``) or plain ones."""
+    global _attention, _rotary, _rms_norm, _linear
+    if recording_now and not _RECORDING:
+        from astrai.dispatch.recording import note_call  # loaded by whoever started recording
+
+        _RECORDING.update({family: recording(fc, _PLAIN[family], note_call)
+                           for family, fc in FAMILY_CALLS.items()})
+    routes = _RECORDING if recording_now else _PLAIN
+    _attention, _rotary, _rms_norm, _linear = (
+        routes["attention"], routes["rotary"], routes["rms_norm"], routes["linear"])
+
+
+process.record_switches.append(_switch_routes)
+if os.environ.get("ASTR_RECORD", "").strip():  # record this whole process, written at exit
+    from astrai.dispatch.recording import record_process
+
+    record_process(os.environ["ASTR_RECORD"])
+elif process.recordings:
+    _switch_routes(True)
 
 
 def context(family: str, *args: Any, **kwargs: Any) -> CallContext:
@@ -184,4 +210,8 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     state = process.snapshot or current()
     d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,), state)
     next(d.counter)
+    if process.recordings:
+        from astrai.dispatch.recording import note_call  # loaded by whoever started recording
+
+        note_call(ctx, backend)
     return d.call(*args, **kwargs)

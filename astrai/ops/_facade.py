@@ -12,7 +12,7 @@ decision cache), count it, and hand back the object to call.
 
 from __future__ import annotations
 
-__all__ = ["FamilyCall", "route"]
+__all__ = ["FamilyCall", "Note", "recording", "route"]
 
 import inspect
 from collections.abc import Callable
@@ -27,6 +27,8 @@ from astrai.dispatch.resolution import decide
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
+#: ``note(ctx, backend, incidental)``: adds a call to the recordings in force (``record``).
+Note = Callable[[CallContext, Any, tuple[str, ...]], None]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class FamilyCall:
     keywords: tuple[str, ...] = ()
     asks: tuple[str, ...] = ()
     check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
+    # Parameters that do not make recorded calls distinct (an attention layer's index).
+    incidental: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
@@ -55,7 +59,7 @@ class FamilyCall:
            lazy: tuple[str, ...], *, positional: int, keywords: tuple[str, ...] = (),
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
-           ) -> FamilyCall:
+           incidental: tuple[str, ...] = ()) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
         feature keywords, ``**features``, are given as ``keywords``)."""
         params = [p for p in inspect.signature(facade).parameters.values()
@@ -63,7 +67,7 @@ class FamilyCall:
                   and p.name not in keywords]
         return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
                    tuple(p.default for p in params), positional, reads, describe, lazy, shape,
-                   keywords, asks, check)
+                   keywords, asks, check, incidental)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The facade's full argument tuple for ``facade(*args, **kwargs)``."""
@@ -126,5 +130,19 @@ def route(fc: FamilyCall) -> Route:
         d = decide(family, values, backend, context, args, state)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
+
+    return pick
+
+
+def recording(fc: FamilyCall, plain: Route, note: Note) -> Route:
+    """``plain`` (``fc``'s route) that also hands each call it served to ``note``: the
+    route a facade takes while a recording is in force (``astrai.dispatch.recording``)."""
+    context, incidental = fc.context, fc.incidental
+
+    def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
+        call = plain(backend, args)
+        if not compiling():
+            note(context(*args), backend, incidental)
+        return call
 
     return pick

@@ -61,15 +61,16 @@ def _pos(node: yaml.Node) -> tuple[int, int]:
     return node.start_mark.line + 1, node.start_mark.column + 1
 
 
-def load_located(text: str) -> Located:
-    """Parse one YAML document; raises ``YamlProblem`` (never a yaml or other error)."""
+def load_located(text: str, max_values: int = MAX_VALUES) -> Located:
+    """Parse one YAML document; raises ``YamlProblem`` (never a yaml or other error).
+    More than ``max_values`` values (aliases counted each time used) is a problem."""
     loader: yaml.SafeLoader | None = None
     try:
         loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         out = Located(data=None)
         if node is not None:
-            out.data = _Converter(loader, out).convert(node, ())
+            out.data = _Converter(loader, out, max_values).convert(node, ())
         return out
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -101,16 +102,17 @@ def _line_col(text: str, position: int) -> tuple[int, int]:
 class _Converter:
     """Turns the composed node graph into plain data, recording every position."""
 
-    def __init__(self, loader: yaml.SafeLoader, out: Located) -> None:
+    def __init__(self, loader: yaml.SafeLoader, out: Located, max_values: int) -> None:
         self.loader = loader
         self.out = out
         self.count = 0
+        self.max_values = max_values
 
     def convert(self, node: yaml.Node, path: Path) -> Any:
         self.count += 1
-        if self.count > MAX_VALUES:
-            raise YamlProblem(*_pos(node), f"more than {MAX_VALUES} values (after expanding "
-                                           "aliases); a table is far smaller")
+        if self.count > self.max_values:
+            raise YamlProblem(*_pos(node), f"more than {self.max_values} values (after "
+                                           "expanding aliases): too large to read")
         if len(path) > MAX_DEPTH:
             raise YamlProblem(*_pos(node), f"nested deeper than {MAX_DEPTH} levels (a "
                                            "self-referencing alias?)")

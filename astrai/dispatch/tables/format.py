@@ -6,7 +6,7 @@ design's "pydantic-validated grammar"; see ``When``). What a valid file yields i
 the model's ``model_dump(mode="json")``: ``load`` builds the engine objects from
 that dump, and the precompiled artifact (``artifact``) stores that same dump, so the
 fast path reads this one format without importing pydantic. The JSON Schemas under
-``schemas/`` are generated from these models (``render_schemas``; ``astrai-ops
+``schemas/`` are generated from these models (``astrai.dispatch.schemas``; ``astrai-ops
 schema --check`` fails when the checked-in files drift).
 """
 
@@ -21,13 +21,9 @@ __all__ = [
     "RowModel",
     "TableFile",
     "json_schemas",
-    "render_schemas",
     "schemas_dir",
-    "stale_schemas",
-    "write_schemas",
 ]
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -216,7 +212,7 @@ class ProfileFile(_Model):
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """``{file name: JSON Schema}`` for every file format, as checked in under ``schemas/``."""
+    """``{file name: JSON Schema}`` of the table and profile formats."""
     return {
         "table.schema.json": TableFile.model_json_schema(),
         "profile.schema.json": ProfileFile.model_json_schema(),
@@ -228,32 +224,3 @@ def schemas_dir() -> Path:
     here = Path(__file__).resolve().parents[2]  # astrai/
     packaged = here / "schemas"
     return packaged if packaged.is_dir() else here.parent / "schemas"
-
-
-def render_schemas() -> dict[str, str]:
-    """``{file name: text}`` exactly as the files should read."""
-    return {name: json.dumps(schema, indent=2, sort_keys=True) + "\n"
-            for name, schema in json_schemas().items()}
-
-
-def stale_schemas(directory: Path | None = None) -> list[str]:
-    """Names of schema files that are missing or differ from the models."""
-    directory = directory or schemas_dir()
-    stale = []
-    for name, text in render_schemas().items():
-        path = directory / name
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
-            stale.append(name)
-    return stale
-
-
-def write_schemas(directory: Path | None = None) -> list[Path]:
-    """(Re)write every schema file; returns the paths written."""
-    directory = directory or schemas_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render_schemas().items():
-        path = directory / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written

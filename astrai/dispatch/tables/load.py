@@ -61,8 +61,8 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
                (stat.S_ISSOCK, "a socket"))
 
 
-def read_table_bytes(path: str) -> bytes:
-    """The bytes of a table file. Only a regular file of at most ``MAX_TABLE_BYTES`` is
+def read_table_bytes(path: str, limit: int = MAX_TABLE_BYTES) -> bytes:
+    """The bytes of a table file. Only a regular file of at most ``limit`` bytes is
     read (``ValueError`` saying what it is otherwise): a FIFO, a device or ``/dev/zero``
     must never block a load or fill memory. Opened without blocking, checked on the
     opened descriptor, and read no further than the cap."""
@@ -74,15 +74,15 @@ def read_table_bytes(path: str) -> bytes:
             raise ValueError(f"not a regular file ({kind}): only regular files are tables")
         chunks: list[bytes] = []
         size = 0
-        while size <= MAX_TABLE_BYTES:
-            chunk = os.read(fd, min(1 << 20, MAX_TABLE_BYTES + 1 - size))
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        if size > MAX_TABLE_BYTES:
-            raise ValueError(f"file is larger than {MAX_TABLE_BYTES} bytes, the most a table "
-                             f"or profile file may have")
+        if size > limit:
+            raise ValueError(f"file is larger than {limit} bytes, the most such a file may "
+                             f"have")
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -33,8 +33,11 @@ __all__ = [
     "View",
     "check",
     "make_view",
+    "table_revision",
 ]
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -135,6 +138,30 @@ class FamilyTable:
         rec = self.outside_fallback or self.row(self.fallback)
         assert rec is not None, f"family {self.name!r} has no fallback row {self.fallback!r}"
         return rec
+
+
+def _object_path(obj: Any) -> str:
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+
+
+def table_revision(table: FamilyTable) -> str:
+    """A revision of a table's content, equal in every process that loaded the same table.
+
+    A YAML table's is the SHA-256 of its file's text (whatever its path; rows whose
+    import fails keep the same revision). A ``register_family`` table's hashes its rows:
+    names, implementation and probe paths, ``when`` text, ``faithful`` (and
+    ``explicit_only`` and ``features`` where set), the fallback.
+    """
+    if table.revision and table.source != "register_family":
+        return table.revision
+    rows = [[r.name, _object_path(r.obj), r.spec.description,
+             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful,
+             *(["explicit_only"] if r.explicit_only else []),
+             *([sorted(r.features)] if r.features else [])]
+            for r in table.rows]
+    text = json.dumps([table.name, table.fallback, table.env_alias, rows])
+    return "py-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # -- availability --------------------------------------------------------
