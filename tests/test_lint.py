@@ -314,3 +314,30 @@ class TestShapeAxes:
                                      ("cuda90", "device == cuda and sm >= 90 and q_len >= 1"),
                                      ("ref", "always")))
         assert kinds(report) == {"cuda90": "shadowed"}
+
+
+class TestFeatures:
+    """Feature requests are one dimension of the domain (none, each declared feature,
+    each row's declared set), not the product of six axes."""
+
+    def test_a_row_winning_only_feature_calls_is_not_shadowed(self) -> None:
+        report = lint_view(make_view(("fast", "always"),
+                                     ("capped", "always", {"features": frozenset({"softcap"})}),
+                                     ("ref", "always", {"features": frozenset({"softcap",
+                                                                               "scale"})})))
+        assert kinds(report) == {}
+        assert winner(report, features="softcap") == "capped"
+        assert winner(report, features="none") == "fast"
+        assert winner(report, features="scale") == "ref"
+
+    def test_shadowed_among_feature_rows(self) -> None:
+        report = lint_view(make_view(("capped", "always", {"features": frozenset({"softcap"})}),
+                                     ("capped2", "dtype == float16",
+                                      {"features": frozenset({"softcap"})}),
+                                     ("ref", "always", {"features": frozenset({"softcap"})})))
+        assert kinds(report) == {"capped2": "shadowed"}
+
+    def test_shipped_attention_is_analysed_whole(self) -> None:
+        report = lint_family("attention")
+        assert not any("sample" in note for note in report.notes)
+        assert report.ok

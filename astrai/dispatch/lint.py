@@ -28,7 +28,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from astrai.dispatch.axes import AXES, DTYPES, Axis, CallContext, asked_features, format_value
+from astrai.dispatch.axes import (
+    AXES,
+    DTYPES,
+    FEATURE_AXES,
+    Axis,
+    CallContext,
+    asked_features,
+    format_value,
+)
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import current
 from astrai.dispatch.tables.model import ImplRecord, View
@@ -262,6 +270,29 @@ def _compact(entries: list[Region]) -> list[Region]:
     return sorted(entries, key=lambda e: ([min(c) for c in e[0]], e[1]))
 
 
+#: The dimension standing for the feature axes: which features a call asks for.
+FEATURES = "features"
+_NOTHING: frozenset[str] = frozenset()
+
+
+def _feature_sets(rows: list[ImplRecord]) -> list[frozenset[str]]:
+    """The feature requests lint analyses: none, each declared feature alone, and each
+    row's whole declared set (the product of every feature axis would multiply the domain
+    by 2**6; these are the requests that tell the rows apart)."""
+    asks: list[frozenset[str]] = [_NOTHING]
+    for rec in rows:
+        for ask in (*(frozenset({f}) for f in sorted(rec.features)), rec.features):
+            if ask not in asks:
+                asks.append(ask)
+    return asks
+
+
+def _asking(ask: frozenset[str]) -> dict[str, Any]:
+    """The feature axis values of a call asking for ``ask``."""
+    return {f: (1 if AXES[f].kind == "int" else True) if f in ask else AXES[f].default
+            for f in FEATURE_AXES}
+
+
 def lint_view(view: View) -> LintReport:
     """Lint one family as ``view`` presents it (rows in effective order, profiles applied)."""
     family = view.table.name
@@ -278,13 +309,16 @@ def lint_view(view: View) -> LintReport:
             opaque_rows.add(rec.name)
             notes.append(f"row {rec.name!r} is not analysable: its condition calls Python "
                          f"({'; '.join(opaque)}); treated as 'may match anything'")
-    for feature in sorted(set().union(*(r.features for r in rows))):
-        # calls asking for a declared feature, and calls not asking for it
-        mentions.setdefault(feature, _Mention(AXES[feature]))
+    asks = _feature_sets(rows)
+    for feature in FEATURE_AXES:  # the feature axes move into one dimension, ``features``
+        mentions.pop(feature, None)
     order = [*AXES, *view.table.axes]
     _share_values(mentions)
     axes = sorted(mentions, key=lambda a: order.index(a) if a in order else len(order))
     domains = [_domain(mentions[a]) for a in axes]
+    if len(asks) > 1:
+        axes.append(FEATURES)
+        domains.append([(ask, "+".join(sorted(ask)) or "none") for ask in asks])
     combos, total, sampled = _combinations([len(d) for d in domains])
     if sampled:
         notes.append(f"too many combinations ({total}); analysed a sample of "
@@ -310,12 +344,13 @@ def lint_view(view: View) -> LintReport:
     can_win: set[str] = set()
     taken_by: dict[str, set[str]] = {r.name: set() for r in rows}
     entries: list[Region] = []
-    core = {a for a in axes if mentions[a].axis.core}
+    core = {a for a in axes if a != FEATURES and mentions[a].axis.core} | set(FEATURE_AXES)
     judges = [(r.name, r.spec, _tri if r.name in opaque_rows else _plain, r.features)
               for r in rows]
     singles = [frozenset({j}) for j in range(max(map(len, domains), default=0))]
     for combo in combos:
         values = {a: domains[i][j][0] for i, (a, j) in enumerate(zip(axes, combo, strict=True))}
+        values.update(_asking(values.pop(FEATURES, _NOTHING)))
         ctx = CallContext(family, **{a: v for a, v in values.items() if a in core},
                           extra={a: v for a, v in values.items() if a not in core})
         asked = asked_features(ctx)

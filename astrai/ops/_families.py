@@ -187,16 +187,18 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
                 "scale" in features, "softcap" in features, "dropout_p" in features,
                 features.get("window"), "sinks" in features, "return_weights" in features)
     if kv_cache is None and attn_mask is None:
-        try:  # the common dense call: unpacking and integer comparisons only
-            b, _, h, d = q.shape
-            kb, kn, kh, kd = k.shape
-            vb, vn, vh, vd = v.shape
-        except (ValueError, AttributeError):
-            pass  # not 4-d, or not tensors: the full check says which
-        else:
-            if (b == kb == vb and kn == vn and kh == vh and d == kd and d > 0 < kh and vd > 0
-                    and not h % kh and q.dtype == k.dtype == v.dtype):
-                return (fwd, q.dtype, q.is_cuda, 4, d, False, False, _grad())
+        try:  # the common dense call: k and v alike, then integer comparisons with q
+            qs, ks = q.shape, k.shape
+            same = v.shape == ks
+        except AttributeError:
+            same = False  # not tensors: the full check says which
+        if same and len(qs) == 4 and len(ks) == 4:
+            b, _, h, d = qs
+            kb, _, kh, kd = ks
+            dt = q.dtype
+            if (b == kb and d == kd and d > 0 < kh and not h % kh and k.dtype is dt
+                    and v.dtype is dt):
+                return (fwd, dt, q.is_cuda, 4, d, False, False, _grad())
     _attention_slow(q, k, v, kv_cache, layer_id, attn_mask, fwd)
     return (fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1], kv_cache is not None,
             attn_mask is not None, _grad())
