@@ -19,8 +19,9 @@ an ``op_backend`` row was not theirs to decide, and is left out):
    seconds of the calling thread's CPU time (``time.thread_time``: on a shared machine
    wall-clock samples of one kernel were seen to differ 2x while another tenant ran, as
    ``benchmarks/bench_rows.py`` found; kernels that run on several intra-op threads are
-   undercounted, so tune small-shape workloads, or ``torch.set_num_threads(1)``). A row's time is the median of its samples, its spread their
-   interquartile range.
+   undercounted, so tune small-shape workloads, or ``torch.set_num_threads(1)``).
+   A row's time is the median of its samples,
+   its spread their interquartile range.
 
 ``tuned_profile`` turns the result into a profile; ``combine`` takes the median across
 ranks under ``torch.distributed``.

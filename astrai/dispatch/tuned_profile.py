@@ -128,11 +128,11 @@ def _class_buckets(family: str, prefix: list[str], timings: list[CallTiming],
     extra = sorted({k for t in timings for k in t.call.axes if k not in AXES})
     sizes += [a for a in extra if len({t.call.axes.get(a) for t in timings}) > 1
               and _is_size({t.call.axes.get(a) for t in timings})]
-    plans: list[tuple[float, str | None, list[tuple[int, int, str, float]], list[Any]]] = []
-    for axis in sizes or [None]:
-        values = sorted({t.call.axes.get(axis) for t in timings}) if axis else [None]
+    plans: list[tuple[float, str, list[tuple[int, int, str, float]], list[int]]] = []
+    for axis in sizes or [""]:
+        values: list[int] = sorted({t.call.axes[axis] for t in timings}) if axis else [0]
         groups = [(v, [c for t, c in zip(timings, costs, strict=True)
-                       if axis is None or t.call.axes.get(axis) == v]) for v in values]
+                       if not axis or t.call.axes[axis] == v]) for v in values]
         runs = _segment(groups)
         plans.append((sum(r[3] for r in runs) + PRICE * len(runs), axis, runs, values))
     _, axis, runs, values = min(plans, key=lambda p: p[0])
@@ -147,7 +147,7 @@ def _class_buckets(family: str, prefix: list[str], timings: list[CallTiming],
             cond += [*([f"{axis} >= {lo}"] if lo is not None else []),
                      *([f"{axis} <= {hi}"] if hi is not None else [])]
         members = tuple(t for t in timings
-                        if axis is None or values[first] <= t.call.axes.get(axis) <= values[last])
+                        if not axis or values[first] <= t.call.axes[axis] <= values[last])
         out.append(Bucket(family, " and ".join(cond) or "always", row, members))
     return out
 
@@ -214,8 +214,8 @@ def profile_document(name: str, buckets: Sequence[Bucket], provenance: Mapping[s
                  "winner": row == b.winner}
                 for b in buckets for row, t in b.table().items()]
     return {"version": 1, "profile": name,
-            "description": description or f"measured by astrai-ops tune: per shape bucket, "
-                                          f"the fastest row that agreed with the reference",
+            "description": description or "measured by astrai-ops tune: per shape bucket, "
+                                          "the fastest row that agreed with the reference",
             "families": families, "provenance": {**provenance, "measured": measured}}
 
 

@@ -149,7 +149,7 @@ def write_report(tuned: Tuned, path: str | os.PathLike[str]) -> list[str]:
     done = []
     png = report.with_suffix(".png")
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         done.append("skipped the plot: matplotlib is not installed "
                     "(pip install 'astrai[plot]')")
@@ -163,7 +163,7 @@ def write_report(tuned: Tuned, path: str | os.PathLike[str]) -> list[str]:
 
 
 def _plot(tuned: Tuned, png: Path) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
 
     families = list(dict.fromkeys(b.family for b in tuned.buckets))
     fig, axes = plt.subplots(len(families), 1, figsize=(10, 3.2 * len(families)),
