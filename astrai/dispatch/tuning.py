@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from astrai import __version__
 from astrai.dispatch.machine import this_machine
 from astrai.dispatch.names import NAME_PATTERN
 from astrai.dispatch.registry import current, load_tables
@@ -140,9 +138,9 @@ def write_report(tuned: Tuned, path: str | os.PathLike[str]) -> list[str]:
     report = Path(path)
     lines = [f"# Tuned profile `{tuned.name}`", "",
              f"Tuned {tuned.document['provenance']['tuned']} on "
-             f"{this_machine().describe()}, torch {torch.__version__}, astrai {__version__}, "
-             f"{tuned.document['provenance']['rounds']} rounds; median µs per call ± "
-             f"interquartile range, per shape bucket.", "", render_table(tuned)]
+             f"{this_machine().describe()}, {tuned.document['provenance']['rounds']} "
+             f"rounds; median µs per call ± interquartile range, per shape bucket.",
+             "", render_table(tuned)]
     excluded = tuned.excluded()
     if excluded:
         lines += ["## Excluded", ""] + [f"- {e}" for e in excluded] + [""]
