@@ -134,6 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--record", metavar="WORKLOAD",
                    help="record every call the demo makes and write the workload there")
 
+    t = command("tune", "time every row that can serve each call of a recorded workload and "
+                        "write the fastest per shape bucket as a profile (with provenance)")
+    t.add_argument("workload", metavar="WORKLOAD", help="a recorded workload (demo --record)")
+    t.add_argument("-o", "--output", default="tuned.yaml", metavar="PROFILE",
+                   help="where to write the profile; its name is the file's stem "
+                        "(default: tuned.yaml)")
+    t.add_argument("--rounds", type=int, default=7,
+                   help="interleaved timing rounds per call (default: 7)")
+    t.add_argument("--allow-nonfaithful", action="store_true",
+                   help="time non-faithful rows too (they change numerics)")
+    t.add_argument("--report", metavar="REPORT.md",
+                   help="write the timing table (markdown) and a plot (PNG, with matplotlib)")
+
     k = command("lock", "write the decision of every call of a recorded workload to a lock "
                         "file, or check a lock against the tables now (--check)")
     k.add_argument("workload", nargs="?", metavar="WORKLOAD",
@@ -597,6 +610,27 @@ def _lock_summary(lock: Any) -> str:
     lines += [f"  {d.signature}: {d.error}" for d in errors]
     return "\n".join(lines)
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from astrai.dispatch.tuning import tune_workload, write_report
+    from astrai.dispatch.workload import Workload
+
+    if args.rounds < 1:
+        raise UsageError("--rounds must be at least 1")
+    workload = Workload.load(args.workload)
+    tuned = tune_workload(workload, args.output, rounds=args.rounds,
+                          allow_nonfaithful=args.allow_nonfaithful, source=args.workload)
+    print(tuned.summary())
+    for line in tuned.excluded():
+        print(line)
+    calls = sum(len(b.calls) for b in tuned.buckets)
+    print(f"wrote {tuned.path}: profile {tuned.name!r}, {len(tuned.buckets)} buckets; verified: "
+          f"each of the {calls} tuned calls resolves to its measured winner")
+    if args.report:
+        for line in write_report(tuned, args.report):
+            print(line)
+    print(f"activate: ASTR_TABLES={tuned.path} ASTR_OPS=profile={tuned.name}")
+    return OK
+
 
 _COMMANDS = {
     "list": _cmd_list,
@@ -607,6 +641,7 @@ _COMMANDS = {
     "init": _cmd_init,
     "demo": _cmd_demo,
     "lock": _cmd_lock,
+    "tune": _cmd_tune,
 }
 
 

@@ -34,6 +34,7 @@ from astrai.dispatch._environ import encoded
 from astrai.dispatch.axes import PREDICATES
 from astrai.dispatch.expr.spec import Spec, named_parts
 from astrai.dispatch.names import family_name_problem
+from astrai.dispatch.provenance import warn_if_elsewhere
 from astrai.dispatch.tables.artifact import shipped_tables_dir
 from astrai.dispatch.tables.build import build_profile
 from astrai.dispatch.tables.load import parse_file
@@ -231,6 +232,10 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
     if problems:
         raise TableError(sorted(problems, key=lambda p: (p.file, p.line, p.column)))
     aliases.update({f: v for f, v in registered.items() if f in families})
+    for name in seen_profiles:
+        prof = profiles[name]
+        if prof.provenance is not None:
+            warn_if_elsewhere(name, prof.source, prof.provenance)
     return Registry(MappingProxyType(families), MappingProxyType(profiles),
                     MappingProxyType(aliases), next(process.epochs), MappingProxyType(programmatic),
                     MappingProxyType(registered)), [f for _, f in files]

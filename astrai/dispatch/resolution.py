@@ -47,6 +47,7 @@ from astrai.dispatch.axes import (
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.keying import PLAIN, identity_or_base, signature_key
 from astrai.dispatch.log import warn_once
+from astrai.dispatch.provenance import describe
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
     OPS_KEY,
@@ -524,6 +525,8 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
             detail += f" in the chain, but forced by profile {view.forced[1]}"
         rows.append(RowVerdict(rec.name, verdict, detail, rec is view.fallback))
     notes: list[str] = list(view.notes)
+    notes += [describe(p.name, p.provenance) for p in map(state.profiles.get, view.profiles)
+              if p is not None and p.provenance is not None]
     row = origin = error = None
     try:
         res = evaluate(family, ctx, explicit, state=state, notes=notes)

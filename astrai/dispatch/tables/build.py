@@ -246,7 +246,7 @@ def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Pr
     if len(parsed.problems) > before:
         return None
     return Profile(model["profile"], MappingProxyType(overlays), model["description"],
-                   parsed.file, parsed.revision)
+                   parsed.file, parsed.revision, model.get("provenance"))
 
 
 def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,

@@ -17,7 +17,9 @@ __all__ = [
     "AxisModel",
     "Definitions",
     "FamilyOverlayModel",
+    "MeasuredModel",
     "ProfileFile",
+    "ProvenanceModel",
     "RowModel",
     "TableFile",
     "json_schemas",
@@ -200,6 +202,41 @@ class FamilyOverlayModel(_Model):
     add: list[RowModel] = Field(default_factory=list, description="new rows, placed first")
 
 
+class MachineModel(_Model):
+    """A machine's fingerprint (``astrai.dispatch.machine.Machine``)."""
+
+    cpu: StrictStr
+    cores: StrictInt
+    gpu: StrictStr | None
+    sm: StrictInt | None
+    torch: StrictStr
+    astrai: StrictStr
+
+
+class MeasuredModel(_Model):
+    """One cell of a tuned profile's measured table: a row timed on a shape bucket."""
+
+    family: StrictStr
+    bucket: StrictStr = Field(description="the bucket's condition (a spec expression)")
+    row: Name
+    median_us: float = Field(description="median microseconds per call")
+    spread_us: float = Field(description="interquartile range of the samples (microseconds)")
+    winner: StrictBool = False
+
+
+class ProvenanceModel(_Model):
+    """Where a tuned profile's order comes from (``astrai-ops tune``)."""
+
+    machine: MachineModel = Field(description="the fingerprint of the machine it was tuned on")
+    tuned: StrictStr = Field(description="when (ISO 8601, UTC)")
+    workload: StrictStr = Field(default="", description="the recorded workload it was tuned on")
+    rounds: StrictInt = Field(default=0, description="timed rounds per call")
+    ranks: StrictInt = Field(default=1, description="ranks whose timings were combined "
+                                                    "(median across ranks)")
+    measured: list[MeasuredModel] = Field(default_factory=list,
+                                          description="row x bucket -> median microseconds")
+
+
 class ProfileFile(_Model):
     """A profile: an overlay applied on top of the tables when active."""
 
@@ -209,6 +246,9 @@ class ProfileFile(_Model):
     profile: Name
     description: StrictStr = ""
     families: dict[StrictStr, FamilyOverlayModel]
+    provenance: ProvenanceModel | None = Field(
+        default=None, description="for a tuned profile: the machine, versions, date, workload "
+                                  "and measurements its order comes from")
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:

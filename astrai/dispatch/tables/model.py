@@ -233,6 +233,9 @@ class Profile:
     description: str = ""
     source: str = ""
     revision: str = ""
+    #: A tuned profile's ``provenance:`` (the file's mapping; ``astrai.dispatch.provenance``
+    #: reads it), else ``None``.
+    provenance: Mapping[str, Any] | None = None
 
     def for_family(self, family: str) -> list[FamilyOverlay]:
         """The overlays that apply to ``family``: ``"*"`` first, then its own."""

@@ -1,0 +1,48 @@
+"""Where a tuned profile's order comes from: its ``provenance:`` mapping.
+
+``astrai-ops tune`` (``astrai.dispatch.tune``) writes, in the profile it makes, the
+fingerprint of the machine it measured on (``machine.this_machine()``), the torch and
+astrai versions (part of the fingerprint), the date, the workload file, and the measured
+table: each row's median microseconds (and spread) on each shape bucket. Which row is
+fastest depends on all of that, so a tuned profile loaded on a machine whose fingerprint
+differs warns once, naming what differs, and ``explain`` shows the provenance line of
+each active profile that has one.
+"""
+
+from __future__ import annotations
+
+__all__ = ["describe", "machine_of", "warn_if_elsewhere"]
+
+from collections.abc import Mapping
+from typing import Any
+
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.machine import Machine, cuda_initialized, this_machine
+
+
+def machine_of(provenance: Mapping[str, Any]) -> Machine:
+    """The fingerprint of the machine a profile was tuned on."""
+    return Machine.from_dict(provenance["machine"])
+
+
+def describe(name: str, provenance: Mapping[str, Any]) -> str:
+    """One line: ``profile tuned: tuned 2026-...Z on <machine> from wl.yaml (N rounds)``."""
+    where = f" from {provenance['workload']}" if provenance.get("workload") else ""
+    ranks = provenance.get("ranks", 1)
+    combined = f", median of {ranks} ranks" if ranks > 1 else ""
+    return (f"profile {name}: tuned {provenance['tuned']} on "
+            f"{machine_of(provenance).describe()}{where} ({provenance.get('rounds', 0)} "
+            f"rounds{combined})")
+
+
+def warn_if_elsewhere(name: str, source: str, provenance: Mapping[str, Any]) -> list[str]:
+    """Warn once when the profile was tuned on a machine whose fingerprint differs from
+    this one's; returns the differences. The GPU is compared only when this process has
+    initialised CUDA (asking a device's name would initialise it)."""
+    gpu = cuda_initialized()
+    differs = this_machine(gpu=gpu).differences(machine_of(provenance), gpu=gpu)
+    if differs:
+        warn_once(f"profile {name!r} ({source}) was tuned on another machine "
+                  f"({'; '.join(differs)}): its order may not be the fastest here; "
+                  f"run astrai-ops tune again on this machine")
+    return differs

@@ -1,0 +1,185 @@
+"""``astrai-ops tune WORKLOAD -o tuned.yaml``: measure, write the profile, verify it, report.
+
+``tune_workload`` measures every recorded call (``tune``), buckets the winners and
+writes the profile (``tuned_profile``) with its provenance (``provenance``), loads it
+(``load_tables``) and checks that every tuned call resolves to its bucket's winner
+(``TuneError`` otherwise). ``write_report`` writes the timing table as markdown and,
+when matplotlib is installed, a PNG of each row's time per bucket.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Tuned", "render_table", "tune_workload", "write_report"]
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from astrai.dispatch.machine import this_machine
+from astrai.dispatch.names import NAME_PATTERN
+from astrai.dispatch.registry import current, load_tables
+from astrai.dispatch.tables.format import schemas_dir
+from astrai.dispatch.tune import CallTiming, measure_workload
+from astrai.dispatch.tuned_profile import Bucket, TuneError, buckets_of, profile_document, verify
+from astrai.dispatch.workload import Workload, now_utc
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What ``tune_workload`` did: the measurements, the buckets, the profile written."""
+
+    name: str
+    path: Path
+    timings: tuple[CallTiming, ...]
+    buckets: tuple[Bucket, ...]
+    document: dict[str, Any]
+
+    def excluded(self) -> list[str]:
+        """One line per row excluded from a call (numerics or an error), and per call
+        not tuned."""
+        lines = []
+        for t in self.timings:
+            label = f"{t.call.family} {_sizes(t.call.axes)}"
+            if t.skipped is not None:
+                lines.append(f"not tuned: {label}: {t.skipped}")
+            lines += [f"excluded {t.call.family}.{row} on {label}: {why}"
+                      for row, why in t.excluded.items()]
+        return lines
+
+    def summary(self) -> str:
+        """Per family and bucket: calls, winner, its time and the runner-up's."""
+        lines = [f"{'family':<10} {'calls':>5}  {'winner':<14} {'us':>9}  {'next':<14} "
+                 f"{'us':>9}  bucket"]
+        for b in self.buckets:
+            table = sorted(b.table().items(), key=lambda kv: kv[1].median_us)
+            win = b.table()[b.winner]
+            nxt = next(((r, t) for r, t in table if r != b.winner), None)
+            calls = sum(t.call.count for t in b.calls)
+            lines.append(f"{b.family:<10} {calls:>5}  {b.winner:<14} {win.median_us:>9.1f}  "
+                         f"{nxt[0] if nxt else '-':<14} "
+                         f"{nxt[1].median_us if nxt else float('nan'):>9.1f}  {b.condition}")
+        return "\n".join(lines)
+
+
+_SIZE_AXES = ("fwd", "batch", "q_len", "kv_len", "tokens", "in_features", "out_features",
+              "head_dim", "grad_enabled")
+
+
+def _sizes(axes: Any) -> str:
+    return " ".join(f"{a}={axes[a]}" for a in _SIZE_AXES if axes.get(a) is not None)
+
+
+def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds: int = 7,
+                  allow_nonfaithful: bool = False, source: str = "",
+                  progress: bool | None = None) -> Tuned:
+    """Measure ``workload``, write the tuned profile to ``output`` (its name: the file's
+    stem), load it and verify it (module docstring)."""
+    path = Path(output)
+    name = path.stem
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
+                        f"profile name (letters, digits, '_', '.', '-'; not starting with a "
+                        f"digit)")
+    state = current()
+    timings = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
+                               progress=progress)
+    buckets = buckets_of(timings, state)
+    provenance = {"machine": this_machine().as_dict(), "tuned": now_utc(),
+                  "workload": source, "rounds": rounds, "ranks": 1}
+    doc = profile_document(name, buckets, provenance, state)
+    write_profile(path, doc)
+    load_tables(path)
+    verify(name, buckets)
+    return Tuned(name, path, tuple(timings), tuple(buckets), doc)
+
+
+def write_profile(path: Path, doc: dict[str, Any]) -> None:
+    """Write a profile document as YAML, with a schema line for editors."""
+    text = yaml.safe_dump(doc, sort_keys=False, width=100)
+    head = (f"# astrai tuned profile: {sum(1 for _ in doc['families'])} families\n"
+            f"# activate: ASTR_TABLES={path} ASTR_OPS=profile={doc['profile']}\n"
+            f"# yaml-language-server: $schema={schemas_dir() / 'profile.schema.json'}\n")
+    path.write_text(head + text, encoding="utf-8")
+
+
+def render_table(tuned: Tuned) -> str:
+    """The timing table as markdown: one line per bucket, a column per row (median us
+    and spread; the winner in bold)."""
+    out = []
+    for family in dict.fromkeys(b.family for b in tuned.buckets):
+        buckets = [b for b in tuned.buckets if b.family == family]
+        rows = list(dict.fromkeys(r for b in buckets for r in b.table()))
+        out += [f"### {family}", "",
+                "| bucket | calls | " + " | ".join(rows) + " | winner |",
+                "|---|---:|" + "---:|" * len(rows) + "---|"]
+        for b in buckets:
+            table = b.table()
+            cells = []
+            for r in rows:
+                if r not in table:
+                    cells.append("-")
+                    continue
+                text = f"{table[r].median_us:.1f} ± {table[r].spread_us:.1f}"
+                cells.append(f"**{text}**" if r == b.winner else text)
+            calls = sum(t.call.count for t in b.calls)
+            out.append(f"| `{b.condition}` | {calls} | " + " | ".join(cells)
+                       + f" | {b.winner} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_report(tuned: Tuned, path: str | os.PathLike[str]) -> list[str]:
+    """Write the markdown report to ``path`` (and ``<stem>.png`` beside it when
+    matplotlib is installed); returns what it wrote or skipped, one line each."""
+    report = Path(path)
+    lines = [f"# Tuned profile `{tuned.name}`", "",
+             f"Tuned {tuned.document['provenance']['tuned']} on "
+             f"{this_machine().describe()}, {tuned.document['provenance']['rounds']} "
+             f"rounds; median µs per call ± interquartile range, per shape bucket.",
+             "", render_table(tuned)]
+    excluded = tuned.excluded()
+    if excluded:
+        lines += ["## Excluded", ""] + [f"- {e}" for e in excluded] + [""]
+    done = []
+    png = report.with_suffix(".png")
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        done.append("skipped the plot: matplotlib is not installed "
+                    "(pip install 'astrai[plot]')")
+    else:
+        matplotlib.use("Agg")
+        _plot(tuned, png)
+        lines += [f"![row time per bucket]({png.name})", ""]
+        done.append(f"wrote {png}")
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return [f"wrote {report}", *done]
+
+
+def _plot(tuned: Tuned, png: Path) -> None:
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+
+    families = list(dict.fromkeys(b.family for b in tuned.buckets))
+    fig, axes = plt.subplots(len(families), 1, figsize=(10, 3.2 * len(families)),
+                             squeeze=False)
+    for ax, family in zip(axes[:, 0], families, strict=True):
+        buckets = [b for b in tuned.buckets if b.family == family]
+        rows = list(dict.fromkeys(r for b in buckets for r in b.table()))
+        width = 0.8 / max(1, len(rows))
+        for i, r in enumerate(rows):
+            xs = [k + i * width for k, b in enumerate(buckets) if r in b.table()]
+            ys = [b.table()[r].median_us for b in buckets if r in b.table()]
+            ax.bar(xs, ys, width, label=r)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(buckets))])
+        ax.set_xticklabels([b.condition for b in buckets], fontsize=6, rotation=15)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per call")
+        ax.set_title(family)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,44 @@
+"""Rows of the ``twice`` family the tune tests time: each doubles its input, at a cost
+(busy CPU work, which ``tune`` measures) that depends on the number of tokens; ``wrong``
+is the fastest and returns wrong values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _busy(n: int) -> None:
+    total = 0
+    for i in range(n):
+        total += i
+    assert total >= 0
+
+
+def context(x: torch.Tensor) -> dict[str, Any]:
+    """The call's axes: dtype, ndim and tokens (rows of ``x``)."""
+    return {"dtype": x.dtype, "ndim": x.dim(), "tokens": x.shape[0]}
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    """The fallback: right, and slow everywhere."""
+    _busy(20000)
+    return x * 2
+
+
+def small(x: torch.Tensor) -> torch.Tensor:
+    """Right; fast on few tokens, slow on many."""
+    _busy(200 if x.shape[0] <= 8 else 40000)
+    return x * 2
+
+
+def large(x: torch.Tensor) -> torch.Tensor:
+    """Right; medium on few tokens, fast on many."""
+    _busy(5000 if x.shape[0] <= 8 else 200)
+    return x + x
+
+
+def wrong(x: torch.Tensor) -> torch.Tensor:
+    """The fastest row, and wrong: the numerics check must exclude it."""
+    return x * 3
