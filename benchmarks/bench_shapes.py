@@ -87,7 +87,7 @@ def main() -> int:
     calls = []
     for n in LENGTHS:
         q = torch.randn(1, n, 1, 8)
-        calls.append((q, q, q, None, 0, None, True, None))
+        calls.append((q, q, q, None, 0, None, True, None, {}))
     results = {}
     with torch.no_grad():
         d.reload_tables()

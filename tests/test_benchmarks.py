@@ -1,0 +1,42 @@
+"""The benchmark scripts still run against the current engine (a cut-down run of each
+one that is cheap enough; their figures are read from full runs, never asserted here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_bench_shapes_gate(monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """50 distinct lengths: the cut-point table decides twice, the raw-keyed one 50 times."""
+    bench = _script("bench_shapes")
+    monkeypatch.setattr(bench, "LENGTHS", range(1, 51))
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main() == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in ("shipped", "cut", "raw")}
+    assert rows["cut"][2] == "2"  # "cut points" is two words
+    assert rows["raw"][1] == "50"
