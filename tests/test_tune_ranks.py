@@ -11,7 +11,11 @@ rank writing what it saw to ``result-<rank>.json``) tune the ``ranked`` family, 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,7 +32,7 @@ from astrai.dispatch.tune import CallTiming, Timing
 from astrai.dispatch.tune_ranks import combine, init_from_environment
 from astrai.dispatch.tuning import tune_workload
 from astrai.dispatch.workload import Workload
-from tests.test_distributed import _run_ranks
+from tests.test_distributed import REPO, _run_ranks
 
 TABLE = """\
 version: 1
@@ -158,3 +162,44 @@ def test_one_rank_is_the_plain_path(write_yaml: Callable[[str, str], Path],
     assert tuned.ranks == 1 and tuned.plan is None and tuned.local == tuned.timings
     assert tuned.document["provenance"]["ranks"] == 1
     assert tuned.buckets[0].winner == "flaky"  # right on a single rank 0, and fastest
+
+
+def test_cli_starts_the_group_from_torchrun_variables(write_yaml: Callable[[str, str], Path],
+                                                     tmp_path: Path) -> None:
+    """``astrai-ops tune`` in two processes given torchrun's variables (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) starts a gloo group itself: both
+    write the same bytes, rank 0 prints the table, both print the agreed plan."""
+    table = write_yaml("ranked.yaml", TABLE)
+    dispatch.load_tables(table)
+    with record() as wl:
+        ops.call("ranked", torch.randn(2, 8))
+    wl.save(tmp_path / "wl.yaml")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "ASTR_TABLES": str(table),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+               "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "astrai", "tune", "wl.yaml", "-o", f"r{rank}.yaml",
+             "--rounds", "3"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=90)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank}:\n{out}"
+        assert "on 2 ranks (median across ranks)" in out and "agreed by 2 ranks" in out
+    assert "family     calls  winner" in outs[0] and "family " not in outs[1]
+    assert "excluded ranked.flaky" in outs[0]
+    # Rank 0's document (its path in the head comment, its stem the profile's name).
+    assert "activate: ASTR_TABLES=r1.yaml ASTR_OPS=profile=r0" in outs[1]
+    assert (tmp_path / "r0.yaml").read_bytes() == (tmp_path / "r1.yaml").read_bytes()

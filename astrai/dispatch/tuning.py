@@ -119,7 +119,8 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
                 rounds: int, allow_nonfaithful: bool, source: str,
                 progress: bool | None) -> Tuned:
     """``tune_workload`` on every rank of the default process group (``tune_ranks``):
-    a collective, every step of which every rank joins even when its own part failed."""
+    a collective, every step of which every rank joins even when its own part failed.
+    The profile is named after rank 0's output file on every rank."""
     name = path.stem
     local: list[CallTiming] | Exception
     try:
@@ -139,6 +140,8 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
         except Exception as exc:
             mine = exc
     text = share_text(mine)
+    doc = yaml.safe_load(text)
+    name = doc["profile"]  # rank 0's file's stem: one profile name on every rank
     error: Exception | None = None
     try:
         _write_atomically(path, text)
@@ -149,8 +152,7 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
     agree(error, "to write, load and verify the profile")
     with use_profile(name):
         plan = check_agreement([t.call.context() for b in buckets for t in b.calls])
-    return Tuned(name, path, tuple(timings), tuple(buckets), yaml.safe_load(text),
-                 tuple(local), world, plan)
+    return Tuned(name, path, tuple(timings), tuple(buckets), doc, tuple(local), world, plan)
 
 
 def profile_text(path: Path, doc: dict[str, Any]) -> str:
