@@ -30,6 +30,7 @@ from astrai import ops
 from astrai.dispatch import check_agreement, record, use_profile
 from astrai.dispatch.tune import CallTiming, Timing
 from astrai.dispatch.tune_ranks import combine, init_from_environment
+from astrai.dispatch.tuned_profile import TuneError
 from astrai.dispatch.tuning import tune_workload
 from astrai.dispatch.workload import Workload
 from tests.test_distributed import REPO, _run_ranks
@@ -74,6 +75,12 @@ def _tune_child(rank: int, world: int, root: str) -> None:
         with use_profile("tuned"):  # the check a job runs after loading the profile
             plan = check_agreement([c.context() for c in workload.calls])
         results["check"] = [plan.digest, sorted(set(plan.rows.values()))]
+        # Rank 0 alone cannot tune (its file's stem is no profile name): every rank raises.
+        bad = Path(root, f"rank{rank}", "1bad.yaml" if rank == 0 else "fine.yaml")
+        try:
+            tune_workload(workload, bad, rounds=1, progress=False)
+        except TuneError as exc:
+            results["bad_name"] = str(exc)
     except Exception:
         results["raised"] = traceback.format_exc()
     finally:
@@ -121,6 +128,11 @@ def test_two_ranks_one_profile(write_yaml: Callable[[str, str], Path], tmp_path:
     assert results[0]["plan"] == results[1]["plan"]
     assert results[0]["check"] == results[1]["check"]
     assert results[0]["check"][1] == ["steady"]
+    for got in results:
+        assert got["bad_name"].startswith("1 of the 2 ranks failed to measure the workload")
+        assert "rank 0: TuneError: the profile is named after its file, and '1bad'" in \
+            got["bad_name"]
+    assert not (tmp_path / "rank1" / "fine.yaml").exists()
 
 
 def _wire(timings: dict[str, tuple[float, float]], excluded: dict[str, str] | None = None,

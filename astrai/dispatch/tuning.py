@@ -93,16 +93,13 @@ def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds:
     stem), load it and verify it (module docstring)."""
     path = Path(output)
     name = path.stem
-    if not re.fullmatch(NAME_PATTERN, name):
-        raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
-                        f"profile name (letters, digits, '_', '.', '-'; not starting with a "
-                        f"digit)")
     state = current()
     rank, world = rank_and_world()
     if world > 1:
         return _tune_ranks(workload, path, state, rank, world, rounds=rounds,
                            allow_nonfaithful=allow_nonfaithful, source=source,
                            progress=progress if rank == 0 else False)
+    _check_name(name)
     timings = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
                                progress=progress)
     buckets = buckets_of(timings, state)
@@ -124,16 +121,19 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
     name = path.stem
     local: list[CallTiming] | Exception
     try:
+        if rank == 0:  # only rank 0's name counts; a bad one fails every rank, in the gather
+            _check_name(name)
         local = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
                                  progress=progress)
     except Exception as exc:  # the others learn of it in the gather instead of hanging
         local = exc
     timings = combine(workload.calls, gather_timings(local))
     assert not isinstance(local, Exception)  # gather_timings raised on every rank
-    buckets = buckets_of(timings, state)
+    buckets: list[Bucket] = []
     mine: str | Exception | None = None
     if rank == 0:
         try:
+            buckets = buckets_of(timings, state)
             provenance = {"machine": this_machine().as_dict(), "tuned": now_utc(),
                           "workload": source, "rounds": rounds, "ranks": world}
             mine = profile_text(path, profile_document(name, buckets, provenance, state))
@@ -144,6 +144,8 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
     name = doc["profile"]  # rank 0's file's stem: one profile name on every rank
     error: Exception | None = None
     try:
+        if rank != 0:  # the same buckets from the same timings, unless the tables differ
+            buckets = buckets_of(timings, state)
         _write_atomically(path, text)
         load_tables(path)
         verify(name, buckets)
@@ -153,6 +155,13 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
     with use_profile(name):
         plan = check_agreement([t.call.context() for b in buckets for t in b.calls])
     return Tuned(name, path, tuple(timings), tuple(buckets), doc, tuple(local), world, plan)
+
+
+def _check_name(name: str) -> None:
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
+                        f"profile name (letters, digits, '_', '.', '-'; not starting with a "
+                        f"digit)")
 
 
 def profile_text(path: Path, doc: dict[str, Any]) -> str:
