@@ -611,21 +611,33 @@ def _lock_summary(lock: Any) -> str:
     return "\n".join(lines)
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    from astrai.dispatch.tune_ranks import init_from_environment
     from astrai.dispatch.tuning import tune_workload, write_report
     from astrai.dispatch.workload import Workload
 
     if args.rounds < 1:
         raise UsageError("--rounds must be at least 1")
     workload = Workload.load(args.workload)
-    tuned = tune_workload(workload, args.output, rounds=args.rounds,
-                          allow_nonfaithful=args.allow_nonfaithful, source=args.workload)
-    print(tuned.summary())
-    for line in tuned.excluded():
-        print(line)
+    started = init_from_environment()  # under torchrun: every rank tunes, one profile
+    try:
+        tuned = tune_workload(workload, args.output, rounds=args.rounds,
+                              allow_nonfaithful=args.allow_nonfaithful, source=args.workload)
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     calls = sum(len(b.calls) for b in tuned.buckets)
-    print(f"wrote {tuned.path}: profile {tuned.name!r}, {len(tuned.buckets)} buckets; verified: "
-          f"each of the {calls} tuned calls resolves to its measured winner")
-    if args.report:
+    ranks = f" on {tuned.ranks} ranks (median across ranks)" if tuned.ranks > 1 else ""
+    if tuned.plan is None or tuned.plan.rank == 0:
+        print(tuned.summary())
+        for line in tuned.excluded():
+            print(line)
+    print(f"wrote {tuned.path}: profile {tuned.name!r}, {len(tuned.buckets)} buckets{ranks}; "
+          f"verified: each of the {calls} tuned calls resolves to its measured winner")
+    if tuned.plan is not None:
+        print(f"check_agreement: plan {tuned.plan.digest} agreed by {tuned.ranks} ranks")
+    if args.report and (tuned.plan is None or tuned.plan.rank == 0):
         for line in write_report(tuned, args.report):
             print(line)
     print(f"activate: ASTR_TABLES={tuned.path} ASTR_OPS=profile={tuned.name}")

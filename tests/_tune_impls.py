@@ -42,3 +42,29 @@ def large(x: torch.Tensor) -> torch.Tensor:
 def wrong(x: torch.Tensor) -> torch.Tensor:
     """The fastest row, and wrong: the numerics check must exclude it."""
     return x * 3
+
+
+# -- the ``ranked`` family: rows whose cost depends on the rank (tests/test_tune_ranks.py) --
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def steady(x: torch.Tensor) -> torch.Tensor:
+    """Right; the same medium cost on every rank."""
+    _busy(4000)
+    return x * 2
+
+
+def skewed(x: torch.Tensor) -> torch.Tensor:
+    """Right; the fastest on rank 0, slowed down on rank 1 (busy work: tune times CPU
+    time, so a sleep would not count)."""
+    _busy(20000 if _rank() == 1 else 300)
+    return x * 2
+
+
+def flaky(x: torch.Tensor) -> torch.Tensor:
+    """The fastest; right on rank 0, wrong on rank 1."""
+    return x * 3 if _rank() == 1 else x * 2

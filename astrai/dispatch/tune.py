@@ -23,8 +23,8 @@ an ``op_backend`` row was not theirs to decide, and is left out):
    A row's time is the median of its samples,
    its spread their interquartile range.
 
-``tuned_profile`` turns the result into a profile; ``combine`` takes the median across
-ranks under ``torch.distributed``.
+``tuned_profile`` turns the result into a profile; ``tune_ranks.combine`` takes the median
+across ranks under ``torch.distributed``.
 """
 
 from __future__ import annotations

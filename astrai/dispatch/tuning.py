@@ -3,7 +3,10 @@
 ``tune_workload`` measures every recorded call (``tune``), buckets the winners and
 writes the profile (``tuned_profile``) with its provenance (``provenance``), loads it
 (``load_tables``) and checks that every tuned call resolves to its bucket's winner
-(``TuneError`` otherwise). ``write_report`` writes the timing table as markdown and,
+(``TuneError`` otherwise). Under ``torch.distributed`` every rank measures, the
+timings are combined (median across ranks) and every rank writes, loads and verifies
+rank 0's profile, byte for byte, then ``check_agreement`` confirms the plan
+(``tune_ranks``). ``write_report`` writes the timing table as markdown and,
 when matplotlib is installed, a PNG of each row's time per bucket.
 """
 
@@ -19,24 +22,34 @@ from typing import Any
 
 import yaml
 
+from astrai.dispatch.distributed import AgreedPlan, check_agreement
 from astrai.dispatch.machine import this_machine
 from astrai.dispatch.names import NAME_PATTERN
-from astrai.dispatch.registry import current, load_tables
+from astrai.dispatch.registry import Registry, current, load_tables
+from astrai.dispatch.sources import use_profile
 from astrai.dispatch.tables.format import schemas_dir
 from astrai.dispatch.tune import CallTiming, measure_workload
+from astrai.dispatch.tune_ranks import agree, combine, gather_timings, rank_and_world, share_text
 from astrai.dispatch.tuned_profile import Bucket, TuneError, buckets_of, profile_document, verify
 from astrai.dispatch.workload import Workload, now_utc
 
 
 @dataclass(frozen=True)
 class Tuned:
-    """What ``tune_workload`` did: the measurements, the buckets, the profile written."""
+    """What ``tune_workload`` did: the measurements, the buckets, the profile written.
+
+    Under ``torch.distributed``: ``timings`` are the combined ones (median across ranks),
+    ``local`` this rank's own, ``ranks`` the world size and ``plan`` what
+    ``check_agreement`` confirmed under the profile (``None`` on one rank)."""
 
     name: str
     path: Path
     timings: tuple[CallTiming, ...]
     buckets: tuple[Bucket, ...]
     document: dict[str, Any]
+    local: tuple[CallTiming, ...] = ()
+    ranks: int = 1
+    plan: AgreedPlan | None = None
 
     def excluded(self) -> list[str]:
         """One line per row excluded from a call (numerics or an error), and per call
@@ -80,11 +93,13 @@ def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds:
     stem), load it and verify it (module docstring)."""
     path = Path(output)
     name = path.stem
-    if not re.fullmatch(NAME_PATTERN, name):
-        raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
-                        f"profile name (letters, digits, '_', '.', '-'; not starting with a "
-                        f"digit)")
     state = current()
+    rank, world = rank_and_world()
+    if world > 1:
+        return _tune_ranks(workload, path, state, rank, world, rounds=rounds,
+                           allow_nonfaithful=allow_nonfaithful, source=source,
+                           progress=progress if rank == 0 else False)
+    _check_name(name)
     timings = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
                                progress=progress)
     buckets = buckets_of(timings, state)
@@ -94,16 +109,82 @@ def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds:
     write_profile(path, doc)
     load_tables(path)
     verify(name, buckets)
-    return Tuned(name, path, tuple(timings), tuple(buckets), doc)
+    return Tuned(name, path, tuple(timings), tuple(buckets), doc, tuple(timings))
 
 
-def write_profile(path: Path, doc: dict[str, Any]) -> None:
-    """Write a profile document as YAML, with a schema line for editors."""
+def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, world: int, *,
+                rounds: int, allow_nonfaithful: bool, source: str,
+                progress: bool | None) -> Tuned:
+    """``tune_workload`` on every rank of the default process group (``tune_ranks``):
+    a collective, every step of which every rank joins even when its own part failed.
+    The profile is named after rank 0's output file on every rank."""
+    name = path.stem
+    local: list[CallTiming] | Exception
+    try:
+        if rank == 0:  # only rank 0's name counts; a bad one fails every rank, in the gather
+            _check_name(name)
+        local = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
+                                 progress=progress)
+    except Exception as exc:  # the others learn of it in the gather instead of hanging
+        local = exc
+    timings = combine(workload.calls, gather_timings(local))
+    assert not isinstance(local, Exception)  # gather_timings raised on every rank
+    buckets: list[Bucket] = []
+    mine: str | Exception | None = None
+    if rank == 0:
+        try:
+            buckets = buckets_of(timings, state)
+            provenance = {"machine": this_machine().as_dict(), "tuned": now_utc(),
+                          "workload": source, "rounds": rounds, "ranks": world}
+            mine = profile_text(path, profile_document(name, buckets, provenance, state))
+        except Exception as exc:
+            mine = exc
+    text = share_text(mine)
+    doc = yaml.safe_load(text)
+    name = doc["profile"]  # rank 0's file's stem: one profile name on every rank
+    error: Exception | None = None
+    try:
+        if rank != 0:  # the same buckets from the same timings, unless the tables differ
+            buckets = buckets_of(timings, state)
+        _write_atomically(path, text)
+        load_tables(path)
+        verify(name, buckets)
+    except Exception as exc:
+        error = exc
+    agree(error, "to write, load and verify the profile")
+    with use_profile(name):
+        plan = check_agreement([t.call.context() for b in buckets for t in b.calls])
+    return Tuned(name, path, tuple(timings), tuple(buckets), doc, tuple(local), world, plan)
+
+
+def _check_name(name: str) -> None:
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
+                        f"profile name (letters, digits, '_', '.', '-'; not starting with a "
+                        f"digit)")
+
+
+def profile_text(path: Path, doc: dict[str, Any]) -> str:
+    """A profile document as the file's text: a head of comments (the families, how to
+    activate it, the schema for editors), then the YAML."""
     text = yaml.safe_dump(doc, sort_keys=False, width=100)
     head = (f"# astrai tuned profile: {sum(1 for _ in doc['families'])} families\n"
             f"# activate: ASTR_TABLES={path} ASTR_OPS=profile={doc['profile']}\n"
             f"# yaml-language-server: $schema={schemas_dir() / 'profile.schema.json'}\n")
-    path.write_text(head + text, encoding="utf-8")
+    return head + text
+
+
+def write_profile(path: Path, doc: dict[str, Any]) -> None:
+    """Write a profile document as YAML, with a schema line for editors."""
+    _write_atomically(path, profile_text(path, doc))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a file beside ``path``, then rename it over ``path``: ranks that
+    share a directory never read a half-written profile."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def render_table(tuned: Tuned) -> str:
