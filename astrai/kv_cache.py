@@ -353,7 +353,7 @@ def extend_batch(
             )
     loc = pool.alloc_slots(sum(lens))
     try:
-        return _describe(pool, rows, prefix, lens, loc, fwd)
+        return describe_failure(pool, rows, prefix, lens, loc, fwd)
     except BaseException:
         for row, old in zip(rows, prefix, strict=True):
             pool._row_len[row] = old
@@ -361,7 +361,7 @@ def extend_batch(
         raise
 
 
-def _describe(
+def describe_failure(
     pool: KVPool,
     rows: list[int],
     prefix: list[int],

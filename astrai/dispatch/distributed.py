@@ -29,8 +29,10 @@ __all__ = [
     "CallPlan",
     "Fingerprint",
     "PlanDifference",
+    "all_gather_bytes",
     "call_key",
     "check_agreement",
+    "describe_failure",
     "differences",
     "fingerprint",
     "table_revision",
@@ -461,7 +463,7 @@ def _decode(data: bytes) -> Any:
         return None
 
 
-def _describe(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     """``"TypeError: message"`` for a payload (bounded; never raises)."""
     try:
         text = str(exc)
@@ -480,7 +482,7 @@ def _failed_payload(exc: BaseException) -> dict[str, Any]:
     except Exception:
         host = "?"
     return {"wire": WIRE_FORMAT, "version": __version__, "host": host,
-            "failed": _describe(exc)}
+            "failed": describe_failure(exc)}
 
 
 def _failed_text(data: Any) -> str | None:
@@ -555,15 +557,15 @@ def _collective_error(kind: str, what: str, elapsed: float, timeout: float | Non
                    f"of the {what}: some rank of the group has not called check_agreement. "
                    f"The process group cannot be used after this: destroy it, or exit")
     else:
-        value = f"failed after {elapsed:.1f} s: {_describe(exc) if exc else '?'}"
+        value = f"failed after {elapsed:.1f} s: {describe_failure(exc) if exc else '?'}"
         message = (f"check_agreement: the all-gather of the {what} failed on {where} after "
                    f"{elapsed:.1f} s (a rank may have exited or lost its connection): "
-                   f"{_describe(exc) if exc else '?'}")
+                   f"{describe_failure(exc) if exc else '?'}")
     diff = PlanDifference(kind, f"all-gather of the {what}", ((value, (rank,)),))
     return PlanMismatchError(message, [diff])
 
 
-def _all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None,
+def all_gather_bytes(data: bytes, n: int, group: ProcessGroup | None,
                       timeout: float | None = None) -> list[bytes]:
     """Every rank's ``data``, in group order: the lengths first, then the bytes padded to
     the longest (two ``all_gather`` calls on plain tensors; neither pickle nor NumPy).
@@ -593,7 +595,7 @@ def _gather(payload: dict[str, Any], group: ProcessGroup | None, timeout: float 
     if index < 0:
         raise ValueError("check_agreement: this process is not a member of the given group")
     n = dist.get_world_size(group)
-    gathered = [_decode(raw) for raw in _all_gather_bytes(_encode(payload), n, group, timeout)]
+    gathered = [_decode(raw) for raw in all_gather_bytes(_encode(payload), n, group, timeout)]
     ranks = tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
     return gathered, ranks, index
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from astrai.dispatch.distributed import _all_gather_bytes, _describe
+from astrai.dispatch.distributed import all_gather_bytes, describe_failure
 from astrai.dispatch.tune import CallTiming, Timing
 from astrai.dispatch.tuned_profile import TuneError
 from astrai.dispatch.workload import RecordedCall
@@ -78,7 +78,7 @@ def _gather_json(payload: Any, timeout: float | None) -> list[Any]:
     import torch.distributed as dist
 
     data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode("ascii")
-    raw = _all_gather_bytes(data, dist.get_world_size(), None, timeout)
+    raw = all_gather_bytes(data, dist.get_world_size(), None, timeout)
     return [json.loads(r.decode("ascii")) for r in raw]
 
 
@@ -102,7 +102,7 @@ def gather_timings(local: Sequence[CallTiming] | BaseException,
                    timeout: float | None = None) -> list[list[dict[str, Any]]]:
     """Every rank's measurements (wire form), in rank order; ``local`` is this rank's, or
     the exception it measured with (then every rank raises ``TuneError`` naming it)."""
-    payload: Any = ({"failed": _describe(local)} if isinstance(local, BaseException)
+    payload: Any = ({"failed": describe_failure(local)} if isinstance(local, BaseException)
                     else {"calls": [_to_wire(t) for t in local]})
     gathered = _gather_json(payload, timeout)
     _failed_ranks(gathered, "to measure the workload")
@@ -147,7 +147,7 @@ def combine(calls: Sequence[RecordedCall], per_rank: Sequence[Sequence[Mapping[s
 def share_text(text: str | BaseException | None, timeout: float | None = None) -> str:
     """Rank 0's ``text`` on every rank (the other ranks pass ``None``). When rank 0 passes
     an exception (it could not build the profile), every rank raises ``TuneError``."""
-    payload: Any = ({"failed": _describe(text)} if isinstance(text, BaseException)
+    payload: Any = ({"failed": describe_failure(text)} if isinstance(text, BaseException)
                     else {"text": text})
     gathered = _gather_json(payload, timeout)
     _failed_ranks(gathered, "to build the profile")
@@ -160,7 +160,7 @@ def share_text(text: str | BaseException | None, timeout: float | None = None) -
 def agree(error: BaseException | None, what: str, timeout: float | None = None) -> None:
     """All-gather whether each rank succeeded at ``what``; every rank raises ``TuneError``
     naming the ranks that did not (this rank's own error as ``__cause__``)."""
-    payload = {"failed": _describe(error)} if error is not None else {"ok": True}
+    payload = {"failed": describe_failure(error)} if error is not None else {"ok": True}
     gathered = _gather_json(payload, timeout)
     try:
         _failed_ranks(gathered, what)
