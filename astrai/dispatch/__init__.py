@@ -20,8 +20,10 @@ from astrai.dispatch.registry import (
     refresh,
     register_env_alias,
     register_family,
+    register_impl,
     reload_tables,
     shipped_tables_dir,
+    unregister_impl,
 )
 from astrai.dispatch.resolution import (
     NoImplementationError,
@@ -109,6 +111,7 @@ __all__ = [
     "refresh",
     "register_env_alias",
     "register_family",
+    "register_impl",
     "reload_tables",
     "reset_override",
     "reset_stats",
@@ -117,6 +120,7 @@ __all__ = [
     "set_override",
     "shipped_tables_dir",
     "stats",
+    "unregister_impl",
     "use_profile",
 ]
 

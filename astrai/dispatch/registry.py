@@ -17,12 +17,15 @@ __all__ = [
     "refresh",
     "register_env_alias",
     "register_family",
+    "register_impl",
     "reload_tables",
     "shipped_tables_dir",
+    "unregister_impl",
     "validate",
 ]
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,8 +34,11 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
+from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import PREDICATES
 from astrai.dispatch.expr.spec import Spec, named_parts
+from astrai.dispatch.joined import EMPTY as JOINED_NONE
+from astrai.dispatch.joined import Joined, join_rows
 from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.provenance import warn_if_elsewhere
 from astrai.dispatch.tables.artifact import shipped_tables_dir
@@ -46,6 +52,7 @@ from astrai.dispatch.tables.model import (
     View,
     check,
     make_view,
+    table_revision,
 )
 from astrai.dispatch.tables.parsed import ParsedFile
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
@@ -64,6 +71,7 @@ class Registry:
     epoch: int
     programmatic: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     registered_aliases: Mapping[str, str] = field(default_factory=dict)  # register_env_alias
+    joined: Mapping[str, tuple[Joined, ...]] = field(default_factory=lambda: JOINED_NONE)
     # Caches that belong to this snapshot; a new snapshot starts with empty ones.
     _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
@@ -236,9 +244,10 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
         prof = profiles[name]
         if prof.provenance is not None:
             warn_if_elsewhere(name, prof.source, prof.provenance)
-    return Registry(MappingProxyType(families), MappingProxyType(profiles),
+    joined = base.joined if base is not None else JOINED_NONE
+    return Registry(MappingProxyType(join_rows(families, joined)), MappingProxyType(profiles),
                     MappingProxyType(aliases), next(process.epochs), MappingProxyType(programmatic),
-                    MappingProxyType(registered)), [f for _, f in files]
+                    MappingProxyType(registered), joined), [f for _, f in files]
 
 
 def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
@@ -423,11 +432,86 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
         families[name] = table
         programmatic = dict(base.programmatic)
         programmatic[name] = (provider, fallback)
-        return Registry(MappingProxyType(families), base.profiles, base.aliases,
-                        next(process.epochs), MappingProxyType(programmatic),
-                        base.registered_aliases)
+        return Registry(MappingProxyType(join_rows(families, base.joined)), base.profiles,
+                        base.aliases, next(process.epochs), MappingProxyType(programmatic),
+                        base.registered_aliases, base.joined)
 
     _commit(make)
+
+
+def register_impl(record: ImplRecord, before: str | None = None,
+                  after: str | None = None) -> None:
+    """Join ``record`` to its existing family (a package's row, added in Python).
+
+    Placed ``before`` or ``after`` a named row, else by ``priority`` as in the seed (never
+    after the fallback row). Registering a name again replaces that joined row. The row
+    survives ``reload_tables()`` and tables loaded later; every registration starts a new
+    snapshot, so no cached decision outlives it. ``ValueError`` for a name a table row
+    already has, an unknown anchor, or both anchors.
+    """
+    if not isinstance(record, ImplRecord):
+        raise TypeError(f"register_impl: expected an ImplRecord, got {type(record).__name__}")
+    if before is not None and after is not None:
+        raise ValueError("register_impl: give before= or after=, not both")
+    if not record.source:
+        caller = sys._getframe(1).f_globals.get("__name__", "?")
+        record = replace(record, source=f"register_impl ({caller})")
+
+    def make(base: Registry | None) -> Registry:
+        assert base is not None
+        table = base.family(record.family)  # UnknownFamilyError lists the known families
+        mine = {j.record.name for j in base.joined.get(record.family, ())}
+        names = table.row_names()
+        if record.name in names and record.name not in mine:
+            raise ValueError(f"register_impl: {record.family} already has a row "
+                             f"{record.name!r} (from {table.row(record.name).source or '?'})"  # type: ignore[union-attr]
+                             "; choose another name")
+        anchor = before or after
+        if anchor is not None and anchor not in names:
+            raise ValueError(f"register_impl: {record.family} has no row {anchor!r}"
+                             f"{did_you_mean(anchor, names)}; rows: {', '.join(names)}")
+        joins = [j for j in base.joined.get(record.family, ()) if j.record.name != record.name]
+        joins.append(Joined(record, before, after))
+        return _rejoined(base, record.family, tuple(joins))
+
+    _commit(make)
+
+
+def unregister_impl(family: str, name: str) -> None:
+    """Remove a row ``register_impl`` joined to ``family`` (a table's own rows stay)."""
+
+    def make(base: Registry | None) -> Registry:
+        assert base is not None
+        table = base.family(family)
+        joins = base.joined.get(family, ())
+        if name not in {j.record.name for j in joins}:
+            row = table.row(name)
+            where = (f"it comes from {row.source or 'the table'}" if row is not None
+                     else f"no such row; joined rows: "
+                          f"{', '.join(j.record.name for j in joins) or 'none'}")
+            raise ValueError(f"unregister_impl: {family}.{name} was not joined by "
+                             f"register_impl ({where})")
+        return _rejoined(base, family, tuple(j for j in joins if j.record.name != name))
+
+    _commit(make)
+
+
+def _rejoined(base: Registry, family: str, joins: tuple[Joined, ...]) -> Registry:
+    """``base`` with ``family``'s joined rows now ``joins`` (a new snapshot)."""
+    joined = dict(base.joined)
+    if joins:
+        joined[family] = joins
+    else:
+        joined.pop(family, None)
+    families = dict(base.families)
+    table = families[family]
+    gone = {j.record.name for j in base.joined.get(family, ())} - {j.record.name for j in joins}
+    if gone:  # take the removed rows out before placing the rest again
+        families[family] = replace(table, rows=tuple(r for r in table.rows if r.name not in gone),
+                                   revision=table_revision(table).split("+joined-")[0])
+    frozen = MappingProxyType(joined)
+    return replace(base, families=MappingProxyType(join_rows(families, frozen)), joined=frozen,
+                   epoch=next(process.epochs))
 
 
 def register_env_alias(family: str, varname: str) -> None:
