@@ -127,3 +127,14 @@ def test_errors(call: Callable[[], None], error: str) -> None:
     with pytest.raises((ValueError, KeyError), match=error):
         call()
     assert _rows() == rows  # nothing changed
+
+
+def test_a_profile_may_name_a_joined_row(write_yaml: Callable[[str, str], Path]) -> None:
+    """Profiles are checked against the family with its joined rows in place."""
+    d.register_impl(_row("lossy", faithful=False))
+    d.load_tables(write_yaml("profiles/lossy.yaml",
+                             "version: 1\nprofile: lossy\nfamilies:\n  rms_norm:\n"
+                             "    enable: [lossy]\n    order: [lossy]\n"))
+    assert _served() == "torch"
+    with d.use_profile("lossy"):
+        assert _served() == "lossy"

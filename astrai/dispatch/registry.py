@@ -209,6 +209,8 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
         aliases.pop(name, None)  # a replaced table brings its own alias, or none
         if pf.table.env_alias:
             aliases[name] = pf.table.env_alias
+    joined = base.joined if base is not None else JOINED_NONE
+    families = join_rows(families, joined)  # profiles may name rows joined in Python
     seen_profiles: dict[str, str] = {}
     for pf in parsed:
         if pf.profile is None:
@@ -244,8 +246,7 @@ def _build(base: Registry | None, paths: list[str], *, replace_all: bool
         prof = profiles[name]
         if prof.provenance is not None:
             warn_if_elsewhere(name, prof.source, prof.provenance)
-    joined = base.joined if base is not None else JOINED_NONE
-    return Registry(MappingProxyType(join_rows(families, joined)), MappingProxyType(profiles),
+    return Registry(MappingProxyType(families), MappingProxyType(profiles),
                     MappingProxyType(aliases), next(process.epochs), MappingProxyType(programmatic),
                     MappingProxyType(registered), joined), [f for _, f in files]
 
