@@ -24,6 +24,7 @@ from typing import Any, TextIO, cast
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, Axis, CallContext, format_value
+from astrai.dispatch.plugins import Plugin, plugin_problems
 from astrai.dispatch.registry import TABLES_ENV, Registry
 from astrai.dispatch.sources import OPS_ENV
 from astrai.dispatch.tables.model import FamilyTable, View
@@ -94,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=text, description=text[:1].upper() + text[1:] + ".")
 
-    command("list", "families, rows, availability on this machine, and each family's file")
+    ls = command("list", "families, rows, availability on this machine, where each family "
+                         "and row comes from, and the installed plugins")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
 
     e = command("explain", "why each row wins or loses for a described call (without call "
                            "options: the family's table, rows in effective order)")
@@ -188,7 +191,9 @@ def _family_lines(state: Registry, view: View) -> list[str]:
     """A family's block: header, file, profiles, and per row availability and ``when``."""
     name, table = view.table.name, view.table
     alias = f"  (env alias {state.aliases[name]})" if name in state.aliases else ""
-    lines = [f"[{name}] {table.description}{alias}", f"  from: {_source(table)}"]
+    by = (f" ({table.provided_by})"
+          if table.provided_by and table.provided_by != table.source else "")
+    lines = [f"[{name}] {table.description}{alias}", f"  from: {_source(table)}{by}"]
     lines += [f"  define {d}: {text}" for d, text in _definitions(table).items()]
     if view.profiles:
         lines.append(f"  active profiles: {' + '.join(view.profiles)}")
@@ -199,6 +204,8 @@ def _family_lines(state: Registry, view: View) -> list[str]:
         status = "available" if ok else f"unavailable: {reason}"
         lines.append(f"  {rec.name:<14} {status}{flag}")
         lines.append(f"  {'':<14} when: {rec.spec.description}")
+        if table.provider_of(rec) != table.provided_by:  # a joined row, a profile's add
+            lines.append(f"  {'':<14} from: {table.provider_of(rec)} ({rec.source})")
     return lines
 
 
@@ -220,11 +227,14 @@ def _family_dict(state: Registry, view: View) -> dict[str, Any]:
             "enabled_by": view.enabled.get(rec.name),
             "disabled_by": view.disabled.get(rec.name),
             "description": rec.description,
+            "provided_by": table.provider_of(rec),
+            "source": rec.source,
         })
     return {
         "family": table.name,
         "description": table.description,
         "source": table.source,
+        "provided_by": table.provided_by,
         "env_alias": state.aliases.get(table.name),
         "definitions": _definitions(table),
         "profiles": list(view.profiles),
@@ -240,6 +250,12 @@ def _definitions(table: FamilyTable) -> dict[str, str]:
     return {name: spec.parts[0].description for name, spec in table.definitions.items()}
 
 
+def _plugin_text(plugin: Plugin) -> str:
+    """``astrai-example-kernels 0.1.0 (example: loaded)`` and the like."""
+    why = f", {plugin.reason}" if plugin.reason else ""
+    return f"{plugin.distribution} {plugin.version} ({plugin.name}: {plugin.status}{why})"
+
+
 def _source(table: FamilyTable) -> str:
     return table.source or "(unknown)"
 
@@ -248,8 +264,20 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from astrai.dispatch.sources import active_view
 
     state = registry.current()
+    if args.json:
+        print(json.dumps({
+            OPS_ENV: os.environ.get(OPS_ENV, ""),
+            "profiles": sorted(state.profiles),
+            "plugins": [p.as_dict() for p in state.plugins],
+            "families": [_family_dict(state, active_view(state, name))
+                         for name in sorted(state.families)],
+        }, indent=2))
+        return OK
     print(f"{OPS_ENV}={os.environ.get(OPS_ENV, '')!r}")
     print(f"profiles: {', '.join(sorted(state.profiles)) or '(none)'}")
+    print(f"plugins: {', '.join(_plugin_text(p) for p in state.plugins) or '(none)'}")
+    for problem in plugin_problems(state.plugins):
+        print(f"  {problem}")
     for name in sorted(state.families):
         print()
         print("\n".join(_family_lines(state, active_view(state, name))))

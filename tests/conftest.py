@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run each test against the tables in force before it, with a clean environment."""
-    for var in ("ASTR_OPS", "ASTR_BACKEND", "ASTR_TABLES"):
+    for var in ("ASTR_OPS", "ASTR_BACKEND", "ASTR_TABLES", "ASTR_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
     state.reset()
     saved = state.snapshot

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+import astrai
 from astrai.dispatch import CallContext
 from astrai.dispatch.axes import AXES, FEATURE_AXES, LAZY_AXES
 from astrai.dispatch.registry import shipped_tables_dir
@@ -319,7 +320,8 @@ class TestExplainTable:
         assert proc.returncode == 0, proc.stderr
         out = proc.stdout
         assert out.startswith("[attention] ")
-        assert re.search(rf"^  from: {re.escape(str(SHIPPED / 'attention.yaml'))}$", out, re.M)
+        assert re.search(rf"^  from: {re.escape(str(SHIPPED / 'attention.yaml'))} "
+                         rf"\(shipped with astrai {re.escape(astrai.__version__)}\)$", out, re.M)
         names = re.findall(r"^  (\w+)\s+(?:available|unavailable)", out, re.M)
         assert names == ATTENTION_ROWS
         assert out.count("when: ") == len(ATTENTION_ROWS)
@@ -485,12 +487,13 @@ class TestHelpAndList:
         assert "`" not in proc.stdout
 
     def test_list_names_each_family_file(self, runs: dict[str, Any]) -> None:
-        """``list`` shows under each family the file it came from."""
+        """``list`` shows under each family the file it came from, and who provided it."""
         proc: Proc = runs["list-sources"]
         assert proc.returncode == 0, proc.stderr
         sources = dict(re.findall(r"^\[(\w+)\] .*\n  from: (.*)$", proc.stdout, re.M))
-        assert sources == {**{f: str(SHIPPED / f"{f}.yaml") for f in FAMILIES},
-                           "mylin": str(runs["cwd"] / "mylin.yaml")}
+        shipped = f"(shipped with astrai {astrai.__version__})"
+        assert sources == {**{f: f"{SHIPPED / f'{f}.yaml'} {shipped}" for f in FAMILIES},
+                           "mylin": f"{runs['cwd'] / 'mylin.yaml'} (ASTR_TABLES)"}
 
 
 def _shipped_yaml() -> list[Path]:

@@ -310,7 +310,7 @@ class TestTableFiles:
             "has_cache=true has_mask=false grad_enabled=true",
             "  fast: reject (dense (not has_cache fails; call has has_cache=true))",
             "  ref: MATCH (dense or paged)  (fallback)",
-            f"  table: {path}",
+            f"  table: {path} (load_tables)",
             "=> ref (origin=chain)",
         ]
         assert explain("deffam", call.evolve(has_cache=False)).splitlines()[1] == (

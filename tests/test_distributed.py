@@ -799,5 +799,5 @@ def test_failed_payload_is_bounded_and_safe() -> None:
     assert text == "Unprintable: (the error's message could not be formatted)"
     huge = distributed._failed_text(distributed._failed_payload(ValueError("x" * 100_000)))
     assert huge is not None and len(huge) < 9000 and huge.endswith(" [...]")
-    assert distributed._failed_text({"wire": 1, "failed": 3}) is None
+    assert distributed._failed_text({"wire": distributed.WIRE_FORMAT, "failed": 3}) is None
     assert distributed._failed_text(fingerprint([]).to_wire()) is None

@@ -51,7 +51,7 @@ class TestExplain:
             HEADER.format(ndim=3),
             "  fast: MATCH (ndim == 3)",
             *REST,
-            f"  table: {toy}",
+            f"  table: {toy} (load_tables)",
             "=> fast (origin=chain)",
         ]
 

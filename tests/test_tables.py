@@ -395,8 +395,8 @@ class TestLoadTables:
     def test_error_not_a_table(self, write_yaml: Write) -> None:
         """A YAML file that is neither a table nor a profile says what it expected."""
         path, got = load_error(write_yaml, "version: 1\nrows: []\n")
-        assert got == [f"{path}:1:1: expected a top-level 'family:' (a table) or 'profile:' "
-                       f"(a profile)"]
+        assert got == [f"{path}:1:1: expected a mapping with 'version' and 'family:' (a table), "
+                       f"'profile:' (a profile) or 'extends:' (a row overlay)"]
 
     def test_error_family_in_two_files(self, write_yaml: Write, tmp_path: Path) -> None:
         """One family defined twice within one source (a directory) is an error there."""

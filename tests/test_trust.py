@@ -284,7 +284,7 @@ class TestUserOwnedTables:
         assert table.row_names()[0] == "math"
         ctx = CallContext("attention", dtype=torch.float32, ndim=4, head_dim=8)
         assert d.resolve("attention", ctx).name == "math"
-        assert f"  table: {mine}" in explain("attention", ctx).splitlines()
+        assert f"  table: {mine} (ASTR_TABLES)" in explain("attention", ctx).splitlines()
 
     def test_error_family_twice_in_one_source(self, write_yaml: Write, tmp_path: Path,
                                               user_pkg: str,

@@ -55,6 +55,7 @@ import torch
 from astrai import __version__
 from astrai.dispatch._environ import LOCK_KEY, environ_get
 from astrai.dispatch.axes import CallContext, call_key
+from astrai.dispatch.plugins import in_use
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import MATCH, evaluate, row_verdict, settle
 from astrai.dispatch.sources import active_profiles, env_settings, op_backend
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 #: Shape of the gathered payload; ranks whose payloads differ in shape cannot be compared.
-WIRE_FORMAT = 1
+WIRE_FORMAT = 2
 NOT_LOADED = "(not loaded)"
 NOT_CHECKED = "(not checked)"
 _EMPTY: Mapping[str, str] = MappingProxyType({})
@@ -102,7 +103,10 @@ class Fingerprint:
     ``profiles`` lists the active profiles with their file revisions, ``calls`` the
     decision per call, ``lock`` the decision lock in force (digest and mode).
     ``orders`` (rows in effective order) and ``unavailable`` (``(family, row,
-    reason)``) explain and settle differences.
+    reason)``) explain and settle differences. ``plugins`` are the installed plugins
+    (``astrai.dispatch.plugins``) whose rows the checked families hold, as
+    ``(distribution, version)``: ranks with different plugin versions are told apart
+    (the families' revisions differ too; this names the cause).
     """
 
     version: str
@@ -113,6 +117,7 @@ class Fingerprint:
     orders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     unavailable: tuple[tuple[str, str, str], ...] = ()
     lock: str = ""  # the decision lock in force (ASTR_LOCK): its digest and mode, or ""
+    plugins: tuple[tuple[str, str], ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         """Builtins only (JSON-ready), so a rank with another astrai version can read it."""
@@ -142,6 +147,7 @@ class Fingerprint:
                 orders=tuple((_text(family), _texts(rows)) for family, rows in orders),
                 unavailable=tuple(_triple(u) for u in _seq(fields["unavailable"])),
                 lock=_text(fields["lock"]),
+                plugins=tuple(_pair(p) for p in _seq(fields["plugins"])),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -240,9 +246,11 @@ def _local(contexts: Contexts) -> tuple[Fingerprint, dict[str, Exception]]:
             continue
         plans.append(CallPlan(key, family, res.name, res.origin, None, candidates))
     profiles = tuple((n, state.profiles[n].revision) for n in names)
+    plugins = tuple(in_use(state.plugins, (state.families[f] for f in tables
+                                           if f in state.families)).items())
     return Fingerprint(__version__, socket.gethostname(), tuple(sorted(tables.items())),
                        profiles, tuple(plans), tuple(sorted(orders.items())),
-                       tuple(unavailable), _lock_digest()), errors
+                       tuple(unavailable), _lock_digest(), plugins), errors
 
 
 def _lock_digest() -> str:
@@ -278,7 +286,8 @@ def _rank_list(ranks: Sequence[int]) -> str:
 class PlanDifference:
     """One item on which ranks differ, with the ranks holding each value.
 
-    ``kind``: ``table`` (a family's revision), ``profiles`` (the active profiles),
+    ``kind``: ``table`` (a family's revision), ``plugins`` (the plugins whose rows the
+    checked families hold, with their versions), ``profiles`` (the active profiles),
     ``lock`` (the decision lock in force, ``ASTR_LOCK``: its digest and mode),
     ``row`` (ranks resolve a call to different rows; consensus can settle it),
     ``call`` (a call failed, or was not checked, on some ranks), ``consensus`` (no row
@@ -308,6 +317,7 @@ class PlanDifference:
         label = {
             "table": f"table {self.item}",
             "profiles": "active profiles",
+            "plugins": "plugins (astrai.tables entry points) in the checked families",
             "consensus": f"{self.item}: no row every rank can run for all its {self.item} "
                          "calls (rows each rank can run)",
             "format": "fingerprint format",
@@ -350,6 +360,10 @@ def differences(prints: Sequence[Fingerprint], ranks: Sequence[int]) -> list[Pla
             diffs.append(PlanDifference("table", family,
                                         tuple((v if v.startswith("(") else f"revision {v}", rs)
                                               for v, rs in groups)))
+    groups = _groups([", ".join(f"{d} {v}" for d, v in p.plugins) or "(none)" for p in prints],
+                     ranks)
+    if len(groups) > 1:
+        diffs.insert(0, PlanDifference("plugins", "plugins", groups))
     groups = _groups([p.lock or "(none)" for p in prints], ranks)
     if len(groups) > 1:
         diffs.append(PlanDifference("lock", "lock", groups))
@@ -695,7 +709,7 @@ def check_agreement(contexts: Contexts, group: ProcessGroup | None = None, *,
             raise _failure(diffs, len(ranks))
         if any(d.kind != "row" for d in diffs):
             raise _failure(diffs, len(ranks), ", and consensus cannot settle differing tables, "
-                                              "profiles or failed calls")
+                                              "profiles, plugins or failed calls")
         pinned = _consensus(readable, ranks, diffs)
     for exc in errors.values():
         raise exc  # the same failure on every rank: the caller's own error is clearer

@@ -267,6 +267,10 @@ class LockFile(_FileModel):
     environment: dict[StrictStr, StrictStr | None] = Field(
         default_factory=dict, description="the astrai variables in force when it was made")
     tables: dict[StrictStr, TableRevisionModel]
+    plugins: dict[StrictStr, StrictStr] = Field(
+        default_factory=dict,
+        description="the plugins (astrai.tables entry points) whose rows the locked families "
+                    "held: distribution -> version")
     decisions: list[DecisionModel]
 
 

@@ -1,12 +1,16 @@
-"""Rows a package joins to an existing family in Python (``register_impl``).
+"""Rows that join an existing family: a plugin's row overlays (``extends:`` files,
+``astrai.dispatch.plugins``) and ``register_impl`` calls in Python.
 
-A joined row is kept apart from the tables (``Registry.joined``) and placed into its
-family's rows whenever a snapshot is built, so it survives ``reload_tables()`` and a
-``load_tables`` that replaces the family. Placement: ``before`` or ``after`` a named row;
-without either, by ``priority`` as in the seed (a lower priority is tried first; a YAML
-row's priority is its position), never after the family's fallback row, which stays the
-last resort. A joined row changes the family's revision, so ranks and lockfiles tell a
-table with it from one without.
+Joined rows are kept apart from the tables (``Registry.extended``, ``Registry.joined``)
+and placed into their family's rows whenever a snapshot is built, so they survive
+``reload_tables()`` and a ``load_tables`` that replaces the family. Placement: ``before``
+or ``after`` a named row (rows joined after the same row keep their order); without
+either, an overlay's row goes before the family's first faithful row and a
+``register_impl`` row by ``priority`` as in the seed (a lower priority is tried first; a
+YAML row's priority is its position), never after the family's fallback row, which
+stays the last resort. Overlays are placed first, then ``register_impl`` rows. Joined
+rows change the family's revision (with who provided them: a plugin's version is part
+of it), so ranks and lockfiles tell a table with them from one without.
 """
 
 from __future__ import annotations
@@ -25,47 +29,79 @@ from astrai.dispatch.tables.model import FamilyTable, ImplRecord, table_revision
 
 @dataclass(frozen=True)
 class Joined:
-    """One ``register_impl`` call: the row and where it asked to go."""
+    """One joined row and where it asked to go; ``by`` says who joined it (for
+    messages: ``register_impl`` or the overlay file)."""
 
     record: ImplRecord
     before: str | None = None
     after: str | None = None
+    by: str = "register_impl"
+
+    @property
+    def overlay(self) -> bool:
+        """Whether the row comes from a row overlay (placed before the first faithful
+        row by default) rather than ``register_impl`` (placed by priority)."""
+        return self.by != "register_impl"
 
 
-def _place(rows: list[ImplRecord], table: FamilyTable, join: Joined) -> int:
-    """The index ``join``'s row goes to among ``rows``."""
+def _by_default(rows: list[ImplRecord], table: FamilyTable, join: Joined,
+                joined: set[str]) -> int:
+    """Where ``join``'s row goes when it names no row (or one the table lacks)."""
     names = [r.name for r in rows]
-    anchor = join.before or join.after
-    if anchor is not None:
-        if anchor in names:
-            return names.index(anchor) + (1 if join.after else 0)
-        warn_once(f"register_impl: {join.record.family}.{join.record.name} asked to go "
-                  f"{'before' if join.before else 'after'} {anchor!r}, which the table no "
-                  f"longer has; placed by priority ({join.record.priority})")
     last = names.index(table.fallback) if table.fallback in names else len(rows)
+    if join.overlay:  # before the first faithful row of the table itself
+        return next((i for i, r in enumerate(rows[:last])
+                     if r.faithful and r.name not in joined), last)
     for i, rec in enumerate(rows[:last]):
         if rec.priority > join.record.priority:
             return i
     return last
 
 
+def _place(rows: list[ImplRecord], table: FamilyTable, join: Joined, joined: set[str],
+           behind: dict[str, str]) -> int:
+    """The index ``join``'s row goes to among ``rows``; ``behind`` maps an ``after``
+    anchor to the row last placed after it (so such rows keep their order)."""
+    names = [r.name for r in rows]
+    anchor = join.before or join.after
+    if anchor is not None:
+        if anchor in names:
+            if join.before:
+                return names.index(anchor)
+            return names.index(behind.get(anchor, anchor)) + 1
+        how = ("placed by priority" if not join.overlay
+               else "placed before the first faithful row")
+        warn_once(f"{join.by}: {join.record.family}.{join.record.name} asked to go "
+                  f"{'before' if join.before else 'after'} {anchor!r}, which the table no "
+                  f"longer has; {how}")
+    return _by_default(rows, table, join, joined)
+
+
 def join_rows(families: Mapping[str, FamilyTable],
-              joined: Mapping[str, tuple[Joined, ...]]) -> dict[str, FamilyTable]:
-    """``families`` with each family's joined rows placed among its rows (a family that
-    no longer exists keeps its joined rows aside, with a warning)."""
+              *layers: Mapping[str, tuple[Joined, ...]]) -> dict[str, FamilyTable]:
+    """``families`` with each family's joined rows (``layers`` in order: the plugins'
+    overlays, then ``register_impl``'s) placed among its rows. A family that no longer
+    exists keeps its joined rows aside, with a warning."""
     out = dict(families)
-    for family, joins in joined.items():
+    for family in dict.fromkeys(f for layer in layers for f in layer):
+        joins = [j for layer in layers for j in layer.get(family, ())]
         table = out.get(family)
         if table is None:
-            warn_once(f"register_impl: family {family!r} no longer exists; its rows "
-                      f"{', '.join(j.record.name for j in joins)} wait for it")
+            for by in dict.fromkeys(j.by for j in joins):
+                warn_once(f"{by}: family {family!r} does not exist; its rows "
+                          f"{', '.join(j.record.name for j in joins if j.by == by)} wait "
+                          f"for it")
             continue
-        rows = [r for r in table.rows if r.name not in {j.record.name for j in joins}]
+        names = {j.record.name for j in joins}
+        rows = [r for r in table.rows if r.name not in names]
+        behind: dict[str, str] = {}
         for join in joins:
-            rows.insert(_place(rows, table, join), join.record)
+            rows.insert(_place(rows, table, join, names, behind), join.record)
+            if join.after:
+                behind[join.after] = join.record.name
         digest = hashlib.sha256(json.dumps(
-            [[j.record.name, j.record.source, j.before, j.after, j.record.priority]
-             for j in joins]).encode()).hexdigest()[:12]
+            [[j.record.name, j.record.source, j.record.provided_by, j.before, j.after,
+              j.record.priority] for j in joins]).encode()).hexdigest()[:12]
         base = table_revision(table).split("+joined-")[0]
         out[family] = replace(table, rows=tuple(rows), revision=f"{base}+joined-{digest}")
     return out

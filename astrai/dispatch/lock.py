@@ -25,6 +25,7 @@ from typing import Any
 from astrai.dispatch.axes import call_key, context_from_fields
 from astrai.dispatch.lockfile import Lock, LockedDecision, drift_reason
 from astrai.dispatch.machine import this_machine
+from astrai.dispatch.plugins import PLUGINS_ENV, in_use
 from astrai.dispatch.registry import TABLES_ENV, Registry, current
 from astrai.dispatch.resolution import evaluate, serve_problem
 from astrai.dispatch.sources import OPS_ENV, active_profiles, env_now, op_backend, use_profile
@@ -64,7 +65,7 @@ def _decide(state: Registry, family: str, axes: Any, backend: Any, scope_backend
 
 
 def _environment(state: Registry, families: list[str]) -> dict[str, str | None]:
-    names = [OPS_ENV, TABLES_ENV, *sorted({state.aliases[f] for f in families
+    names = [OPS_ENV, TABLES_ENV, PLUGINS_ENV, *sorted({state.aliases[f] for f in families
                                            if f in state.aliases})]
     return {name: os.environ.get(name) for name in names}
 
@@ -87,8 +88,10 @@ def lock_workload(workload: Workload, source: str = "") -> Lock:
     families = list(dict.fromkeys(d.family for d in decisions.values()))
     tables = {f: (table_revision(state.families[f]), state.families[f].source)
               for f in families if f in state.families}
+    plugins = in_use(state.plugins, (state.families[f] for f in families
+                                     if f in state.families))
     return Lock(tuple(decisions.values()), this_machine(), tables,
-                _environment(state, families), now_utc(), source)
+                _environment(state, families), now_utc(), source, plugins=plugins)
 
 
 def _locked(state: Registry, call: RecordedCall) -> LockedDecision:
@@ -192,6 +195,13 @@ def check_lock(lock: Lock) -> LockCheck:
             where = "" if table is None or table.source == source else f", now {table.source}"
             notes.append(f"the {family} table changed (revision {revision} -> {now}{where}), "
                          f"but no locked decision did")
+    now_plugins = in_use(state.plugins, (state.families[f] for f in lock.tables
+                                         if f in state.families))
+    for dist in sorted(set(lock.plugins) | set(now_plugins)):
+        was, has = lock.plugins.get(dist), now_plugins.get(dist)
+        if was != has:
+            notes.append(f"plugin {dist}: {was or 'not in use'} when the lock was made, "
+                         f"{has or 'not in use'} now")
     differs = this_machine().differences(lock.machine)
     if differs:
         notes.append(f"the lock was made on another machine: {'; '.join(differs)}")

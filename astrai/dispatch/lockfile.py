@@ -147,7 +147,8 @@ class LockedDecision:
 class Lock(Saved):
     """A decision lock (see the module docstring). ``tables`` maps each family to its
     ``(revision, source)`` when the lock was made; ``environment`` holds the astrai
-    variables then in force; ``source`` is the file it was read from."""
+    variables then in force; ``source`` is the file it was read from; ``plugins`` the
+    plugins whose rows the locked families held (distribution -> version)."""
 
     KIND: ClassVar[str] = "lock"
 
@@ -158,6 +159,7 @@ class Lock(Saved):
     created: str = ""
     workload: str = ""
     source: str = ""
+    plugins: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     @property
     def digest(self) -> str:
@@ -175,6 +177,7 @@ class Lock(Saved):
                 "environment": dict(self.environment),
                 "tables": {f: {"revision": rev, "source": src}
                            for f, (rev, src) in self.tables.items()},
+                "plugins": dict(self.plugins),
                 "decisions": [d.plain() for d in self.decisions]}
 
     def headline(self) -> str:
@@ -187,7 +190,8 @@ class Lock(Saved):
         return cls(tuple(LockedDecision.from_plain(d) for d in data["decisions"]),
                    Machine.from_dict(data["machine"]),
                    {f: (t["revision"], t["source"]) for f, t in data["tables"].items()},
-                   dict(data["environment"]), data["created"], data["workload"], source)
+                   dict(data["environment"]), data["created"], data["workload"], source,
+                   dict(data.get("plugins", {})))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from astrai import __version__
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
 from astrai.dispatch._suggest import did_you_mean
@@ -39,10 +40,12 @@ from astrai.dispatch.axes import PREDICATES
 from astrai.dispatch.expr.spec import Spec, named_parts
 from astrai.dispatch.joined import EMPTY as JOINED_NONE
 from astrai.dispatch.joined import Joined, join_rows
+from astrai.dispatch.log import warn_once
 from astrai.dispatch.names import family_name_problem
+from astrai.dispatch.plugins import BROKEN, LOADED, Plugin, discover, plugin_problems
 from astrai.dispatch.provenance import warn_if_elsewhere
 from astrai.dispatch.tables.artifact import shipped_tables_dir
-from astrai.dispatch.tables.build import build_profile
+from astrai.dispatch.tables.build import build_extension, build_profile
 from astrai.dispatch.tables.load import parse_file
 from astrai.dispatch.tables.model import (
     ALWAYS_AVAILABLE,
@@ -72,6 +75,10 @@ class Registry:
     programmatic: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
     registered_aliases: Mapping[str, str] = field(default_factory=dict)  # register_env_alias
     joined: Mapping[str, tuple[Joined, ...]] = field(default_factory=lambda: JOINED_NONE)
+    #: The installed plugins (``plugins.discover``), loaded, disabled or broken.
+    plugins: tuple[Plugin, ...] = ()
+    #: family -> the rows the loaded plugins' row overlays join to it, in order.
+    extended: Mapping[str, tuple[Joined, ...]] = field(default_factory=lambda: JOINED_NONE)
     # Caches that belong to this snapshot; a new snapshot starts with empty ones.
     _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
@@ -168,87 +175,184 @@ def _env_table_paths() -> list[str]:
     return [p for p in raw.split(os.pathsep) if p.strip()]
 
 
-def _build(base: Registry | None, paths: list[str], *, replace_all: bool
-           ) -> tuple[Registry, list[str]]:
-    """A new snapshot: ``base`` with the tables under ``paths`` (read and bound here, with
-    no lock held), and the files read. Raises ``TableError`` listing every problem."""
-    files, problems = _expand(paths)
-    parsed: list[ParsedFile] = [parse_file(f) for _, f in files]
-    source_of = {f: index for index, f in files}
-    for pf in parsed:
+def _table_sources() -> list[tuple[str, str]]:
+    """The shipped tables and each ``ASTR_TABLES`` entry, with who provided them."""
+    return [(str(shipped_tables_dir()), SHIPPED),
+            *((p, TABLES_ENV) for p in _env_table_paths())]
+
+
+#: Who provided the shipped tables' rows (``ImplRecord.provided_by``).
+SHIPPED = f"shipped with astrai {__version__}"
+
+
+@dataclass
+class _Assembled:
+    """What one assembly of the sources gave: the parts of a snapshot, the problems of
+    the user's files (fatal) and those of each plugin (which leave that plugin out)."""
+
+    families: dict[str, FamilyTable]
+    profiles: dict[str, Profile]
+    aliases: dict[str, str]
+    programmatic: dict[str, tuple[Any, Any]]
+    extended: dict[str, tuple[Joined, ...]]
+    problems: list[TableProblem]
+    failed: dict[int, list[TableProblem]]  # plugin index -> its problems
+
+
+def _build(base: Registry | None, paths: list[tuple[str, str]], *, replace_all: bool,
+           plugins: list[Plugin] | None = None) -> tuple[Registry, list[str]]:
+    """A new snapshot: ``base`` with the tables under ``paths`` (each with who provided
+    it; read and bound here, with no lock held), and the files read. On a full build
+    (``replace_all``) the first path is the shipped tables and ``plugins`` (found by
+    ``plugins.discover``) come right after it; otherwise ``base``'s plugins stay, their
+    row overlays placed again on the families as they now are. Raises ``TableError``
+    listing every problem of the given files; a plugin with a problem is left out, with
+    a warning, and the snapshot lists it as broken."""
+    files, problems = _expand([p for p, _ in paths])
+    parsed: list[ParsedFile] = [parse_file(f, paths[index][1]) for index, f in files]
+    layers: list[list[ParsedFile]] = [[] for _ in paths]
+    for (index, _), pf in zip(files, parsed, strict=True):
+        layers[index].append(pf)
         problems.extend(pf.problems)
-    families: dict[str, FamilyTable] = {}
-    profiles: dict[str, Profile] = {}
-    aliases: dict[str, str] = {}
-    programmatic: dict[str, tuple[Any, Any]] = {}
-    registered: dict[str, str] = {}
-    if base is not None:
-        programmatic = dict(base.programmatic)
-        registered = dict(base.registered_aliases)
-        if not replace_all:
-            aliases = dict(base.aliases)
-            families = dict(base.families)
-            profiles = dict(base.profiles)
-        else:
-            for name, (provider, fallback) in programmatic.items():
-                families[name] = _programmatic_table(name, provider, fallback)
-    # A family or profile defined twice within one source is an error; a later source
-    # (shipped, then each ASTR_TABLES entry, then each load_tables path) replaces it.
-    seen: dict[str, str] = {}
-    for pf in parsed:
-        if pf.table is None:
-            continue
-        name = pf.table.name
-        if (name in seen and seen[name] != pf.file
-                and source_of[seen[name]] == source_of[pf.file]):
-            problems.append(TableProblem(pf.file, *pf.where(("family",)),
-                                         f"family {name!r} is also defined in {seen[name]}"))
-        seen[name] = pf.file
-        families[name] = pf.table
-        programmatic.pop(name, None)
-        aliases.pop(name, None)  # a replaced table brings its own alias, or none
-        if pf.table.env_alias:
-            aliases[name] = pf.table.env_alias
+    found = list(plugins if plugins is not None else (base.plugins if base else ()))
+    while True:
+        got = _assemble(base, layers, found, replace_all=replace_all, problems=problems)
+        if got.problems or not got.failed:
+            break
+        for index, failed in got.failed.items():  # leave them out, and assemble again
+            found[index] = found[index].broken(failed)
+    if got.problems:
+        raise TableError(sorted(got.problems, key=lambda p: (p.file, p.line, p.column)))
+    for plugin in found:
+        if plugin.status == BROKEN:
+            warn_once(f"{plugin.provided_by} (entry point {plugin.name}) is left out: "
+                      f"{plugin.reason}:\n" + "\n".join(f"  {p}" for p in plugin.problems))
+    for name, prof in got.profiles.items():
+        if prof.provenance is not None and (base is None or base.profiles.get(name) is not prof):
+            warn_if_elsewhere(name, prof.source, prof.provenance)
+    registered = dict(base.registered_aliases) if base is not None else {}
+    got.aliases.update({f: v for f, v in registered.items() if f in got.families})
     joined = base.joined if base is not None else JOINED_NONE
-    families = join_rows(families, joined)  # profiles may name rows joined in Python
-    seen_profiles: dict[str, str] = {}
-    for pf in parsed:
-        if pf.profile is None:
-            continue
-        name = pf.profile["profile"]
-        if (name in seen_profiles and seen_profiles[name] != pf.file
-                and source_of[seen_profiles[name]] == source_of[pf.file]):
-            problems.append(TableProblem(pf.file, *pf.where(("profile",)),
-                                         f"profile {name!r} is also defined in "
-                                         f"{seen_profiles[name]}"))
-        seen_profiles[name] = pf.file
-    for pf in parsed:
-        if pf.profile is None or seen_profiles[pf.profile["profile"]] != pf.file:
-            continue  # replaced by a later source: not built against the final tables
-        already = len(pf.problems)
-        prof = build_profile(pf, families)
-        problems.extend(pf.problems[already:])
-        if prof is not None:
-            profiles[prof.name] = prof
+    extended = MappingProxyType(got.extended)
+    return Registry(MappingProxyType(got.families), MappingProxyType(got.profiles),
+                    MappingProxyType(got.aliases), next(process.epochs),
+                    MappingProxyType(got.programmatic), MappingProxyType(registered), joined,
+                    tuple(found), extended), [f for _, f in files]
+
+
+def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: list[Plugin],
+              *, replace_all: bool, problems: list[TableProblem]) -> _Assembled:
+    """Families, profiles and row overlays from ``base`` and the sources, in order (on a
+    full build: the shipped tables, each loaded plugin, each ``ASTR_TABLES`` entry)."""
+    got = _Assembled({}, {}, {}, {}, {}, list(problems), {})
+    if base is not None:
+        got.programmatic = dict(base.programmatic)
+        if not replace_all:
+            got.aliases, got.families = dict(base.aliases), dict(base.families)
+            got.profiles = dict(base.profiles)
+            for fam, joins in base.joined.items():  # placed again below, after the overlays
+                if fam in got.families:
+                    got.families[fam] = _without(got.families[fam], joins)
+            for fam, joins in base.extended.items():
+                if fam in got.families:
+                    got.families[fam] = _without(got.families[fam], joins)
+        else:
+            for name, (provider, fallback) in got.programmatic.items():
+                got.families[name] = _programmatic_table(name, provider, fallback)
+    live = [(i, p) for i, p in enumerate(plugins) if p.status == LOADED]
+    # (files, plugin index or None): a plugin's tables and profiles only on a full build
+    sources: list[tuple[list[ParsedFile], int | None]] = [(layer, None) for layer in layers]
+    if replace_all:
+        sources[1:1] = [(list(p.files), i) for i, p in live]
+
+    def report(owner: int | None, problem: TableProblem) -> None:
+        (got.problems if owner is None else got.failed.setdefault(owner, [])).append(problem)
+
+    # A family or profile defined twice within one source is an error; a later source
+    # (shipped, then each plugin, each ASTR_TABLES entry, each load_tables path) replaces
+    # it, except that a plugin adds families and never replaces one (it joins rows to an
+    # existing family with a row overlay instead).
+    seen: dict[str, tuple[str, int]] = {}
+    for index, (files, owner) in enumerate(sources):
+        for pf in files:
+            if pf.overlay is not None and owner is None:
+                report(None, TableProblem(pf.file, *pf.where(("extends",), key=True), (
+                    "a row overlay (extends:) is read from a plugin package only; to add "
+                    "rows to a family from your own files, use a profile's add: (or a copy "
+                    "of the family's table: astrai-ops init)")))
+            if pf.table is None:
+                continue
+            name = pf.table.name
+            if name in seen and seen[name][0] != pf.file and seen[name][1] == index:
+                report(owner, TableProblem(pf.file, *pf.where(("family",)),
+                                           f"family {name!r} is also defined in "
+                                           f"{seen[name][0]}"))
+            if owner is not None and name in got.families:
+                other = got.families[name]
+                report(owner, TableProblem(pf.file, *pf.where(("family",)), (
+                    f"family {name!r} already exists ({other.provided_by or other.source}); "
+                    f"a plugin adds rows to it with a row overlay (extends: {name})")))
+                continue
+            seen[name] = (pf.file, index)
+            got.families[name] = pf.table
+            got.programmatic.pop(name, None)
+            got.aliases.pop(name, None)  # a replaced table brings its own alias, or none
+            if pf.table.env_alias:
+                got.aliases[name] = pf.table.env_alias
+    for i, plugin in live:  # row overlays join the families as they now are
+        for pf in plugin.files:
+            if pf.overlay is None:
+                continue
+            fresh = replace(pf, problems=[])
+            family = pf.overlay["extends"]
+            taken = {j.record.name: j.by for j in got.extended.get(family, ())}
+            built = build_extension(fresh, got.families, taken)
+            for problem in fresh.problems:
+                report(i, problem)
+            if built:
+                got.extended[family] = (*got.extended.get(family, ()), *built)
+    got.families = families = join_rows(got.families, got.extended,
+                                        base.joined if base is not None else JOINED_NONE)
+    # profiles may name rows joined by overlays and in Python
+    seen_profiles: dict[str, tuple[str, int]] = {}
+    for index, (files, owner) in enumerate(sources):
+        for pf in files:
+            if pf.profile is None:
+                continue
+            name = pf.profile["profile"]
+            if (name in seen_profiles and seen_profiles[name][0] != pf.file
+                    and seen_profiles[name][1] == index):
+                report(owner, TableProblem(pf.file, *pf.where(("profile",)),
+                                           f"profile {name!r} is also defined in "
+                                           f"{seen_profiles[name][0]}"))
+            seen_profiles[name] = (pf.file, index)
+    for files, owner in sources:
+        for pf in files:
+            if pf.profile is None or seen_profiles[pf.profile["profile"]][0] != pf.file:
+                continue  # replaced by a later source: not built against the final tables
+            fresh = replace(pf, problems=[])
+            prof = build_profile(fresh, families)
+            for problem in fresh.problems:
+                report(owner, problem)
+            if prof is not None:
+                got.profiles[prof.name] = prof
     # Profiles loaded earlier must still make sense against replaced tables.
     if not replace_all and base is not None:
-        for name, prof in list(profiles.items()):
+        for name, prof in list(got.profiles.items()):
             if name in seen_profiles:
                 continue
             stale = _stale_profile(prof, families)
             if stale:
-                problems.append(TableProblem(prof.source or "<profile>", 1, 1,
-                                             f"loaded profile {name!r} {stale}"))
-    if problems:
-        raise TableError(sorted(problems, key=lambda p: (p.file, p.line, p.column)))
-    aliases.update({f: v for f, v in registered.items() if f in families})
-    for name in seen_profiles:
-        prof = profiles[name]
-        if prof.provenance is not None:
-            warn_if_elsewhere(name, prof.source, prof.provenance)
-    return Registry(MappingProxyType(families), MappingProxyType(profiles),
-                    MappingProxyType(aliases), next(process.epochs), MappingProxyType(programmatic),
-                    MappingProxyType(registered), joined), [f for _, f in files]
+                got.problems.append(TableProblem(prof.source or "<profile>", 1, 1,
+                                                 f"loaded profile {name!r} {stale}"))
+    return got
+
+
+def _without(table: FamilyTable, joins: tuple[Joined, ...]) -> FamilyTable:
+    """``table`` without the rows ``joins`` placed in it (and their revision suffix)."""
+    gone = {j.record.name for j in joins}
+    return replace(table, rows=tuple(r for r in table.rows if r.name not in gone),
+                   revision=table_revision(table).split("+joined-")[0])
 
 
 def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
@@ -323,7 +427,8 @@ def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
     rows = tuple(r if r.family == name else replace(r, family=name) for r in ordered)
     revision = ",".join(names) + (f";fallback={fb_name}" if outside is not None else "")
     return FamilyTable(name, rows, fb_name, source="register_family",
-                       revision="python:" + revision, outside_fallback=outside)
+                       revision="python:" + revision, outside_fallback=outside,
+                       provided_by="register_family")
 
 
 def _swap(new: Registry) -> None:
@@ -343,8 +448,7 @@ def current() -> Registry:
     if got is None:
         # Read outside the lock (concurrent first callers may each read; one result wins).
         got = _commit(lambda base: base or _build(
-            None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)[0],
-            first=True)
+            None, _table_sources(), replace_all=True, plugins=discover())[0], first=True)
     return got
 
 
@@ -371,7 +475,8 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
     read: list[str] = []
 
     def make(base: Registry | None) -> Registry:
-        new, files = _build(base, [os.fspath(p) for p in paths], replace_all=False)
+        new, files = _build(base, [(os.fspath(p), "load_tables") for p in paths],
+                            replace_all=False)
         read[:] = files
         return new
 
@@ -381,23 +486,25 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
 
 
 def reload_tables() -> list[str]:
-    """Re-read the shipped tables plus ``ASTR_TABLES``; programmatic families are kept."""
-    new = _commit(lambda base: _build(
-        base, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)[0],
-        first=True)
+    """Re-read the shipped tables, the plugins (``ASTR_PLUGINS`` read again) and
+    ``ASTR_TABLES``; programmatic families and ``register_impl`` rows are kept."""
+    new = _commit(lambda base: _build(base, _table_sources(), replace_all=True,
+                                      plugins=discover())[0], first=True)
     return sorted(new.families)
 
 
 def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
-    """Every problem in these files (default: shipped + ``ASTR_TABLES``); loads nothing."""
+    """Every problem in these files (default: shipped, the plugins and ``ASTR_TABLES``,
+    a broken plugin's problems included); loads nothing."""
     try:
         if paths:
-            _build(current(), [os.fspath(p) for p in paths], replace_all=False)
-        else:
-            _build(None, [str(shipped_tables_dir()), *_env_table_paths()], replace_all=True)
+            _build(current(), [(os.fspath(p), "load_tables") for p in paths],
+                   replace_all=False)
+            return []
+        new, _ = _build(None, _table_sources(), replace_all=True, plugins=discover())
     except TableError as exc:
         return exc.problems
-    return []
+    return plugin_problems(new.plugins)
 
 
 def refresh() -> None:
@@ -433,9 +540,9 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
         families[name] = table
         programmatic = dict(base.programmatic)
         programmatic[name] = (provider, fallback)
-        return Registry(MappingProxyType(join_rows(families, base.joined)), base.profiles,
-                        base.aliases, next(process.epochs), MappingProxyType(programmatic),
-                        base.registered_aliases, base.joined)
+        return replace(base, families=MappingProxyType(
+            join_rows(families, base.extended, base.joined)), epoch=next(process.epochs),
+            programmatic=MappingProxyType(programmatic))
 
     _commit(make)
 
@@ -454,9 +561,11 @@ def register_impl(record: ImplRecord, before: str | None = None,
         raise TypeError(f"register_impl: expected an ImplRecord, got {type(record).__name__}")
     if before is not None and after is not None:
         raise ValueError("register_impl: give before= or after=, not both")
+    caller = sys._getframe(1).f_globals.get("__name__", "?")
     if not record.source:
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
         record = replace(record, source=f"register_impl ({caller})")
+    if not record.provided_by:
+        record = replace(record, provided_by=f"register_impl in {caller}")
 
     def make(base: Registry | None) -> Registry:
         assert base is not None
@@ -511,8 +620,8 @@ def _rejoined(base: Registry, family: str, joins: tuple[Joined, ...]) -> Registr
         families[family] = replace(table, rows=tuple(r for r in table.rows if r.name not in gone),
                                    revision=table_revision(table).split("+joined-")[0])
     frozen = MappingProxyType(joined)
-    return replace(base, families=MappingProxyType(join_rows(families, frozen)), joined=frozen,
-                   epoch=next(process.epochs))
+    return replace(base, families=MappingProxyType(join_rows(families, base.extended, frozen)),
+                   joined=frozen, epoch=next(process.epochs))
 
 
 def register_env_alias(family: str, varname: str) -> None:

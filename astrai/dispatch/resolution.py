@@ -146,7 +146,8 @@ def _adhoc(family: str, obj: Any) -> ImplRecord:
                        f"{name}.supports_call(...)")
     else:
         spec = Spec.always()
-    return ImplRecord(family, str(name), obj, spec, source="ad hoc object")
+    return ImplRecord(family, str(name), obj, spec, source="ad hoc object",
+                      provided_by="ad hoc object")
 
 
 def _lookup(view: View, handle: Any) -> ImplRecord | None:
@@ -451,6 +452,10 @@ class RowVerdict:
     verdict: str  # MATCH | reject | unavailable | unfaithful | explicit-only | disabled
     detail: str
     fallback: bool
+    provided_by: str = ""  # who provided the row (``ImplRecord.provided_by``)
+    source: str = ""  # where it was defined
+    #: Shown in the text form: the row comes from someone other than its table's provider.
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -466,6 +471,7 @@ class Explanation:
     origin: str | None
     error: str | None
     source: str = ""  # the file (or registration) the family's table came from
+    provided_by: str = ""  # who provided the family's table
 
     def render(self) -> str:
         """The SPEC §8 text."""
@@ -477,7 +483,9 @@ class Explanation:
         lines += [_row_text(r) for r in self.rows]
         lines += [f"  note: {n}" for n in self.notes]
         if self.source:
-            lines.append(f"  table: {self.source}")
+            by = (f" ({self.provided_by})"
+                  if self.provided_by and self.provided_by != self.source else "")
+            lines.append(f"  table: {self.source}{by}")
         lines.append(f"=> ERROR: {self.error}" if self.error is not None
                      else f"=> {self.row} (origin={self.origin})")
         return "\n".join(lines)
@@ -487,10 +495,12 @@ class Explanation:
         return {
             "family": self.family,
             "source": self.source,
+            "provided_by": self.provided_by,
             "context": dict(self.context),
             "profiles": list(self.profiles),
             "rows": [{"name": r.name, "verdict": r.verdict, "detail": r.detail,
-                      "fallback": r.fallback} for r in self.rows],
+                      "fallback": r.fallback, "provided_by": r.provided_by,
+                      "source": r.source} for r in self.rows],
             "notes": list(self.notes),
             "decision": None if self.row is None else {"row": self.row, "origin": self.origin},
             "error": self.error,
@@ -499,6 +509,8 @@ class Explanation:
 
 def _row_text(r: RowVerdict) -> str:
     tag = "  (fallback)" if r.fallback else ""
+    if r.joined:
+        tag += f"  [{r.provided_by}]"
     if r.verdict == MATCH:
         return f"  {r.name}: MATCH ({r.detail}){tag}"
     if r.verdict == REJECT:
@@ -523,7 +535,9 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
             detail += f"; enabled by profile {view.enabled[rec.name]}"
         elif verdict == DISABLED and view.forced is not None and view.forced[0] == rec.name:
             detail += f" in the chain, but forced by profile {view.forced[1]}"
-        rows.append(RowVerdict(rec.name, verdict, detail, rec is view.fallback))
+        by = view.table.provider_of(rec)
+        rows.append(RowVerdict(rec.name, verdict, detail, rec is view.fallback, by,
+                               rec.source, by != view.table.provided_by))
     notes: list[str] = list(view.notes)
     notes += [describe(p.name, p.provenance) for p in map(state.profiles.get, view.profiles)
               if p is not None and p.provenance is not None]
@@ -541,7 +555,8 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
     return Explanation(family, context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
-                       row, origin, error, source=view.table.source)
+                       row, origin, error, source=view.table.source,
+                       provided_by=view.table.provided_by)
 
 
 def explain(family: str, ctx: CallContext, explicit: Any = None) -> str:

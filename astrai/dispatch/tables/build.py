@@ -6,17 +6,20 @@ The same builders serve the full path (the format's ``model_dump``) and the fast
 
 from __future__ import annotations
 
-__all__ = ["build_overlay_rows", "build_profile", "build_table", "compile_when",
+__all__ = ["build_extension", "build_overlay_rows", "build_profile", "build_table",
+           "compile_when",
            "family_axes", "family_definitions", "family_vocabulary", "no_fallback",
            "table_vocabulary"]
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.joined import Joined
 from astrai.dispatch.tables._bind import BindError, bind, missing_requirement
 from astrai.dispatch.tables.model import (
     ALL,
@@ -97,6 +100,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         faithful=row["faithful"],
         description=row["description"],
         source=f"{out.file}:{line}",
+        provided_by=out.provided_by,
         features=frozenset(row.get("features", ())),
         explicit_only=row.get("explicit_only", False),
         **kwargs,
@@ -193,6 +197,7 @@ def build_table(out: ParsedFile, data: Data) -> FamilyTable | None:
         source=out.file,
         revision=out.revision,
         context=builder,
+        provided_by=out.provided_by,
     )
 
 
@@ -219,6 +224,49 @@ def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
             continue
         records.append(rec)
     return records if ok else None
+
+
+# -- row overlays ----------------------------------------------------------
+
+def build_extension(parsed: ParsedFile, families: Mapping[str, FamilyTable],
+                    taken: Mapping[str, str]) -> list[Joined] | None:
+    """A row overlay's rows (``extends:``), compiled against the family they join and
+    checked against its rows; ``taken`` maps the names earlier overlays already joined
+    to that family to who joined them. ``None`` (problems in ``parsed``) if anything is
+    wrong."""
+    data = parsed.overlay
+    assert data is not None
+    family = data["extends"]
+    table = families.get(family)
+    before = len(parsed.problems)
+    if table is None:
+        parsed.problem(("extends",), f"unknown family {family!r}"
+                                     f"{did_you_mean(family, families)}; known families: "
+                                     f"{', '.join(sorted(families)) or '(none)'}")
+        return None
+    rows = build_overlay_rows(parsed, ("rows",), family, list(enumerate(data["rows"])),
+                              table_vocabulary(table))
+    names = [*table.row_names(), *taken]
+    mine: list[str] = []
+    for i, row in enumerate(data["rows"]):
+        name = row["name"]
+        if name in names:
+            who = taken.get(name) or (table.row(name).source  # type: ignore[union-attr]
+                                      or "the table")
+            parsed.problem(("rows", i, "name"), f"{family} already has a row {name!r} (from "
+                                                f"{who}); choose another name")
+        for key in ("before", "after"):
+            anchor = row.get(key)
+            if anchor is not None and anchor not in names and anchor not in mine:
+                known = [*names, *mine]
+                parsed.problem(("rows", i, key), f"{key}: {family} has no row {anchor!r}"
+                                                 f"{did_you_mean(anchor, known)}; rows: "
+                                                 f"{', '.join(known)}")
+        mine.append(name)
+    if rows is None or len(parsed.problems) > before:
+        return None
+    return [Joined(rec, row.get("before"), row.get("after"), by=parsed.file)
+            for rec, row in zip(rows, data["rows"], strict=True)]
 
 
 # -- profiles ------------------------------------------------------------
@@ -262,6 +310,10 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
             added = build_overlay_rows(parsed, (*path, "add"), family,
                                        list(enumerate(ov["add"])),
                                        table_vocabulary(table)) or []
+            assert parsed.profile is not None
+            by = f"profile {parsed.profile['profile']} (add)"
+            by += f", {parsed.provided_by}" if parsed.provided_by else ""
+            added = [replace(a, provided_by=by) for a in added]
     names = [*known, *(a["name"] for a in ov["add"])]
 
     def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:

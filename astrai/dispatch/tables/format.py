@@ -18,6 +18,8 @@ __all__ = [
     "Definitions",
     "FamilyOverlayModel",
     "MeasuredModel",
+    "OverlayFile",
+    "OverlayRowModel",
     "ProfileFile",
     "ProvenanceModel",
     "RowModel",
@@ -38,6 +40,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationInfo,
+    model_validator,
 )
 
 from astrai.dispatch.axes import AXES, FEATURE_AXES
@@ -181,6 +184,35 @@ class TableFile(_Model):
     rows: list[RowModel] = Field(min_length=1)
 
 
+class OverlayRowModel(RowModel):
+    """A row a row overlay joins to an existing family, with where it goes."""
+
+    before: Name | None = Field(
+        default=None, description="place the row just before this row of the family")
+    after: Name | None = Field(
+        default=None, description="place the row just after this row of the family")
+
+    @model_validator(mode="after")
+    def _one_anchor(self) -> OverlayRowModel:
+        if self.before is not None and self.after is not None:
+            raise ValueError("give 'before' or 'after', not both")
+        return self
+
+
+class OverlayFile(_Model):
+    """A row overlay: rows that join an existing family (a plugin's, usually), each
+    placed ``before:``/``after:`` a named row, by default before the family's first
+    faithful row (rows of one file keep their order)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True,
+                              title="astrai row overlay (version 1)")
+
+    version: StrictInt
+    extends: FamilyName = Field(description="the family the rows join")
+    description: StrictStr = ""
+    rows: list[OverlayRowModel] = Field(min_length=1)
+
+
 class FamilyOverlayModel(_Model):
     """What a profile changes in one family (or in every family, under ``"*"``)."""
 
@@ -252,10 +284,11 @@ class ProfileFile(_Model):
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """``{file name: JSON Schema}`` of the table and profile formats."""
+    """``{file name: JSON Schema}`` of the table, profile and row overlay formats."""
     return {
         "table.schema.json": TableFile.model_json_schema(),
         "profile.schema.json": ProfileFile.model_json_schema(),
+        "overlay.schema.json": OverlayFile.model_json_schema(),
     }
 
 

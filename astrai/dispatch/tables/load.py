@@ -16,7 +16,7 @@ fast path reads the file's YAML then, for exact positions.
 
 from __future__ import annotations
 
-__all__ = ["MAX_TABLE_BYTES", "parse_file", "parse_text", "read_table_bytes",
+__all__ = ["MAX_TABLE_BYTES", "parse_bytes", "parse_file", "parse_text", "read_table_bytes",
            "validate_directory"]
 
 import hashlib
@@ -52,6 +52,8 @@ _PATTERN_MEANS = {
     "requires": "a module name such as flash_attn",
     "define": "a definition name (letters, digits and '_', starting with a letter or '_')",
 }
+#: The top-level key that tells each kind of file apart.
+_KINDS = {"family": "table", "profile": "profile", "extends": "overlay"}
 _NAME_MEANS = "a valid name (letters, digits, '_', '.', '-', starting with a letter or '_')"
 #: The largest table or profile file read (the shipped ones are a few KiB).
 MAX_TABLE_BYTES = 4 * 1024 * 1024
@@ -88,8 +90,9 @@ def read_table_bytes(path: str, limit: int = MAX_TABLE_BYTES) -> bytes:
         os.close(fd)
 
 
-def parse_file(path: str | Path) -> ParsedFile:
-    """Read and validate one file; never raises for a bad file (see ``problems``)."""
+def parse_file(path: str | Path, provided_by: str = "") -> ParsedFile:
+    """Read and validate one file; never raises for a bad file (see ``problems``).
+    ``provided_by`` says who provided it (``ImplRecord.provided_by`` of its rows)."""
     name = str(path)
     try:
         data = read_table_bytes(name)
@@ -99,6 +102,11 @@ def parse_file(path: str | Path) -> ParsedFile:
         ])
     except ValueError as exc:
         return ParsedFile(name, "unknown", problems=[TableProblem(name, 1, 1, str(exc))])
+    return parse_bytes(data, name, provided_by)
+
+
+def parse_bytes(data: bytes, name: str, provided_by: str = "") -> ParsedFile:
+    """Validate a file's bytes (``name`` places its problems)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -107,17 +115,18 @@ def parse_file(path: str | Path) -> ParsedFile:
         ])
     entry = artifact.lookup(data)
     if entry is not None:
-        fast = _from_precompiled(name, text, entry)
+        fast = _from_precompiled(name, text, entry, provided_by)
         if fast is not None:
             return fast
-    return parse_text(text, name)
+    return parse_text(text, name, provided_by)
 
 
-def _from_precompiled(file: str, text: str, entry: artifact.Entry) -> ParsedFile | None:
+def _from_precompiled(file: str, text: str, entry: artifact.Entry,
+                      provided_by: str) -> ParsedFile | None:
     """Build a shipped file from its precompiled form; ``None`` if anything goes wrong
     (the caller then takes the full path, which reports the problem properly)."""
     out = ParsedFile(file, entry.kind, revision=entry.revision, text=text,
-                     lines=dict(entry.lines), whens=dict(entry.whens))
+                     lines=dict(entry.lines), whens=dict(entry.whens), provided_by=provided_by)
     try:
         if entry.kind == "table":
             out.table = build_table(out, entry.data)
@@ -133,38 +142,38 @@ def _from_precompiled(file: str, text: str, entry: artifact.Entry) -> ParsedFile
     return out
 
 
-def parse_text(text: str, file: str = "<string>") -> ParsedFile:
-    """Validate the text of a table or profile file (told apart by ``family:``/``profile:``)."""
+def parse_text(text: str, file: str = "<string>", provided_by: str = "") -> ParsedFile:
+    """Validate the text of a table, profile or row overlay file (told apart by
+    ``family:``, ``profile:`` and ``extends:``)."""
     from pydantic import ValidationError
 
     from astrai.dispatch.tables._yaml import YamlProblem, load_located
-    from astrai.dispatch.tables.format import ProfileFile, TableFile
+    from astrai.dispatch.tables.format import OverlayFile, ProfileFile, TableFile
 
-    out = ParsedFile(file, "unknown", revision=hashlib.sha256(text.encode()).hexdigest()[:16])
+    out = ParsedFile(file, "unknown", revision=hashlib.sha256(text.encode()).hexdigest()[:16],
+                     provided_by=provided_by)
     try:
         out.located = load_located(text)
     except YamlProblem as exc:
         out.problems.append(TableProblem(file, exc.line, exc.column, exc.message))
         return out
     data = out.located.data
-    if not isinstance(data, dict):
-        out.problem((), "expected a mapping with 'version' and 'family:' (a table) or "
-                        "'profile:' (a profile)")
+    kinds = [k for k in _KINDS if k in data] if isinstance(data, dict) else []
+    if not isinstance(data, dict) or not kinds:
+        out.problem((), "expected a mapping with 'version' and 'family:' (a table), "
+                        "'profile:' (a profile) or 'extends:' (a row overlay)")
         return out
-    if "family" in data and "profile" in data:
-        out.problem(("profile",), "a file is either a table ('family:') or a profile "
-                                  "('profile:'), not both", key=True)
+    if len(kinds) > 1:
+        out.problem((kinds[1],), f"a file is one of a table ('family:'), a profile "
+                                 f"('profile:') or a row overlay ('extends:'); this one has "
+                                 f"{' and '.join(repr(k + ':') for k in kinds)}", key=True)
         return out
-    if "family" in data:
-        out.kind = "table"
-    elif "profile" in data:
-        out.kind = "profile"
-    else:
-        out.problem((), "expected a top-level 'family:' (a table) or 'profile:' (a profile)")
-        return out
+    out.kind = _KINDS[kinds[0]]
     if not _check_version(out, data):
         return out
-    model_cls: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
+    models: dict[str, type[BaseModel]] = {"table": TableFile, "profile": ProfileFile,
+                                          "overlay": OverlayFile}
+    model_cls = models[out.kind]
     context = {"vocabulary": _declared_vocabulary(data)} if out.kind == "table" else None
     try:
         model = model_cls.model_validate(data, context=context)
@@ -176,8 +185,10 @@ def parse_text(text: str, file: str = "<string>") -> ParsedFile:
     out.dump = model.model_dump(mode="json")
     if out.kind == "table":
         out.table = build_table(out, out.dump)
-    else:
+    elif out.kind == "profile":
         out.profile = out.dump
+    else:
+        out.overlay = out.dump
     return out
 
 
@@ -295,18 +306,23 @@ def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
     from astrai.dispatch.tables.format import (
         AxisModel,
         FamilyOverlayModel,
+        OverlayFile,
+        OverlayRowModel,
         ProfileFile,
         RowModel,
         TableFile,
     )
 
-    top: type[BaseModel] = TableFile if out.kind == "table" else ProfileFile
+    tops: dict[str, type[BaseModel]] = {"table": TableFile, "overlay": OverlayFile}
+    top = tops.get(out.kind, ProfileFile)
     if not path:
         return top
     head = path[0]
     if out.kind == "table":
         models: dict[str, type[BaseModel]] = {"rows": RowModel, "axes": AxisModel}
         return models.get(str(head))
+    if out.kind == "overlay":
+        return OverlayRowModel if head == "rows" else None
     if head == "families":
         if len(path) == 2:
             return FamilyOverlayModel

@@ -67,7 +67,10 @@ class ImplRecord:
     numerics: only explicit selection or a profile that enables it can pick it.
     ``explicit_only=True`` gives a faithful row the same reach (a row that never wins
     the chain on the calls the tables can tell apart, kept for selection by name).
-    ``source`` says where the row was defined (``file:line`` or ``register_family``).
+    ``source`` says where the row was defined (``file:line`` or ``register_family``);
+    ``provided_by`` who provided it: astrai's shipped tables, a user's table file
+    (``ASTR_TABLES``, ``load_tables``), a plugin distribution and its version, a
+    ``register_impl`` caller, ``register_family``, a profile's ``add:``.
     ``features`` are the feature axes (``axes.FEATURE_AXES``: a custom scale,
     soft-capping, ...) the row can honour: a call asking for any other is not its.
     """
@@ -83,6 +86,7 @@ class ImplRecord:
     source: str = ""
     features: frozenset[str] = frozenset()
     explicit_only: bool = False
+    provided_by: str = ""
 
     @property
     def implicit(self) -> bool:
@@ -122,6 +126,7 @@ class FamilyTable:
     source: str = ""
     revision: str = ""
     outside_fallback: ImplRecord | None = None
+    provided_by: str = ""  # who provided the table (see ``ImplRecord.provided_by``)
     context: Callable[..., Any] | None = None  # the table's ``context:`` builder (ops.call)
 
     def row(self, name: str) -> ImplRecord | None:
@@ -131,6 +136,11 @@ class FamilyTable:
     def row_names(self) -> list[str]:
         """Row names in priority order."""
         return [r.name for r in self.rows]
+
+    def provider_of(self, record: ImplRecord) -> str:
+        """Who provided ``record`` (a row of this family): its own ``provided_by``, else
+        the table's (a seed-style record given to ``register_family`` names none)."""
+        return record.provided_by or self.provided_by
 
     @property
     def fallback_record(self) -> ImplRecord:

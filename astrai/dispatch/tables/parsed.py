@@ -26,13 +26,16 @@ Data = Mapping[str, Any]
 
 @dataclass
 class ParsedFile:
-    """One file after validation: a family table, a profile's data, or problems."""
+    """One file after validation: a family table, a profile's or a row overlay's data,
+    or problems."""
 
     file: str
-    kind: str  # "table" | "profile" | "unknown"
+    kind: str  # "table" | "profile" | "overlay" | "unknown"
     located: Located | None = None
     table: FamilyTable | None = None
     profile: Data | None = None  # built into a ``Profile`` against the families
+    overlay: Data | None = None  # a row overlay's data, built against the family it extends
+    provided_by: str = ""  # who provided the file (``ImplRecord.provided_by``)
     revision: str = ""
     problems: list[TableProblem] = field(default_factory=list)
     text: str | None = None  # kept on the fast path, to find exact positions on demand

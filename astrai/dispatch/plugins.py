@@ -1,0 +1,202 @@
+"""Kernel packages that extend astrai by being installed: the ``astrai.tables`` entry points.
+
+An installed distribution declares, in its ``pyproject.toml``::
+
+    [project.entry-points."astrai.tables"]
+    mykernels = "mykernels.tables"
+
+The value names an importable package; its ``*.yaml`` resources (read with
+``importlib.resources``, subfolders included) are tables, profiles or *row overlays*
+(``extends: rms_norm`` with ``rows:``, each row placed ``before:``/``after:`` a named
+row of that family, by default before its first faithful row). They load with the
+shipped tables, after them and before ``ASTR_TABLES``, and are validated the same way.
+
+This module finds the plugins and reads their files (``discover``); the registry
+builds them into a snapshot, and a plugin whose files have any problem (a typo in its
+YAML, an ``impl`` that does not import, a row overlay naming a row the family lacks, a
+table for a family that already exists) is left out whole, with a warning naming the
+distribution and each problem at ``file:line:col``: the rest of the tables still load.
+``astrai-ops lint`` and ``validate()`` report those problems as errors.
+
+``ASTR_PLUGINS`` chooses, read when the tables load (``reload_tables()`` reads it
+again): unset, ``1`` or ``all`` loads every plugin; ``0`` or ``none`` none;
+``-name`` (comma-separated) leaves those out; plain names load only those. A name is
+the entry point's or the distribution's (``-``/``_``/``.`` and case are not told apart).
+"""
+
+from __future__ import annotations
+
+__all__ = ["GROUP", "PLUGINS_ENV", "Plugin", "discover", "in_use", "plugin_problems"]
+
+import importlib.metadata
+import importlib.resources
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.tables.load import MAX_TABLE_BYTES, parse_bytes, read_table_bytes
+from astrai.dispatch.tables.model import FamilyTable
+from astrai.dispatch.tables.parsed import ParsedFile
+from astrai.errors import TableProblem
+
+#: The entry point group a kernel package declares its tables under.
+GROUP = "astrai.tables"
+PLUGINS_ENV = "ASTR_PLUGINS"
+_SUFFIXES = (".yaml", ".yml")
+LOADED, DISABLED, BROKEN = "loaded", "disabled", "broken"
+
+
+@dataclass(frozen=True, eq=False)
+class Plugin:
+    """One ``astrai.tables`` entry point and what became of it.
+
+    ``status`` is ``loaded``, ``disabled`` (by ``ASTR_PLUGINS``; ``reason`` says so) or
+    ``broken`` (``problems`` lists each, located and naming the distribution).
+    ``files`` are its parsed files (tables, profiles, row overlays).
+    """
+
+    name: str  # the entry point's name
+    distribution: str
+    version: str
+    package: str  # the entry point's value: the package holding the YAML files
+    status: str = LOADED
+    reason: str = ""
+    problems: tuple[TableProblem, ...] = ()
+    files: tuple[ParsedFile, ...] = field(default=(), repr=False)
+
+    @property
+    def provided_by(self) -> str:
+        """How its rows say who provided them: ``plugin <distribution> <version>``."""
+        return f"plugin {self.distribution} {self.version}"
+
+    def broken(self, problems: list[TableProblem]) -> Plugin:
+        """This plugin, left out for ``problems`` (each message names the distribution)."""
+        tag = f"{self.provided_by}: "
+        named = tuple(p if p.message.startswith(tag)
+                      else TableProblem(p.file, p.line, p.column, tag + p.message)
+                      for p in problems)
+        return replace(self, status=BROKEN, reason=f"{len(named)} problem(s)",
+                       problems=named)
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON form (``astrai-ops list --json``)."""
+        return {"name": self.name, "distribution": self.distribution,
+                "version": self.version, "package": self.package, "status": self.status,
+                "reason": self.reason or None,
+                "problems": [str(p) for p in self.problems],
+                "files": [pf.file for pf in self.files]}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _choice(raw: str | None) -> tuple[bool, set[str], set[str]]:
+    """``ASTR_PLUGINS`` as ``(any at all, only these, not these)`` (normalised names)."""
+    text = (raw or "").strip()
+    if text.lower() in ("", "1", "all"):
+        return True, set(), set()
+    if text.lower() in ("0", "none"):
+        return False, set(), set()
+    names = [t for t in re.split(r"[,\s]+", text) if t]
+    only = {_normal(t) for t in names if not t.startswith("-")}
+    without = {_normal(t[1:]) for t in names if t.startswith("-") and len(t) > 1}
+    return True, only, without
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    found = importlib.metadata.entry_points(group=GROUP)
+    seen: dict[tuple[str, str], importlib.metadata.EntryPoint] = {}
+    for ep in found:  # a distribution seen twice on sys.path: the first one wins
+        dist = ep.dist.name if ep.dist is not None else ""
+        seen.setdefault((dist, ep.name), ep)
+    return sorted(seen.values(),
+                  key=lambda ep: (_normal(ep.dist.name if ep.dist else ""), ep.name))
+
+
+def discover() -> list[Plugin]:
+    """Every installed plugin, each with its files read and parsed (or why not), in
+    a stable order (by distribution, then entry point name)."""
+    wanted, only, without = _choice(os.environ.get(PLUGINS_ENV))
+    plugins: list[Plugin] = []
+    for ep in _entry_points():
+        dist = ep.dist.name if ep.dist is not None else "(unknown distribution)"
+        version = ep.dist.version if ep.dist is not None else "?"
+        plugin = Plugin(ep.name, dist, version, ep.value)
+        names = {_normal(ep.name), _normal(dist)}
+        if not wanted:
+            plugin = replace(plugin, status=DISABLED, reason=f"{PLUGINS_ENV}=0")
+        elif names & without or (only and not names & only):
+            plugin = replace(plugin, status=DISABLED,
+                             reason=f"{PLUGINS_ENV}={os.environ.get(PLUGINS_ENV)}")
+        else:
+            plugin = _read(plugin)
+        plugins.append(plugin)
+    known = {n for p in plugins for n in (_normal(p.name), _normal(p.distribution))}
+    for name in sorted((only | without) - known):
+        warn_once(f"{PLUGINS_ENV} names plugin {name!r}, which is not installed"
+                  f"{did_you_mean(name, known)}; installed plugins: "
+                  f"{', '.join(sorted(known)) or '(none)'}")
+    return plugins
+
+
+def _read(plugin: Plugin) -> Plugin:
+    """``plugin`` with its files parsed; broken if its package cannot be read."""
+    where = f"{plugin.distribution} {plugin.version} (entry point {plugin.name})"
+    try:
+        root = importlib.resources.files(plugin.package)
+        resources = sorted(_yaml_resources(root, plugin.package.replace(".", "/") + "/"),
+                           key=lambda pair: pair[0])
+    except Exception as exc:  # an import error in the plugin's own package, a bad name
+        return plugin.broken([TableProblem(where, 1, 1, f"entry point "
+                                           f"{plugin.name} = {plugin.package!r}: cannot read "
+                                           f"its table files: {type(exc).__name__}: {exc}")])
+    if not resources:
+        return plugin.broken([TableProblem(where, 1, 1, f"package {plugin.package!r} has no "
+                                                        f"*.yaml table files")])
+    files: list[ParsedFile] = []
+    for label, resource in resources:
+        try:
+            data = (read_table_bytes(str(resource)) if isinstance(resource, Path)
+                    else resource.read_bytes())
+            if len(data) > MAX_TABLE_BYTES:
+                raise ValueError(f"file is larger than {MAX_TABLE_BYTES} bytes")
+        except (OSError, ValueError) as exc:
+            files.append(ParsedFile(label, "unknown", problems=[
+                TableProblem(label, 1, 1, f"cannot read file: {exc}")]))
+            continue
+        files.append(parse_bytes(data, label, plugin.provided_by))
+    plugin = replace(plugin, files=tuple(files))
+    problems = [p for pf in files for p in pf.problems]
+    return plugin.broken(problems) if problems else plugin
+
+
+def _yaml_resources(root: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """``(label, resource)`` of every YAML file under ``root`` (an importlib.resources
+    ``Traversable``); the label is the file's path when it has one, else
+    ``package/relative/name``."""
+    for item in root.iterdir():
+        rel = f"{prefix}{item.name}"
+        if item.is_dir():
+            if not item.name.startswith(("_", ".")):  # __pycache__ and the like
+                yield from _yaml_resources(item, rel + "/")
+        elif item.name.endswith(_SUFFIXES):
+            yield (str(item) if isinstance(item, Path) else rel), item
+
+
+def plugin_problems(plugins: tuple[Plugin, ...]) -> list[TableProblem]:
+    """Every problem of the broken ones among ``plugins``."""
+    return [p for plugin in plugins for p in plugin.problems]
+
+
+def in_use(plugins: Iterable[Plugin], tables: Iterable[FamilyTable]) -> dict[str, str]:
+    """``{distribution: version}`` of the loaded ``plugins`` that provided a row (or a
+    table) among ``tables``: what tells two ranks or two lockfiles apart."""
+    providers = {table.provider_of(r) for table in tables for r in table.rows}
+    return {p.distribution: p.version for p in sorted(plugins, key=lambda p: p.distribution)
+            if p.status == LOADED and p.provided_by in providers}

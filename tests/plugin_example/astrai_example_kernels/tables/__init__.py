@@ -1,0 +1,1 @@
+"""astrai reads the ``*.yaml`` files of this package (the ``astrai.tables`` entry point)."""
