@@ -24,7 +24,7 @@ from typing import Any, TextIO, cast
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, Axis, CallContext, format_value
-from astrai.dispatch.plugins import Plugin, plugin_problems
+from astrai.dispatch.plugins import DISABLED, Plugin, discover, plugin_problems
 from astrai.dispatch.registry import TABLES_ENV, Registry
 from astrai.dispatch.sources import OPS_ENV
 from astrai.dispatch.tables.model import FamilyTable, View
@@ -438,8 +438,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if paths:
         what = ", ".join(paths)
     else:
-        what = "shipped tables" + (f" and {TABLES_ENV} ({', '.join(env_paths)})"
-                                   if env_paths else "")
+        plugins = [p.distribution for p in discover() if p.status != DISABLED]
+        what = "shipped tables" + (f", plugins ({', '.join(plugins)})" if plugins else "") + (
+            f" and {TABLES_ENV} ({', '.join(env_paths)})" if env_paths else "")
     found = registry.validate(*paths)
     problems = [(p.file, str(p)) for p in found]
     # A path that holds no table or profile file was surely meant to hold some: say so.
@@ -478,7 +479,10 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     for report in reports:
         print(report.render(coverage=not args.no_coverage))
         print()
-    return OK if all(r.ok for r in reports) else PROBLEMS
+    broken = plugin_problems(registry.current().plugins)  # left out of what was linted
+    for problem in broken:
+        print(problem, file=sys.stderr)
+    return OK if all(r.ok for r in reports) and not broken else PROBLEMS
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:

@@ -306,7 +306,10 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
             fresh = replace(pf, problems=[])
             family = pf.overlay["extends"]
             taken = {j.record.name: j.by for j in got.extended.get(family, ())}
-            built = build_extension(fresh, got.families, taken)
+            table = got.families.get(family)
+            replaced = table is not None and not (table.provided_by == SHIPPED or
+                                                  table.provided_by.startswith("plugin "))
+            built = build_extension(fresh, got.families, taken, replaced=replaced)
             for problem in fresh.problems:
                 report(i, problem)
             if built:

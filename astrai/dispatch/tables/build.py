@@ -229,11 +229,13 @@ def build_overlay_rows(out: ParsedFile, path: PathT, family: str,
 # -- row overlays ----------------------------------------------------------
 
 def build_extension(parsed: ParsedFile, families: Mapping[str, FamilyTable],
-                    taken: Mapping[str, str]) -> list[Joined] | None:
+                    taken: Mapping[str, str], *, replaced: bool = False) -> list[Joined] | None:
     """A row overlay's rows (``extends:``), compiled against the family they join and
     checked against its rows; ``taken`` maps the names earlier overlays already joined
     to that family to who joined them. ``None`` (problems in ``parsed``) if anything is
-    wrong."""
+    wrong. When the user ``replaced`` the family's table, a ``before``/``after`` naming
+    a row it lacks is not the plugin's mistake: the row is placed by default, with a
+    warning (``joined``), instead."""
     data = parsed.overlay
     assert data is not None
     family = data["extends"]
@@ -257,7 +259,8 @@ def build_extension(parsed: ParsedFile, families: Mapping[str, FamilyTable],
                                                 f"{who}); choose another name")
         for key in ("before", "after"):
             anchor = row.get(key)
-            if anchor is not None and anchor not in names and anchor not in mine:
+            if (anchor is not None and anchor not in names and anchor not in mine
+                    and not replaced):
                 known = [*names, *mine]
                 parsed.problem(("rows", i, key), f"{key}: {family} has no row {anchor!r}"
                                                  f"{did_you_mean(anchor, known)}; rows: "

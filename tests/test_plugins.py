@@ -1,0 +1,471 @@
+"""Kernel packages that extend astrai by being installed (issue 15): ``astrai.tables``
+entry points, row overlays (``extends:``), ``ASTR_PLUGINS``, a broken plugin reported
+with its distribution and left out, and who provided each row in explain, list,
+fingerprints and lockfiles.
+
+Most tests install a small distribution by writing its ``.dist-info`` (metadata and
+entry points) next to its package in a folder put on ``sys.path``: exactly what
+``importlib.metadata`` reads for an installed distribution. ``TestExamplePackage``
+builds and pip-installs the real example package under ``tests/plugin_example``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import astrai.dispatch as d
+import astrai.ops as ops
+from astrai.dispatch import distributed, registry
+from astrai.dispatch.plugins import BROKEN, DISABLED, LOADED, Plugin
+from astrai.dispatch.resolution import explanation
+from astrai.errors import TableError
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = Path(__file__).resolve().parent / "plugin_example"
+
+ROW = """\
+  - name: {name}
+    impl: astrai.backends.rms_norm:reference_rms_norm
+    when: {when}
+"""
+
+Install = Callable[..., Plugin | None]
+
+
+@pytest.fixture
+def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Install]:
+    """``install(dist, files, version=..., entry=..., modules=...)``: make a distribution
+    with an ``astrai.tables`` entry point whose package holds ``files`` (name -> YAML
+    text), put it on ``sys.path`` and reload the tables; returns that plugin's state."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    packages: list[str] = []
+
+    def make(dist: str, files: dict[str, str], *, version: str = "1.0",
+             entry: str | None = None, modules: dict[str, str] | None = None,
+             value: str | None = None, reload: bool = True) -> Plugin | None:
+        pkg = dist.replace("-", "_")
+        (site / pkg / "tables").mkdir(parents=True)
+        (site / pkg / "__init__.py").write_text("")
+        (site / pkg / "tables" / "__init__.py").write_text("")
+        for name, text in files.items():
+            path = site / pkg / "tables" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(text))
+        for name, text in (modules or {}).items():
+            (site / pkg / f"{name}.py").write_text(textwrap.dedent(text))
+        info = site / f"{pkg}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\n"
+                                       f"Version: {version}\n")
+        (info / "entry_points.txt").write_text(
+            f"[astrai.tables]\n{entry or pkg} = {value or pkg + '.tables'}\n")
+        packages.append(pkg)
+        importlib.invalidate_caches()
+        if not reload:
+            return None
+        d.reload_tables()
+        return next(p for p in d.current().plugins if p.distribution == dist)
+
+    yield make
+    for pkg in packages:
+        for mod in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
+            del sys.modules[mod]
+
+
+def overlay(*rows: str, extends: str = "rms_norm") -> str:
+    return f"version: 1\nextends: {extends}\nrows:\n" + "".join(rows)
+
+
+def row(name: str, when: str = "dtype == bfloat16", **extra: str) -> str:
+    return ROW.format(name=name, when=when) + "".join(f"    {k}: {v}\n"
+                                                      for k, v in extra.items())
+
+
+def rows() -> list[str]:
+    return d.current().family("rms_norm").row_names()
+
+
+def served(dtype: torch.dtype = torch.bfloat16, tokens: int = 4) -> str:
+    x = torch.randn(tokens, 8, dtype=dtype)
+    return d.resolve("rms_norm", ops.context("rms_norm", x, torch.ones(8, dtype=dtype))).name
+
+
+class TestRowOverlays:
+    def test_joins_before_the_first_faithful_row_in_file_order(self, install: Install) -> None:
+        plugin = install("fastnorm", {"rms.yaml": overlay(row("one"), row("two"))})
+        assert plugin is not None and plugin.status == LOADED
+        assert rows() == ["one", "two", "inductor_large", "torch", "inductor", "reference"]
+        assert served() == "one" and served(torch.float32) == "torch"
+        rec = d.current().family("rms_norm").row("one")
+        assert rec is not None and rec.provided_by == "plugin fastnorm 1.0"
+        assert rec.source.endswith("fastnorm/tables/rms.yaml:4")
+
+    def test_before_and_after_a_named_row(self, install: Install) -> None:
+        install("fastnorm", {"rms.yaml": overlay(
+            row("a1", after="torch"), row("a2", after="torch"), row("b", before="reference"))})
+        assert rows() == ["inductor_large", "torch", "a1", "a2", "inductor", "b", "reference"]
+
+    def test_an_anchor_may_name_an_earlier_row_of_the_file(self, install: Install) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("x", after="torch"),
+                                                 row("y", before="x"))})
+        assert rows()[1:4] == ["torch", "y", "x"]
+
+    def test_when_decides_where_it_wins(self, install: Install) -> None:
+        install("fastnorm", {"rms.yaml": overlay(
+            row("big_bf16", when="dtype == bfloat16 and tokens >= 512", before="torch"))})
+        assert served(tokens=4) == "torch"
+        assert served(tokens=600) == "big_bf16"
+        assert served(tokens=5000) == "inductor_large"  # the shipped row above it
+
+    def test_plugin_tables_and_profiles_load_too(self, install: Install) -> None:
+        install("newfam", {
+            "gelu.yaml": """\
+                version: 1
+                family: mygelu
+                fallback: exact
+                rows:
+                  - name: exact
+                    impl: torch.nn.functional:gelu
+                """,
+            "profiles/fast.yaml": """\
+                version: 1
+                profile: newfam-first
+                families:
+                  rms_norm:
+                    order: [reference]
+                """,
+        })
+        table = d.current().family("mygelu")
+        assert table.provided_by == "plugin newfam 1.0"
+        assert "newfam-first" in d.list_profiles()
+
+    def test_kept_when_load_tables_replaces_the_family(self, install: Install,
+                                                       write_yaml: Callable[[str, str], Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("mine", before="torch"))})
+        d.load_tables(write_yaml("rms_norm.yaml", """\
+            version: 1
+            family: rms_norm
+            fallback: ref
+            rows:
+              - name: ref
+                impl: astrai.backends.rms_norm:reference_rms_norm
+            """))
+        assert rows() == ["mine", "ref"]  # torch is gone: placed before the first faithful row
+        assert "asked to go before 'torch', which the table no longer has" in caplog.text
+
+    def test_register_impl_can_anchor_on_a_plugin_row(self, install: Install) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))})
+        d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm), after="mine")
+        assert rows()[:2] == ["mine", "py"]
+        d.reload_tables()
+        assert rows()[:2] == ["mine", "py"]
+        with pytest.raises(ValueError, match="was not joined by register_impl"):
+            d.unregister_impl("rms_norm", "mine")
+
+    def test_a_user_file_cannot_be_an_overlay(self, write_yaml: Callable[[str, str], Path]
+                                              ) -> None:
+        path = write_yaml("o.yaml", overlay(row("x")))
+        with pytest.raises(TableError) as err:
+            d.load_tables(path)
+        assert str(err.value).startswith(f"{path}:2:1: a row overlay (extends:) is read from "
+                                         f"a plugin package only")
+
+
+class TestBrokenPlugins:
+    def assert_left_out(self, plugin: Plugin | None, *expected: str) -> None:
+        assert plugin is not None and plugin.status == BROKEN
+        text = "\n".join(str(p) for p in plugin.problems)
+        for part in expected:
+            assert part in text, text
+        assert all("plugin broken 1.0: " in str(p) for p in plugin.problems)
+        # the shipped tables keep working, and the plugin joined nothing
+        assert rows() == ["inductor_large", "torch", "inductor", "reference"]
+        assert served() == "torch"
+        assert [str(p) for p in registry.validate()] == [str(p) for p in plugin.problems]
+
+    def test_a_typo_in_a_key(self, install: Install, caplog: pytest.LogCaptureFixture
+                             ) -> None:
+        caplog.set_level(logging.WARNING)
+        text = overlay(row("ok"), "  - name: bad\n    impl: x.y:z\n    wen: ndim == 2\n")
+        plugin = install("broken", {"rms.yaml": text})
+        self.assert_left_out(plugin, "rms.yaml:9:5: plugin broken 1.0: unknown key 'wen' "
+                                     "(did you mean 'when'?)")
+        assert "plugin broken 1.0 (entry point broken) is left out" in caplog.text
+
+    def test_a_module_that_does_not_import(self, install: Install) -> None:
+        plugin = install("broken", {"rms.yaml": overlay(
+            "  - name: bad\n    impl: broken.kernels:fast\n")})
+        self.assert_left_out(plugin, "rms.yaml:5:11: plugin broken 1.0: ", "broken.kernels")
+
+    def test_a_bad_expression(self, install: Install) -> None:
+        plugin = install("broken", {"rms.yaml": overlay(row("bad", when="dtype == bf16"))})
+        self.assert_left_out(plugin, "rms.yaml:6:20: plugin broken 1.0: unknown dtype 'bf16'")
+
+    def test_an_unknown_family_or_anchor_or_a_taken_name(self, install: Install) -> None:
+        plugin = install("broken", {
+            "a.yaml": overlay(row("x"), extends="rms_nrom"),
+            "b.yaml": overlay(row("torch"), row("y", before="toch")),
+        })
+        self.assert_left_out(
+            plugin,
+            "a.yaml:2:10: plugin broken 1.0: unknown family 'rms_nrom' (did you mean "
+            "'rms_norm'?)",
+            "b.yaml:4:11: plugin broken 1.0: rms_norm already has a row 'torch'",
+            "b.yaml:10:13: plugin broken 1.0: before: rms_norm has no row 'toch' (did you "
+            "mean 'torch'?)")
+
+    def test_both_anchors(self, install: Install) -> None:
+        plugin = install("broken", {"rms.yaml": overlay(
+            row("x", before="torch", after="torch"))})
+        self.assert_left_out(plugin, "give 'before' or 'after', not both")
+
+    def test_a_table_for_an_existing_family(self, install: Install) -> None:
+        plugin = install("broken", {"rms_norm.yaml": """\
+            version: 1
+            family: rms_norm
+            fallback: ref
+            rows:
+              - name: ref
+                impl: astrai.backends.rms_norm:reference_rms_norm
+            """})
+        self.assert_left_out(plugin, "family 'rms_norm' already exists (shipped with astrai",
+                             "extends: rms_norm")
+
+    def test_a_package_that_does_not_import(self, install: Install) -> None:
+        plugin = install("broken", {}, value="broken.nowhere")
+        self.assert_left_out(plugin, "broken 1.0 (entry point broken):1:1: plugin broken "
+                                     "1.0: entry point broken = 'broken.nowhere': cannot read")
+
+    def test_other_plugins_still_load(self, install: Install) -> None:
+        install("broken", {"rms.yaml": overlay(row("bad", when="nope"))}, reload=False)
+        install("fine", {"rms.yaml": overlay(row("good"))})
+        status = {p.distribution: p.status for p in d.current().plugins}
+        assert status == {"broken": BROKEN, "fine": LOADED}
+        assert rows()[0] == "good"
+
+    def test_list_and_validate_report_it(self, install: Install, tmp_path: Path) -> None:
+        install("broken", {"rms.yaml": overlay(row("bad", when="nope"))})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"),
+                                                            str(REPO)])}
+        listed = subprocess.run([sys.executable, "-m", "astrai", "list"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        assert "plugins: broken 1.0 (broken: broken, 1 problem(s))" in listed.stdout
+        assert "rms.yaml:6:11: plugin broken 1.0: " in listed.stdout
+        checked = subprocess.run([sys.executable, "-m", "astrai", "validate"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert checked.returncode == 1
+        assert "rms.yaml:6:11: plugin broken 1.0: " in checked.stderr
+        assert "(validated: shipped tables, plugins (broken))" in checked.stderr
+        linted = subprocess.run([sys.executable, "-m", "astrai", "lint", "--no-coverage"],
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert linted.returncode == 1
+        assert "rms.yaml:6:11: plugin broken 1.0: " in linted.stderr
+
+
+class TestChoosing:
+    @pytest.mark.parametrize("value, loaded", [
+        ("0", set()), ("none", set()), ("", {"one", "two"}), ("1", {"one", "two"}),
+        ("-one", {"two"}), ("-One", {"two"}), ("two", {"two"}), ("one,two", {"one", "two"}),
+    ])
+    def test_astr_plugins(self, install: Install, monkeypatch: pytest.MonkeyPatch,
+                          value: str, loaded: set[str]) -> None:
+        install("one", {"rms.yaml": overlay(row("x1"))}, reload=False)
+        install("two", {"rms.yaml": overlay(row("x2"))}, reload=False)
+        monkeypatch.setenv("ASTR_PLUGINS", value)
+        d.reload_tables()
+        got = {p.distribution: p for p in d.current().plugins}
+        assert {n for n, p in got.items() if p.status == LOADED} == loaded
+        assert all(p.status == DISABLED and "ASTR_PLUGINS" in p.reason
+                   for n, p in got.items() if n not in loaded)
+        assert {r for r in rows() if r.startswith("x")} == {
+            {"one": "x1", "two": "x2"}[n] for n in loaded}
+
+    def test_an_unknown_name_warns(self, install: Install, monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+        install("one", {"rms.yaml": overlay(row("x1"))}, reload=False)
+        monkeypatch.setenv("ASTR_PLUGINS", "-onr")
+        d.reload_tables()
+        assert "ASTR_PLUGINS names plugin 'onr', which is not installed (did you mean " \
+               "'one'?)" in caplog.text
+        assert "x1" in rows()
+
+
+class TestProvenance:
+    def test_explain_tags_a_joined_row(self, install: Install) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))})
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        ctx = ops.context("rms_norm", x, torch.ones(8, dtype=torch.bfloat16))
+        text = d.explain("rms_norm", ctx).splitlines()
+        assert text[1] == "  mine: MATCH (dtype == bfloat16)  [plugin fastnorm 1.0]"
+        assert text[2].startswith("  inductor_large: reject")  # shipped rows: no tag
+        doc = explanation("rms_norm", ctx).as_dict()
+        assert doc["rows"][0]["provided_by"] == "plugin fastnorm 1.0"
+        assert doc["rows"][1]["provided_by"].startswith("shipped with astrai ")
+        assert doc["provided_by"].startswith("shipped with astrai ")
+
+    def test_list_json(self, install: Install, tmp_path: Path) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"),
+                                                            str(REPO)])}
+        proc = subprocess.run([sys.executable, "-m", "astrai", "list", "--json"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert [(p["distribution"], p["version"], p["status"]) for p in doc["plugins"]] == [
+            ("fastnorm", "1.0", "loaded")]
+        rms = next(f for f in doc["families"] if f["family"] == "rms_norm")
+        assert rms["rows"][0]["name"] == "mine"
+        assert rms["rows"][0]["provided_by"] == "plugin fastnorm 1.0"
+        assert rms["rows"][0]["source"].endswith("rms.yaml:4")
+
+    def test_register_impl_and_profile_rows_say_so(self, write_yaml: Callable[[str, str], Path]
+                                                   ) -> None:
+        d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm))
+        assert d.current().family("rms_norm").row("py").provided_by == (  # type: ignore[union-attr]
+            f"register_impl in {__name__}")
+        d.load_tables(write_yaml("p.yaml", """\
+            version: 1
+            profile: adds
+            families:
+              rms_norm:
+                add:
+                  - name: added
+                    impl: astrai.backends.rms_norm:reference_rms_norm
+            """))
+        added = d.current().profiles["adds"].overlays["rms_norm"].add[0]
+        assert added.provided_by == "profile adds (add), load_tables"
+
+    def test_fingerprints_tell_plugin_versions_apart(self, install: Install) -> None:
+        ctx = ops.context("rms_norm", torch.randn(2, 8), torch.ones(8))
+        plain = distributed.fingerprint([ctx])
+        assert plain.plugins == ()
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))}, version="1.0")
+        one = distributed.fingerprint([ctx])
+        assert one.plugins == (("fastnorm", "1.0"),)
+        assert distributed.Fingerprint.from_wire(json.loads(json.dumps(one.to_wire()))) == one
+        # the same rows from version 2.0: the family's revision differs, and the cause is named
+        two = distributed.Fingerprint(**{**one.__dict__, "plugins": (("fastnorm", "2.0"),),
+                                         "tables": (("rms_norm", "other"),)})
+        diffs = distributed.differences([one, two], [0, 1])
+        assert [x.kind for x in diffs] == ["plugins", "table"]
+        assert str(diffs[0]) == ("plugins (astrai.tables entry points) in the checked "
+                                 "families: rank 0 -> fastnorm 1.0; rank 1 -> fastnorm 2.0")
+        # a plugin whose rows the checked families do not hold does not count
+        assert distributed.fingerprint([d.CallContext("linear", ndim=2)]).plugins == ()
+
+    def test_revision_follows_the_plugin_version(self, install: Install, tmp_path: Path
+                                                 ) -> None:
+        base = distributed.table_revision(d.current().family("rms_norm"))
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))}, version="1.0")
+        one = distributed.table_revision(d.current().family("rms_norm"))
+        info = next((tmp_path / "site").glob("fastnorm-*.dist-info"))
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fastnorm\nVersion: 1.1\n")
+        d.reload_tables()
+        assert len({base, one, distributed.table_revision(d.current().family("rms_norm"))}) == 3
+
+    def test_lockfiles_record_plugin_versions(self, install: Install, tmp_path: Path) -> None:
+        from astrai.dispatch.lock import check_lock, lock_workload
+        from astrai.dispatch.recording import record
+
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))})
+        with record() as wl:
+            ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16),
+                         torch.ones(8, dtype=torch.bfloat16))
+        lock = lock_workload(wl)
+        assert dict(lock.plugins) == {"fastnorm": "1.0"}
+        assert lock.plain()["plugins"] == {"fastnorm": "1.0"}
+        info = next((tmp_path / "site").glob("fastnorm-*.dist-info"))
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fastnorm\nVersion: 1.1\n")
+        d.reload_tables()
+        checked = check_lock(lock)
+        assert not checked.changes
+        assert "plugin fastnorm: 1.0 when the lock was made, 1.1 now" in checked.notes
+
+
+class TestExamplePackage:
+    """The example under tests/plugin_example, built and pip-installed for real."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def target(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        work = tmp_path_factory.mktemp("example")
+        source = work / "src"
+        shutil.copytree(EXAMPLE, source)  # the build writes into its source tree
+        target = work / "site"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation",
+             "--no-deps", "--no-index", "--target", str(target), str(source)],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return target
+
+    def run(self, target: Path | None, *code: str, **env: str) -> str:
+        path = [str(target)] if target is not None else []
+        environ = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(REPO)]), **env}
+        environ.pop("ASTR_PLUGINS", None) if "ASTR_PLUGINS" not in env else None
+        program = "".join(textwrap.dedent(part) for part in code)
+        proc = subprocess.run([sys.executable, "-c", program], env=environ,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    CHECK = """\
+        import torch, astrai.dispatch as d, astrai.ops as ops
+        from astrai.backends.rms_norm import reference_rms_norm
+        def served(tokens, dtype=torch.bfloat16):
+            x, w = torch.randn(tokens, 64, dtype=dtype), torch.ones(64, dtype=dtype)
+            return d.resolve("rms_norm", ops.context("rms_norm", x, w)).name
+        print("rows", " ".join(d.current().family("rms_norm").row_names()))
+        print("served", served(8), served(600), served(5000), served(600, torch.float32))
+        print("plugins", [(p.distribution, p.version, p.status) for p in d.current().plugins])
+        """
+
+    def test_installing_it_changes_the_served_row(self, target: Path) -> None:
+        out = self.run(target, self.CHECK, """\
+            x = torch.randn(600, 64, dtype=torch.bfloat16)
+            w = torch.randn(64, dtype=torch.bfloat16)
+            with d.op_backend(rms_norm="example_fused"):
+                got = ops.rms_norm(x, w)
+            torch.testing.assert_close(got, reference_rms_norm(x, w), atol=2e-2, rtol=2e-2)
+            print("numerics ok")
+            """)
+        assert "rows inductor_large example_fused torch inductor reference" in out
+        assert "served torch example_fused inductor_large torch" in out
+        assert "('astrai-example-kernels', '0.1.0', 'loaded')" in out
+        assert "numerics ok" in out
+
+    def test_list_and_explain_name_the_distribution(self, target: Path) -> None:
+        listed = self.run(target, "from astrai.cli import main; main(['list'])")
+        assert "plugins: astrai-example-kernels 0.1.0 (example: loaded)" in listed
+        assert "from: plugin astrai-example-kernels 0.1.0 (" in listed
+        explained = self.run(target, "from astrai.cli import main; main(['explain', "
+                                     "'rms_norm', '--dtype', 'bfloat16', '--ndim', '2', "
+                                     "'--tokens', '600'])")
+        assert ("example_fused: MATCH (dtype == bfloat16 and tokens >= 512)  "
+                "[plugin astrai-example-kernels 0.1.0]") in explained
+        assert explained.rstrip().endswith("=> example_fused (origin=chain)")
+
+    def test_disabled_and_uninstalled_give_the_shipped_behaviour(self, target: Path) -> None:
+        shipped = "rows inductor_large torch inductor reference"
+        for out in (self.run(target, self.CHECK, ASTR_PLUGINS="0"),
+                    self.run(target, self.CHECK, ASTR_PLUGINS="-astrai-example-kernels"),
+                    self.run(None, self.CHECK)):
+            assert shipped in out
+            assert "served torch torch inductor_large torch" in out
+        assert "plugins []" in self.run(None, self.CHECK)
