@@ -13,7 +13,9 @@ Decode sizes, CPU, 1 thread, ``torch.no_grad()``:
 
 For each: the direct call, the row the table chose called directly (so the cost
 splits into row and dispatch), the facade, and the median over 41 rounds of paired
-timings of facade / direct with an A/A control (direct / a copy of itself).
+timings of facade / direct with an A/A control (direct / a copy of itself). The
+floor lines say what no dispatch can beat: the row alone, and the facade's one
+validation of the call (its ``describe``) followed by the row, with no decision at all.
 Gates: attention <= 1.05x, every facade <= 1.10x.
 """
 
@@ -35,6 +37,7 @@ from _timing import interleaved_us, paired_ratios
 import astrai.dispatch as d
 from astrai import ops
 from astrai.backends.rotary import rotary_freqs
+from astrai.ops import FAMILY_CALLS
 
 Fn = Callable[[], torch.Tensor]
 
@@ -47,6 +50,7 @@ class Case:
     facade: Fn
     call_row: Callable[[Any], torch.Tensor]  # the chosen row called as the facade would
     target: float
+    full: tuple[Any, ...]  # the facade's full argument tuple (what its validation reads)
 
 
 def copy_of(fn: Fn) -> Fn:
@@ -101,13 +105,15 @@ def cases() -> list[Case]:
 
     return [
         Case("rms_norm", "x [1,512]", lambda: F.rms_norm(x, (512,), w_norm, 1e-6),
-             lambda: ops.rms_norm(x, w_norm), lambda row: row(x, w_norm, 1e-6), 1.10),
+             lambda: ops.rms_norm(x, w_norm), lambda row: row(x, w_norm, 1e-6), 1.10,
+             (x, w_norm, 1e-6)),
         Case("linear", "[1,512]x[512,512]", lambda: F.linear(x, w_lin),
-             lambda: ops.linear(x, w_lin), lambda row: row(x, w_lin, None), 1.10),
+             lambda: ops.linear(x, w_lin), lambda row: row(x, w_lin, None), 1.10,
+             (x, w_lin, None)),
         Case("rotary", "x [1,1,8,64]", rotary, lambda: ops.apply_rotary(xr, freqs),
-             lambda row: row(xr, freqs), 1.10),
+             lambda row: row(xr, freqs), 1.10, (xr, freqs)),
         Case("attention", f"B{b} H{h} S{s} D{dim}", attention, lambda: ops.attention(q, k, v),
-             lambda row: row(q, k, v), 1.05),
+             lambda row: row(q, k, v), 1.05, (q, k, v, None, 0, None, False, None, {})),
     ]
 
 
@@ -123,15 +129,23 @@ def main() -> None:
             def row(c: Case = c, obj: Any = obj) -> torch.Tensor:
                 return c.call_row(obj)
 
+            def floor(c: Case = c, row: Fn = row,
+                      describe: Callable[..., Any] = FAMILY_CALLS[c.family].describe
+                      ) -> torch.Tensor:
+                describe(*c.full)  # the facade's one validation of the call, then the row
+                return row()
+
             t = interleaved_us({"direct": c.direct, "row": row, "facade": c.facade}, 2000)
-            r = paired_ratios(c.direct, {"facade": c.facade, "control": copy_of(c.direct)},
-                              2000)
+            r = paired_ratios(c.direct, {"facade": c.facade, "control": copy_of(c.direct),
+                                         "row": row, "floor": floor}, 2000)
             ok = "PASS" if r["facade"] <= c.target else "FAIL"
             print(f"\n{c.family} {c.shape}: direct {t['direct']:.2f} us, row {name} alone "
                   f"{t['row']:.2f} us, facade {t['facade']:.2f} us")
             print(f"  row - direct {t['row'] - t['direct']:+.2f} us; dispatch (facade - row) "
                   f"{t['facade'] - t['row']:+.2f} us")
             print(f"  A/A control (direct / a copy of direct), paired: {r['control']:.3f}x")
+            print(f"  floor, paired: row alone {r['row']:.3f}x; validation + row, no dispatch "
+                  f"{r['floor']:.3f}x")
             print(f"  facade / direct, paired: {r['facade']:.3f}x  target <= {c.target:.2f}x  "
                   f"{ok}")
 

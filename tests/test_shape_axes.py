@@ -112,31 +112,37 @@ class TestFacadesReadTheAxes:
 
 
 class TestNothingReadUnlessCompared:
-    def _counting(self, family: str) -> tuple[Callable[..., Any], list[int]]:
+    def _counting(self, family: str) -> tuple[Callable[..., Any], dict[str, int]]:
         fc = FAMILY_CALLS[family]
-        calls = [0]
+        calls = dict.fromkeys(fc.readers, 0)
 
-        def shape(*args: Any) -> tuple[Any, ...]:
-            calls[0] += 1
-            return fc.shape(*args)
+        def counted(axis: str, read: Callable[..., Any]) -> Callable[..., Any]:
+            def reader(*args: Any) -> Any:
+                calls[axis] += 1
+                return read(*args)
 
-        return route(dataclasses.replace(fc, shape=shape)), calls
+            return reader
+
+        readers = {axis: counted(axis, read) for axis, read in fc.readers.items()}
+        return route(dataclasses.replace(fc, readers=readers)), calls
 
     def test_shipped_tables_never_read_the_lazy_axes(self) -> None:
         pick, calls = self._counting("attention")
         q = torch.zeros(1, 4, 2, 8)
         for _ in range(3):
             pick(None, (q, q, q, None, 0, None, False, None, {}))
-        assert calls == [1]  # once, to build the context of the first (missed) call
+        # once each, to build the context of the first (missed) call
+        assert calls == dict.fromkeys(FAMILY_CALLS["attention"].readers, 1)
         assert current().facade_keys["attention"] is None
 
-    def test_a_table_comparing_one_reads_them_on_every_call(self, tmp_path: Path) -> None:
+    def test_a_table_comparing_one_reads_only_it_on_every_call(self, tmp_path: Path) -> None:
         _attention_table(tmp_path, LENGTH_ROWS)
         pick, calls = self._counting("attention")
         q = torch.zeros(1, 4, 2, 8)
         for _ in range(3):
             pick(None, (q, q, q, None, 0, None, False, None, {}))
-        assert calls[0] == 4  # each call's key, plus the first call's context
+        # q_len for each call's key, plus the first call's context; the rest for the context
+        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 1), "q_len": 4}
 
 
 class TestCutPoints:

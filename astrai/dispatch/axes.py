@@ -279,6 +279,11 @@ class CallContext:
     raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields, without what ``resolve`` left on this object (see its docstring):
+        a copy or an unpickled context is a new call context."""
+        return {k: v for k, v in self.__dict__.items() if k != "_resolved"}
+
     def evolve(self, **changes: Any) -> CallContext:
         """A copy with the given fields changed."""
         return dataclasses.replace(self, **changes)

@@ -18,11 +18,11 @@ so a reload or a profile change recomputes it.
 
 from __future__ import annotations
 
-__all__ = ["PLAIN", "Extend", "KeyPlan", "family_specs", "identity_or_base", "key_plan",
+__all__ = ["PLAIN", "Extend", "KeyPlan", "LazyKey", "family_specs", "identity_or_base", "key_plan",
            "signature_key"]
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 #: ``extend(base_values, lazy_values)``: what the lazy axes add to a call's key.
 Extend = Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
+#: ``lazy_key(base_values, args)``: the same, read off a facade call's arguments.
+LazyKey = Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
 
 
 def family_specs(state: Registry, family: str) -> list[Spec]:
@@ -80,9 +82,39 @@ class KeyPlan:
             got = self._made[(names, lazy)] = self._build(names, lazy)
         return got  # type: ignore[return-value]
 
-    def _build(self, names: tuple[str, ...], lazy: tuple[str, ...]) -> Extend | None:
-        if self.found.opaque:
-            return _raw if lazy else None
+    def reader(self, names: tuple[str, ...],
+               readers: Mapping[str, Callable[..., Any]]) -> LazyKey | None:
+        """For a facade whose calls' base values are ``names`` and whose lazy axes are
+        read by ``readers`` (axis -> reader of the call's arguments): the function giving
+        what a call's lazy axes add to its key, running only the readers of the axes the
+        specs compare; ``None`` when they compare none."""
+        needed = tuple(n for n in readers if n in self.compared)
+        extend = self.extend(names, needed) if needed else None
+        if extend is None:
+            return None
+        read = [readers[n] for n in needed]
+        if len(read) > 1:
+            return lambda base, args: extend(base, tuple([r(*args) for r in read]))
+        (one,) = read
+        steps, pairs = self._plan(names, needed)
+        if pairs or self.found.opaque:
+            return lambda base, args: extend(base, (one(*args),))
+        points = steps[0][1]
+        if points is None:
+            return lambda base, args: (one(*args),)
+
+        def interval(base: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
+            value = one(*args)
+            return (None if value is None else bisect_right(points, value),)
+
+        return interval
+
+    def _plan(self, names: tuple[str, ...], lazy: tuple[str, ...]
+              ) -> tuple[list[tuple[int, tuple[int, ...] | None]],
+                         list[tuple[tuple[bool, int], tuple[bool, int]]]]:
+        """The steps (per compared lazy axis: its index in ``lazy`` and its cut points, or
+        ``None`` for an axis that enters as it is) and the compared pairs (each side: in
+        ``lazy`` or not, and its index there or in ``names``)."""
         compared = self.compared
         steps: list[tuple[int, tuple[int, ...] | None]] = []
         for i, name in enumerate(lazy):
@@ -102,6 +134,12 @@ class KeyPlan:
             wa, wb = where(a), where(b)
             if (a in lazy or b in lazy) and wa is not None and wb is not None:
                 pairs.append((wa, wb))
+        return steps, pairs
+
+    def _build(self, names: tuple[str, ...], lazy: tuple[str, ...]) -> Extend | None:
+        if self.found.opaque:
+            return _raw if lazy else None
+        steps, pairs = self._plan(names, lazy)
         if not steps and not pairs:
             return None
         if not pairs and len(steps) == 1:  # the common case, without the loops

@@ -419,16 +419,49 @@ def same_context(ctx: CallContext) -> CallContext:
 
 
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
-    """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature."""
+    """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature; the same
+    ``ctx`` object asked about again (a third time) while nothing changed is answered
+    from what the second answer left on it, by identity checks alone."""
+    fields = ctx.__dict__
+    memo, state = fields.get(_MEMO), process.snapshot
+    if (memo is not None and memo[0] is family and memo[1] is explicit and memo[2] is state
+            and state is not None and memo[3] is state.decisions
+            and memo[4] is current_scope() and memo[5] is environ_get(OPS_KEY)
+            and memo[6] is environ_get(memo[7])):
+        next(QUIET)  # a hit that serves no call
+        return memo[8]  # type: ignore[no-any-return]
+    again = "_signature" in fields  # resolved before: worth remembering on the object
     sig = ctx.signature()
     if sig[0] != family:
         raise ValueError(f"resolve({family!r}, ...) got a context for {ctx.family!r}")
-    state = process.snapshot or current()
+    state = state or current()
     if len(sig) != PLAIN or state.signature_keys.get(family) is not identity_or_base:
         sig = signature_key(state, ctx)  # else the signature is the key (the common case)
+    seen = _world(state, family) if again else None
     got = decide(family, sig, explicit, same_context, (ctx,), state).resolution
     next(QUIET)  # a lookup that serves no call (a failed one counted itself)
+    if seen is not None and seen == _world(state, family) and (
+            explicit is None or explicit.__class__ is str
+            or handle_key(explicit) is not UNCACHEABLE):
+        scope, ops, alias_key, alias = seen
+        if family not in scope.uncacheable:
+            # Everything the decision-cache key holds besides the signature, by identity:
+            # a reload, refresh(), reset(), another scope or a changed variable misses.
+            object.__setattr__(ctx, _MEMO, (family, explicit, state, state.decisions, scope,
+                                            ops, alias, alias_key, got))
     return got
+
+
+#: Where ``resolve`` leaves its answer on a ``CallContext`` (``CallContext.__getstate__``
+#: leaves it out of copies and pickles).
+_MEMO = "_resolved"
+
+
+def _world(state: Registry, family: str) -> tuple[Any, Any, Any, Any]:
+    """What a decision of ``family`` depends on besides the call: the scope, ``ASTR_OPS``
+    and the family's legacy alias (its name and raw value)."""
+    alias_key = state.alias_keys.get(family)
+    return current_scope(), environ_get(OPS_KEY), alias_key, environ_get(alias_key)
 
 
 def resolve_plan(ctxs: Mapping[str, CallContext],

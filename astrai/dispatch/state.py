@@ -123,7 +123,9 @@ def reset() -> None:
     lock_indexes.clear()
     reset_counts()
     if snapshot is not None:
-        snapshot.decisions.clear()
+        # A new dict rather than cleared in place: the answers ``resolve`` left on call
+        # contexts name the dict they came from, so they are forgotten too.
+        object.__setattr__(snapshot, "decisions", {})
 
 
 def update_recordings(change: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> None:

@@ -44,10 +44,6 @@ from astrai.ops._families import (
     describe_linear,
     describe_rms_norm,
     describe_rotary,
-    shape_attention,
-    shape_linear,
-    shape_rms_norm,
-    shape_rotary,
 )
 
 
@@ -130,18 +126,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 #: The built-in families: how each facade's calls are validated and described.
 FAMILY_CALLS: dict[str, FamilyCall] = {
     fc.family: fc for fc in (
-        FamilyCall.of(attention, describe_attention, ATTENTION_READS, shape_attention,
-                      ATTENTION_SHAPE, positional=3, keywords=tuple(ATTENTION_FEATURES),
+        FamilyCall.of(attention, describe_attention, ATTENTION_READS, ATTENTION_SHAPE,
+                      positional=3, keywords=tuple(ATTENTION_FEATURES),
                       asks=ATTENTION_ASKS,
                       check=lambda full, asked: attention_features(full[0], full[6], full[3],
                                                                    asked),
                       incidental=("layer_id",)),
-        FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, shape_rotary, ROTARY_SHAPE,
+        FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, ROTARY_SHAPE,
                       positional=2),
-        FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, shape_rms_norm,
-                      RMS_NORM_SHAPE, positional=3),
-        FamilyCall.of(linear, describe_linear, LINEAR_READS, shape_linear, LINEAR_SHAPE,
+        FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, RMS_NORM_SHAPE,
                       positional=3),
+        FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE, positional=3),
     )
 }
 _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,

@@ -3,9 +3,9 @@
 A ``FamilyCall`` says what a family's facade call is: its parameters, which of
 them a row takes positionally, the base axes the call fills and the function that
 validates a call and reads them (``describe``), and the lazy (shape and hardware)
-axes and their reader (``shape``). ``route`` turns it into the function every call
-goes through: validate and read the base axes once, read the lazy ones only when a
-loaded table compares them (as cut-point intervals, ``astrai.dispatch.keying``),
+axes, each with its reader (``readers``). ``route`` turns it into the function every
+call goes through: validate and read the base axes once, read a lazy one only when a
+loaded table compares it (as cut-point intervals, ``astrai.dispatch.keying``),
 take the decision (baked in at trace time under ``torch.compile``, else from the
 decision cache), count it, and hand back the object to call.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["FamilyCall", "Note", "recording", "route"]
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +41,8 @@ class FamilyCall:
     positional: int  # the first ``positional`` are passed to a row positionally
     reads: tuple[str, ...]  # the base axes ``describe`` returns, in order
     describe: Callable[..., tuple[Any, ...]]
-    lazy: tuple[str, ...]  # the lazy axes ``shape`` returns, in order
-    shape: Callable[..., tuple[Any, ...]]
+    # The lazy axes, in order, each with its reader (given the full argument tuple).
+    readers: Mapping[str, Callable[..., Any]]
     # A facade taking feature keywords: their names, the feature axes ``describe`` then
     # appends (in order), and the check that keeps the features a call really asks for
     # (given the full positional tuple and the keywords). The features travel as one
@@ -55,8 +55,8 @@ class FamilyCall:
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
-           reads: tuple[str, ...], shape: Callable[..., tuple[Any, ...]],
-           lazy: tuple[str, ...], *, positional: int, keywords: tuple[str, ...] = (),
+           reads: tuple[str, ...], readers: Mapping[str, Callable[..., Any]], *,
+           positional: int, keywords: tuple[str, ...] = (),
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
            incidental: tuple[str, ...] = ()) -> FamilyCall:
@@ -66,8 +66,17 @@ class FamilyCall:
                   if p.name != "backend" and p.kind is not p.VAR_KEYWORD
                   and p.name not in keywords]
         return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
-                   tuple(p.default for p in params), positional, reads, describe, lazy, shape,
+                   tuple(p.default for p in params), positional, reads, describe, readers,
                    keywords, asks, check, incidental)
+
+    @property
+    def lazy(self) -> tuple[str, ...]:
+        """The lazy axes, in order."""
+        return tuple(self.readers)
+
+    def shape(self, *args: Any) -> tuple[Any, ...]:
+        """Every lazy axis of a call given as the full argument tuple, in order."""
+        return tuple([read(*args) for read in self.readers.values()])
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The facade's full argument tuple for ``facade(*args, **kwargs)``."""
@@ -111,7 +120,7 @@ _UNSET: Any = object()
 def route(fc: FamilyCall) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call."""
     family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
-    lazy, shape, names = fc.lazy, fc.shape, fc.names
+    lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
@@ -121,12 +130,13 @@ def route(fc: FamilyCall) -> Route:
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         state = process.snapshot or current()
-        extend = state.facade_keys.get(family, _UNSET)
-        if extend is not None:  # a loaded table compares a lazy axis (or not known yet)
-            if extend is _UNSET:
-                extend = state.facade_keys[family] = key_plan(state, family).extend(reads, lazy)
-            if extend is not None:
-                values = (*values, *extend(values, shape(*args)))
+        lazy_key = state.facade_keys.get(family, _UNSET)
+        if lazy_key is not None:  # a loaded table compares a lazy axis (or not known yet)
+            if lazy_key is _UNSET:
+                lazy_key = state.facade_keys[family] = key_plan(state, family).reader(
+                    reads, readers)
+            if lazy_key is not None:
+                values += lazy_key(values, args)
         d = decide(family, values, backend, context, args, state)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]

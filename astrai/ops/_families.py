@@ -2,10 +2,10 @@
 
 ``describe_<family>`` takes a facade's arguments, makes sure the call is
 well-formed, and returns the values of the base axes the family's calls fill
-(``<FAMILY>_READS`` names them, in order). ``shape_<family>`` reads the lazy
-(shape and hardware) axes of a call already described (``<FAMILY>_SHAPE`` names
-them): it runs only when a loaded table compares one of them, or to build the full
-context that explain shows. A row's ``when`` decides *which*
+(``<FAMILY>_READS`` names them, in order). ``<FAMILY>_SHAPE`` maps each lazy
+(shape and hardware) axis to its reader, called with the arguments of a call already
+described: a reader runs only when a loaded table compares its axis, or to build the
+full context that explain shows. A row's ``when`` decides *which*
 implementation may serve a well-formed call; the checks make sure the call *is*
 well-formed, so no row is ever handed shapes that disagree (a row might otherwise
 broadcast them into a wrong result). A malformed call is a ``ValueError`` (or a
@@ -32,13 +32,10 @@ __all__ = [
     "describe_rms_norm",
     "describe_rotary",
     "device_axes",
-    "shape_attention",
-    "shape_linear",
-    "shape_rms_norm",
-    "shape_rotary",
 ]
 
 import math as _math
+from collections.abc import Callable
 from math import prod
 from typing import Any
 
@@ -57,11 +54,6 @@ ATTENTION_READS = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache
 ROTARY_READS = ("dtype", "device_cuda", "ndim", "head_dim", "grad_enabled")
 RMS_NORM_READS = ("dtype", "device_cuda", "ndim", "grad_enabled")
 LINEAR_READS = RMS_NORM_READS
-
-ATTENTION_SHAPE = ("device", "sm", "batch", "q_len", "kv_len", "heads", "kv_heads")
-ROTARY_SHAPE = ("device", "sm", "tokens", "heads")
-RMS_NORM_SHAPE = ("device", "sm", "tokens")
-LINEAR_SHAPE = ("device", "sm", "tokens", "in_features", "out_features")
 
 _capabilities: dict[int, int] = {}
 _NONE: dict[str, Any] = {}
@@ -267,30 +259,53 @@ def describe_linear(x: torch.Tensor, weight: torch.Tensor,
     return (x.dtype, x.is_cuda, x.dim(), _grad())
 
 
-def shape_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
-                    layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                    fwd: str | None, features: dict[str, Any]) -> tuple[Any, ...]:
-    """``ATTENTION_SHAPE`` of a described call: for a packed call over a paged batch,
-    ``batch`` is its request count and ``q_len`` / ``kv_len`` the longest request's."""
-    device, sm = device_axes(q)
-    if kv_cache is None:
-        b, s, h, _ = q.shape
-        return (device, sm, b, s, k.shape[1], h, k.shape[2])
-    return (device, sm, len(kv_cache.seq_lens_host), max(kv_cache.extend_lens_host, default=0),
-            max(kv_cache.seq_lens_host, default=0), q.shape[1], k.shape[1])
+def _rows(s: torch.Size, features: int) -> int:
+    """The product of ``s`` but its last ``features`` dimensions (without slicing a
+    ``torch.Size``, which costs more than the product in the common ranks)."""
+    n = len(s) - features
+    if n == 1:
+        return s[0]  # type: ignore[no-any-return]
+    if n == 2:
+        return s[0] * s[1]  # type: ignore[no-any-return]
+    return prod(s[:n])
 
 
-def shape_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]:
-    """``ROTARY_SHAPE``: ``tokens`` are the positions rotated (batch * seq, or packed)."""
-    return (*device_axes(x), prod(x.shape[:-2]), x.shape[-2])
+def _device(t: torch.Tensor, *_: Any) -> str | None:
+    return device_axes(t)[0]
 
 
-def shape_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:
-    """``RMS_NORM_SHAPE``: ``tokens`` are the rows normalised."""
-    return (*device_axes(x), prod(x.shape[:-1]))
+def _sm(t: torch.Tensor, *_: Any) -> int | None:
+    return device_axes(t)[1]
 
 
-def shape_linear(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> tuple[Any, ...]:
-    """``LINEAR_SHAPE``: ``tokens`` are the rows of ``x``; the features are ``weight``'s."""
-    return (*device_axes(x), prod(x.shape[:-1]), weight.shape[1], weight.shape[0])
+def _batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, *_: Any) -> int:
+    return q.shape[0] if kv_cache is None else len(kv_cache.seq_lens_host)
+
+
+def _q_len(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, *_: Any) -> int:
+    return q.shape[1] if kv_cache is None else max(kv_cache.extend_lens_host, default=0)
+
+
+def _kv_len(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, *_: Any) -> int:
+    return k.shape[1] if kv_cache is None else max(kv_cache.seq_lens_host, default=0)
+
+
+#: The lazy axes of an attention call, each with its reader (called with the facade's
+#: full argument tuple): for a packed call over a paged batch, ``batch`` is its request
+#: count and ``q_len`` / ``kv_len`` the longest request's.
+ATTENTION_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": _device, "sm": _sm, "batch": _batch, "q_len": _q_len, "kv_len": _kv_len,
+    "heads": lambda q, *_: q.shape[-2], "kv_heads": lambda q, k, *_: k.shape[-2]}
+#: Rotary: ``tokens`` are the positions rotated (batch * seq, or packed).
+ROTARY_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": _device, "sm": _sm,
+    "tokens": lambda x, freqs_cis: _rows(x.shape, 2),
+    "heads": lambda x, freqs_cis: x.shape[-2]}
+#: RMS norm: ``tokens`` are the rows normalised.
+RMS_NORM_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": _device, "sm": _sm, "tokens": lambda x, weight, eps: _rows(x.shape, 1)}
+#: Linear: ``tokens`` are the rows of ``x``; the features are ``weight``'s.
+LINEAR_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": _device, "sm": _sm, "tokens": lambda x, weight, bias: _rows(x.shape, 1),
+    "in_features": lambda x, weight, bias: weight.shape[1],
+    "out_features": lambda x, weight, bias: weight.shape[0]}
