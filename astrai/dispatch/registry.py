@@ -118,15 +118,13 @@ class Registry:
         if record.available is ALWAYS_AVAILABLE:
             return True, ""
         # Per process (not per snapshot): a load of another family must not re-probe.
-        got = process.probed.get(id(record))
-        if got is None or got[0] is not record:
+        got = process.probed.get(record)  # rows hash by identity
+        if got is None:
             with process.probe_lock:  # concurrent first callers: one runs the probe, all share it
-                got = process.probed.get(id(record))
-                if got is None or got[0] is not record:
-                    # Stored with its record, so the id cannot be reused meanwhile.
-                    got = (record, *check(record.available))
-                    process.probed[id(record)] = got
-        return got[1], got[2]
+                got = process.probed.get(record)
+                if got is None:
+                    got = process.probed[record] = check(record.available)
+        return got
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]

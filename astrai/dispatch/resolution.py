@@ -131,9 +131,8 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
                      or (not rec.implicit and rec.name not in view.enabled)):
         return False
     if rec.available is not ALWAYS_AVAILABLE:
-        probed = process.probed.get(id(rec))  # == state.availability(rec), inlined
-        if not (probed[1] if probed is not None and probed[0] is rec
-                else state.availability(rec)[0]):
+        probed = process.probed.get(rec)  # == state.availability(rec), inlined
+        if not (probed[0] if probed is not None else state.availability(rec)[0]):
             return False
     return asked_features(ctx) <= rec.features and rec.spec.matches(ctx)
 
@@ -199,11 +198,15 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     ``notes`` (when given) collects what explain prints besides the row verdicts.
     """
     state = state or current()
-    state.family(family)  # UnknownFamilyError (a KeyError) names the known families
     env = env_now(state)
+    # (a family not loaded: UnknownFamilyError, a KeyError naming the known families)
     view = state.view(family, active_profiles(state, env))
     handled = False
-    for source in PRECEDENCE:
+    sources = PRECEDENCE
+    if (explicit is None and view.forced is None and family not in env.backends
+            and family not in current_scope().handles):
+        sources = _UNSELECTED  # nothing names a row for this call: the table decides
+    for source in sources:
         origin = source.origin
         handle = source.handle(family, explicit, env) if source.selects else None
         if handle is not None:
@@ -255,9 +258,8 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             asked = asked_features(ctx)
             for rec in view.chain:  # == serves(state, view, rec, ctx), inlined: the hot walk
                 if rec.available is not ALWAYS_AVAILABLE:
-                    got = probed.get(id(rec))
-                    if not (got[1] if got is not None and got[0] is rec
-                            else state.availability(rec)[0]):
+                    got = probed.get(rec)
+                    if not (got[0] if got is not None else state.availability(rec)[0]):
                         continue
                 if (not asked or asked <= rec.features) and rec.spec.matches(ctx):
                     return _resolved(state, rec, origin)  # the seed's origin, fallback or not
@@ -269,6 +271,10 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                 notes.append(f"no row of the chain matched; the fallback {rec.name} serves")
             return _resolved(state, rec, origin)
     raise AssertionError("unreachable: PRECEDENCE ends with the fallback")  # pragma: no cover
+
+
+#: The sources after those that name a row or force one: the chain, then the fallback.
+_UNSELECTED = tuple(s for s in PRECEDENCE if s.origin in ("chain", "fallback"))
 
 
 # -- resolve, with its decision cache -----------------------------------------

@@ -31,8 +31,9 @@ snapshot: Registry | None = None
 swap_lock = threading.RLock()
 #: Serialises the first run of each availability probe.
 probe_lock = threading.RLock()
-#: Probe results, once per process until ``refresh()``: id(record) -> (record, ok, reason).
-probed: dict[int, tuple[Any, bool, str]] = {}
+#: Probe results, once per process until ``refresh()``: record -> (ok, reason) (rows hash
+#: by identity; the dict keeps each probed record alive).
+probed: dict[Any, tuple[bool, str]] = {}
 #: Snapshot epochs (every swap takes the next one).
 epochs = itertools.count(1)
 #: The bound of each snapshot's decision cache (``set_max_decisions``).
