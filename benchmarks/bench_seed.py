@@ -142,26 +142,22 @@ def main() -> None:
             for h in range(10_000)]
     for c in ctxs:
         d.resolve(FAMILY, c)
-    it: Iterator[d.CallContext] = itertools.cycle(ctxs)
-    before_stats = d.stats()
-    cyc = per_call_us(lambda: d.resolve(FAMILY, next(it)), 20_000, repeat=5)
-    after = d.stats()
-    hits = after.cache_hits - before_stats.cache_hits
-    total = hits + after.cache_misses - before_stats.cache_misses
-    print(f"10 000 distinct signatures cycling: {cyc:.3f} us/call (cache hit rate "
-          f"{hits / total:.0%})  target <= 2 us  {verdict(cyc <= 2.0)}")
-
+    cycling("10 000 distinct signatures cycling", itertools.cycle(ctxs), 20_000)
     # The same 10 000 signatures through fresh, equal context objects (copies, which carry
     # nothing resolve left on the originals): the decision cache answers, not the object.
-    copies = [copy.copy(c) for c in ctxs * 3]
-    fresh_it = iter(copies)
-    before_stats = d.stats()
-    eq = per_call_us(lambda: d.resolve(FAMILY, next(fresh_it)), 5_000, repeat=5)
+    cycling("  the same, each call a fresh equal context",
+            iter([copy.copy(c) for c in ctxs * 3]), 5_000)
+
+
+def cycling(label: str, contexts: Iterator[d.CallContext], number: int) -> None:
+    """Print the per-call cost of resolving ``contexts`` in turn, with the hit rate."""
+    before = d.stats()
+    us = per_call_us(lambda: d.resolve(FAMILY, next(contexts)), number, repeat=5)
     after = d.stats()
-    hits = after.cache_hits - before_stats.cache_hits
-    total = hits + after.cache_misses - before_stats.cache_misses
-    print(f"  the same, each call a fresh equal context: {eq:.3f} us/call (cache hit rate "
-          f"{hits / total:.0%})  target <= 2 us  {verdict(eq <= 2.0)}")
+    hits = after.cache_hits - before.cache_hits
+    total = hits + after.cache_misses - before.cache_misses
+    print(f"{label}: {us:.3f} us/call (cache hit rate {hits / total:.0%})  target <= 2 us  "
+          f"{verdict(us <= 2.0)}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,15 @@ ROW = """\
 """
 
 Install = Callable[..., Plugin | None]
+#: An rms_norm table of one row (``ref``), to replace the shipped one with.
+ONE_ROW_RMS_NORM = """\
+version: 1
+family: rms_norm
+fallback: ref
+rows:
+  - name: ref
+    impl: astrai.backends.rms_norm:reference_rms_norm
+"""
 
 
 @pytest.fixture
@@ -157,14 +166,7 @@ class TestRowOverlays:
                                                        write_yaml: Callable[[str, str], Path],
                                                        caplog: pytest.LogCaptureFixture) -> None:
         install("fastnorm", {"rms.yaml": overlay(row("mine", before="torch"))})
-        d.load_tables(write_yaml("rms_norm.yaml", """\
-            version: 1
-            family: rms_norm
-            fallback: ref
-            rows:
-              - name: ref
-                impl: astrai.backends.rms_norm:reference_rms_norm
-            """))
+        d.load_tables(write_yaml("rms_norm.yaml", ONE_ROW_RMS_NORM))
         assert rows() == ["mine", "ref"]  # torch is gone: placed before the first faithful row
         assert "asked to go before 'torch', which the table no longer has" in caplog.text
 
@@ -235,14 +237,7 @@ class TestBrokenPlugins:
         self.assert_left_out(plugin, "give 'before' or 'after', not both")
 
     def test_a_table_for_an_existing_family(self, install: Install) -> None:
-        plugin = install("broken", {"rms_norm.yaml": """\
-            version: 1
-            family: rms_norm
-            fallback: ref
-            rows:
-              - name: ref
-                impl: astrai.backends.rms_norm:reference_rms_norm
-            """})
+        plugin = install("broken", {"rms_norm.yaml": ONE_ROW_RMS_NORM})
         self.assert_left_out(plugin, "family 'rms_norm' already exists (shipped with astrai",
                              "extends: rms_norm")
 
