@@ -243,7 +243,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:5:5: unknown key 'forse' (did you mean 'force'?); expected one of: add, "
-            f"disable, enable, fallback, force, order, when"
+            f"chain_when, disable, enable, fallback, force, order, when"
         ]
 
     def test_error_duplicate_row_names(self, write_yaml: Write) -> None:

@@ -66,6 +66,17 @@ def test_round_trip(workload: Workload, tmp_path: Path) -> None:
         for call in workload.calls:
             want = "small" if call.axes["tokens"] <= 34 else "large"
             assert dispatch.resolve("twice", call.context()).name == want
+    # The buckets narrow only the implicit chain: a winner that comes first is kept off
+    # the other bucket with chain_when, and selecting it by name still serves any call.
+    first, _ = doc["families"]["twice"]["order"]
+    assert "when" not in doc["families"]["twice"]
+    assert list(doc["families"]["twice"]["chain_when"]) == [first]
+    with dispatch.use_profile("tuned"):
+        for call in workload.calls:
+            got = dispatch.resolve("twice", call.context(), first)
+            assert (got.name, got.origin) == (first, "explicit")
+            with dispatch.op_backend(twice=first):
+                assert dispatch.resolve("twice", call.context()).name == first
     # Without the profile, the table's order: the wrong row first.
     assert dispatch.resolve("twice", workload.calls[0].context()).name == "wrong"
 

@@ -47,7 +47,7 @@ def family_specs(state: Registry, family: str) -> list[Spec]:
         specs.append(table.outside_fallback.spec)
     for prof in state.profiles.values():
         for ov in prof.for_family(family):
-            specs += [*ov.when.values(), *(a.spec for a in ov.add)]
+            specs += [*ov.when.values(), *ov.chain_when.values(), *(a.spec for a in ov.add)]
     return specs
 
 

@@ -296,7 +296,7 @@ def _asking(ask: frozenset[str]) -> dict[str, Any]:
 def lint_view(view: View) -> LintReport:
     """Lint one family as ``view`` presents it (rows in effective order, profiles applied)."""
     family = view.table.name
-    rows = list(view.rows)
+    rows = [view.in_chain(r) for r in view.rows]  # a profile's chain_when narrows a row
     fallback = view.fallback.name
     mentions: dict[str, _Mention] = {}
     notes: list[str] = []

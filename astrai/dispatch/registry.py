@@ -364,11 +364,11 @@ def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
         if table is None:
             return f"names family {fam!r}, which no longer exists"
         names = set(table.row_names()) | {a.name for a in ov.add}
-        for n in (*ov.order, *ov.disable, *ov.enable, *ov.when,
+        for n in (*ov.order, *ov.disable, *ov.enable, *ov.when, *ov.chain_when,
                   *(x for x in (ov.force, ov.fallback) if x and x != "fallback")):
             if n not in names:
                 return f"names row {n!r} of family {fam!r}, which no longer exists"
-        for spec in (*ov.when.values(), *(a.spec for a in ov.add)):
+        for spec in (*ov.when.values(), *ov.chain_when.values(), *(a.spec for a in ov.add)):
             stale = _stale_definition(spec, table)
             if stale:
                 return stale

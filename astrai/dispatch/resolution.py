@@ -98,10 +98,13 @@ def row_verdict(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, 
     """``(verdict, detail)`` for one row and one call; the chain and explain both use this.
 
     ``implicit`` is true for the chain: there, disabled, non-faithful and explicit-only
-    rows (none of them enabled by a profile) are skipped.
+    rows (none of them enabled by a profile) are skipped, and a profile's ``chain_when``
+    narrows the row's ``when``.
     """
     if implicit and rec.name in view.disabled:
         return DISABLED, view.disabled[rec.name]
+    if implicit:
+        rec = view.in_chain(rec)
     ok, reason = state.availability(rec)
     if not ok:
         return UNAVAILABLE, reason
@@ -130,6 +133,8 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
     if implicit and (rec.name in view.disabled
                      or (not rec.implicit and rec.name not in view.enabled)):
         return False
+    if implicit:
+        rec = view.in_chain(rec)
     if rec.available is not ALWAYS_AVAILABLE:
         probed = process.probed.get(rec)  # == state.availability(rec), inlined
         if not (probed[0] if probed is not None else state.availability(rec)[0]):

@@ -11,11 +11,13 @@ row the shipped order picks: the tuned order leaves the shipped choice alone unl
 another row is measurably faster.
 
 The profile expresses the buckets with the overlay keys a profile has: ``order`` puts the
-bucket winners first (the rows that win most calls first), ``when`` narrows a winner that
-comes before another winner, so that it leaves that winner's buckets alone
-(``(its when) and not (those buckets)``), and ``enable`` lets an explicit-only (or, with
-``--allow-nonfaithful``, non-faithful) winner into the implicit chain. Rows that win
-nowhere keep their shipped order, after the winners.
+bucket winners first (the rows that win most calls first), ``chain_when`` narrows where
+the implicit chain tries a winner that comes before another winner, so that it leaves
+that winner's buckets alone (``not (those buckets)``, and-ed with its own ``when``;
+selecting the row by name still reaches every call its ``when`` accepts), and
+``enable`` lets an explicit-only (or, with ``--allow-nonfaithful``, non-faithful)
+winner into the implicit chain. Rows that win nowhere keep their shipped order, after
+the winners.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def buckets_of(timings: Sequence[CallTiming], state: Registry | None = None) -> 
 
 
 def _overlay(state: Registry, family: str, buckets: list[Bucket]) -> dict[str, Any]:
-    """The family's overlay: ``order``, ``when`` (narrowed winners), ``enable``."""
+    """The family's overlay: ``order``, ``chain_when`` (narrowed winners), ``enable``."""
     won: dict[str, float] = {}
     for b in buckets:
         won[b.winner] = won.get(b.winner, 0) + sum(t.call.count for t in b.calls)
@@ -190,12 +192,9 @@ def _overlay(state: Registry, family: str, buckets: list[Bucket]) -> dict[str, A
         later = [b for b in buckets if b.winner in order[i + 1:]
                  and any(row in t.timings or row in t.excluded for t in b.calls)]
         if later:
-            leave = " or ".join(f"({b.condition})" for b in later)
-            own = rec.spec.description
-            when[row] = (f"not ({leave})" if own == "always"
-                         else f"({own}) and not ({leave})")
+            when[row] = f"not ({' or '.join(f'({b.condition})' for b in later)})"
     if when:
-        overlay["when"] = when
+        overlay["chain_when"] = when
     enable = [r for r in order if not (rec := view.row(r)) or not rec.implicit]
     if enable:
         overlay["enable"] = enable

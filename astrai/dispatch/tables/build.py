@@ -336,20 +336,22 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
     check("enable", ov["enable"])
     if ov["fallback"] is not None:
         check("fallback", [ov["fallback"]])
-    when: dict[str, Spec] = {}
     vocabulary = table_vocabulary(table) if table is not None else CORE_VOCABULARY
-    for name, text in ov["when"].items():
-        if name not in names:
-            parsed.problem((*path, "when", name), f"when: row {name!r} does not exist"
-                                                  f"{did_you_mean(name, names)}; rows: "
-                                                  f"{', '.join(names)}", key=True)
-            continue
-        spec = compile_when(parsed, (*path, "when", name), text, vocabulary)
-        if spec is not None:
-            when[name] = spec
+    conditions: dict[str, dict[str, Spec]] = {"when": {}, "chain_when": {}}
+    for key, specs in conditions.items():
+        for name, text in ov.get(key, {}).items():
+            if name not in names:
+                parsed.problem((*path, key, name), f"{key}: row {name!r} does not exist"
+                                                   f"{did_you_mean(name, names)}; rows: "
+                                                   f"{', '.join(names)}", key=True)
+                continue
+            spec = compile_when(parsed, (*path, key, name), text, vocabulary)
+            if spec is not None:
+                specs[name] = spec
     return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
-                         tuple(ov["enable"]), MappingProxyType(when), ov["fallback"],
-                         tuple(added))
+                         tuple(ov["enable"]), MappingProxyType(conditions["when"]),
+                         ov["fallback"], tuple(added),
+                         MappingProxyType(conditions["chain_when"]))
 
 
 def no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:

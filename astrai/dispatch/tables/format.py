@@ -230,6 +230,11 @@ class FamilyOverlayModel(_Model):
     when: dict[Name, Expression] = Field(
         default_factory=dict, description="replace rows' expressions"
     )
+    chain_when: dict[Name, Expression] = Field(
+        default_factory=dict,
+        description="where the implicit chain may try a row (and-ed with its when); "
+                    "selecting the row by name, or forcing it, keeps its own when "
+                    "(astrai-ops tune writes its buckets here)")
     fallback: Name | None = None
     add: list[RowModel] = Field(default_factory=list, description="new rows, placed first")
 

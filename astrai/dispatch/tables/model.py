@@ -8,7 +8,8 @@ precompiled artifact or ``register_family``):
 - ``Profile`` and ``FamilyOverlay``, what a profile (SPEC §6) changes per family
   (or ``"*"`` for all): ``force`` a row or the fallback, ``order`` rows, ``disable``
   rows, ``enable`` non-faithful or explicit-only rows for the implicit chain, replace a row's
-  ``when``, set ``fallback``, ``add`` rows;
+  ``when``, narrow where the implicit chain tries a row (``chain_when``: selection by name
+  keeps the row's own ``when``), set ``fallback``, ``add`` rows;
 - ``View`` and ``make_view``: active profiles applied in order on top of a family's
   table, giving the rows as resolution actually walks them, plus who changed what
   (for ``explain``);
@@ -232,6 +233,9 @@ class FamilyOverlay:
     when: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
     fallback: str | None = None
     add: tuple[ImplRecord, ...] = ()
+    #: Row -> where the implicit chain may try it (and-ed with its ``when``); selecting
+    #: the row by name, or forcing it, is not narrowed (a tuned profile's buckets).
+    chain_when: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -264,14 +268,27 @@ class View:
     enabled: Mapping[str, str] = field(default_factory=dict)  # row -> profile
     forced: tuple[str, str] | None = None  # (row, profile)
     notes: tuple[str, ...] = ()  # what profiles changed, for explain
+    #: Row -> the profiles' ``chain_when`` for it: where the implicit chain may try it.
+    narrowed: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
     #: The rows the implicit chain may try, in order: not disabled, and implicit (faithful,
-    #: not explicit-only) or enabled (availability and ``when`` are checked per call).
+    #: not explicit-only) or enabled (availability and ``when`` are checked per call); a
+    #: row a profile narrowed for the chain is there as a copy whose ``spec`` is its
+    #: ``when`` and that narrowing (``in_chain``).
     chain: tuple[ImplRecord, ...] = field(init=False, default=())
+    _chained: Mapping[str, ImplRecord] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        chained = {name: replace(r, spec=r.spec & self.narrowed[name])
+                   for r in self.rows if (name := r.name) in self.narrowed}
+        object.__setattr__(self, "_chained", MappingProxyType(chained))
         object.__setattr__(self, "chain", tuple(
-            r for r in self.rows if r.name not in self.disabled
+            chained.get(r.name, r) for r in self.rows if r.name not in self.disabled
             and (r.implicit or r.name in self.enabled)))
+
+    def in_chain(self, rec: ImplRecord) -> ImplRecord:
+        """``rec`` as the implicit chain tries it: with the profiles' ``chain_when``
+        narrowing its ``when``, if any."""
+        return self._chained.get(rec.name, rec) if self._chained else rec
 
     def row(self, name: str) -> ImplRecord | None:
         """The row called ``name`` in this view."""
@@ -297,6 +314,7 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
     enabled: dict[str, str] = {}
     forced: tuple[str, str] | None = None
     notes: list[str] = []
+    narrowed: dict[str, Spec] = {}
     for prof in profiles:
         for ov in prof.for_family(table.name):
             names = {r.name for r in rows}
@@ -306,6 +324,11 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
             for name, spec in ov.when.items():
                 rows = [replace(r, spec=spec) if r.name == name else r for r in rows]
                 notes.append(f"profile {prof.name} set {name}.when = {spec.description}")
+            for name, spec in ov.chain_when.items():
+                if name in names:
+                    narrowed[name] = narrowed[name] & spec if name in narrowed else spec
+                    notes.append(f"profile {prof.name}: the chain tries {name} only where "
+                                 f"{spec.description}")
             order = [n for n in ov.order if n in names]
             if order:
                 picked = [r for n in order for r in rows if r.name == n]
@@ -340,4 +363,5 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
         enabled=enabled,
         forced=forced,
         notes=tuple(notes),
+        narrowed=MappingProxyType(narrowed),
     )

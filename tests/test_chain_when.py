@@ -1,0 +1,110 @@
+"""A profile's ``chain_when``: where the implicit chain may try a row, without narrowing
+what the row serves when selected by name (what a tuned profile's buckets need)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import astrai.dispatch as d
+import astrai.ops as ops
+from astrai.dispatch.lint import lint_view
+from astrai.dispatch.resolution import explain
+from astrai.errors import ExplicitSelectionError, TableError
+from tests.conftest import ctx
+
+Write = Callable[[str, str], Path]
+
+NARROW = """\
+version: 1
+profile: narrow
+families:
+  toy:
+    chain_when:
+      fast: has_cache
+"""
+
+
+@pytest.fixture
+def narrow(toy: Path, write_yaml: Write) -> None:
+    d.load_tables(write_yaml("narrow.yaml", NARROW))
+
+
+@pytest.mark.usefixtures("narrow")
+class TestChainWhen:
+    def test_narrows_the_chain_only(self) -> None:
+        with d.use_profile("narrow"):
+            assert d.resolve("toy", ctx(3)).name == "ref"  # fast is kept off: no cache
+            assert d.resolve("toy", ctx(3, has_cache=True)).name == "fast"
+            got = d.resolve("toy", ctx(3), "fast")  # by name: its own when, ndim == 3
+            assert (got.name, got.origin) == ("fast", "explicit")
+            with d.op_backend(toy="fast"):
+                assert d.resolve("toy", ctx(3)).name == "fast"
+            with pytest.raises(ExplicitSelectionError, match="requires ndim == 3"):
+                d.resolve("toy", ctx(2), "fast")  # what the row cannot serve, it never does
+        assert d.resolve("toy", ctx(3)).name == "fast"  # without the profile
+
+    def test_forcing_is_not_narrowed(self, write_yaml: Write) -> None:
+        d.load_tables(write_yaml("force.yaml", NARROW.replace("narrow", "narrow-force")
+                                 + "    force: fast\n"))
+        with d.use_profile("narrow-force"):
+            got = d.resolve("toy", ctx(3))
+            assert (got.name, got.origin) == ("fast", "profile")
+
+    def test_explain_says_why(self) -> None:
+        with d.use_profile("narrow"):
+            text = explain("toy", ctx(3)).splitlines()
+        assert "  fast: reject (has_cache (call has has_cache=false))" in text
+        assert "  note: profile narrow: the chain tries fast only where has_cache" in text
+        with d.use_profile("narrow"):
+            text = explain("toy", ctx(3, has_cache=True)).splitlines()
+        assert "  fast: MATCH (ndim == 3 and has_cache)" in text
+
+    def test_profiles_add_up(self, write_yaml: Write) -> None:
+        d.load_tables(write_yaml("more.yaml", NARROW.replace("narrow", "more")
+                                 .replace("has_cache", "has_mask")))
+        with d.use_profile("narrow", "more"):
+            assert d.resolve("toy", ctx(3, has_cache=True)).name == "ref"
+            assert d.resolve("toy", ctx(3, has_cache=True, has_mask=True)).name == "fast"
+
+    def test_lint_sees_the_narrowed_chain(self, write_yaml: Write) -> None:
+        d.load_tables(write_yaml("never.yaml", NARROW.replace("narrow", "never")
+                                 .replace("has_cache", "ndim == 2")))
+        def fast(profiles: tuple[str, ...]) -> list[str]:
+            report = lint_view(d.current().view("toy", profiles))
+            return [f.kind for f in report.problems if f.row == "fast"]
+
+        assert fast(("never",)) == ["unsatisfiable"]
+        assert fast(()) == []
+
+
+def test_an_unknown_row_is_a_located_error(toy: Path, write_yaml: Write) -> None:
+    path = write_yaml("bad.yaml", NARROW.replace("fast:", "fats:"))
+    with pytest.raises(TableError) as err:
+        d.load_tables(path)
+    assert str(err.value).startswith(f"{path}:6:7: chain_when: row 'fats' does not exist "
+                                     f"(did you mean 'fast'?)")
+
+
+def test_a_compared_size_keys_by_interval(write_yaml: Write) -> None:
+    """A size compared only in a chain_when still keys calls by interval, not by value."""
+    d.load_tables(write_yaml("big.yaml", """\
+        version: 1
+        profile: big
+        families:
+          rms_norm:
+            chain_when:
+              torch: tokens < 100
+        """))
+    before = d.stats().cache_misses
+    with d.use_profile("big"):
+        served = {d.resolve("rms_norm", ops.context("rms_norm", torch.randn(n, 8),
+                                                    torch.ones(8))).name
+                  for n in range(1, 301, 7)}
+        assert d.resolve("rms_norm", ops.context("rms_norm", torch.randn(5000, 8),
+                                                 torch.ones(8))).name == "inductor_large"
+    assert served == {"torch", "reference"}
+    assert d.stats().cache_misses - before <= 4
