@@ -1,11 +1,13 @@
 """The package's kernel: RMS normalisation compiled by ``torch.compile`` (inductor).
 
 The row's implementation is a plain callable with the family's call signature
-(``x, weight, eps``); astrai calls it as is. Compilation happens on the first call,
-never at import: astrai binds the row when its tables load.
+(``x, weight, eps``); astrai calls it as is. Keep the module's import light: astrai
+imports it when its tables load, in every process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,12 +20,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (h * weight.float()).to(x.dtype)
 
 
-_compiled = torch.compile(_rms_norm, dynamic=True, fullgraph=True)
+_compiled: Callable[..., torch.Tensor] | None = None
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x`` normalised over its last dimension and scaled by ``weight``, in one kernel."""
-    return _compiled(x, weight, eps)  # type: ignore[no-any-return]
+    """``x`` normalised over its last dimension and scaled by ``weight``, in one kernel.
+
+    ``torch.compile`` is called on the first call, not at import: astrai imports this
+    module when its tables load, and ``torch.compile`` imports dynamo (about a second).
+    """
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_rms_norm, dynamic=True, fullgraph=True)
+    return _compiled(x, weight, eps)
 
 
 def available() -> object:
