@@ -125,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true",
                    help="exit 1 if schemas/ or tables/precompiled.json is stale")
 
+    pc = command("precompile", "write precompiled.json beside a kernel package's table files, "
+                               "so they load without pydantic and PyYAML")
+    pc.add_argument("dir", metavar="DIR", help="the package folder holding the *.yaml files")
+    pc.add_argument("--check", action="store_true",
+                    help="exit 1 if DIR's precompiled.json is missing or stale")
+
     i = command("init", f"copy the shipped tables and profiles into a directory to edit, and "
                         f"print the {TABLES_ENV} line that uses them")
     i.add_argument("dir", nargs="?", default=INIT_DIR, metavar="DIR",
@@ -485,6 +491,30 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     return OK if all(r.ok for r in reports) and not broken else PROBLEMS
 
 
+def _cmd_precompile(args: argparse.Namespace) -> int:
+    from astrai.dispatch.tables.artifact import ARTIFACT, render_artifact
+    from astrai.dispatch.tables.load import validate_directory
+
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        raise UsageError(f"{directory}: not a directory")
+    # Checked against the tables without any plugin: the package may be installed already.
+    parsed = validate_directory(directory, registry.unplugged_families())
+    if not parsed:
+        raise UsageError(f"{directory}: no table, profile or row overlay file (*.yaml, *.yml)")
+    artifact, compiled = directory / ARTIFACT, render_artifact(directory, parsed)
+    if args.check:
+        if not artifact.is_file() or artifact.read_text(encoding="utf-8") != compiled:
+            print(f"{artifact}: stale; run 'astrai-ops precompile {directory}' to regenerate",
+                  file=sys.stderr)
+            return PROBLEMS
+        print(f"ok: {artifact} is current ({len(parsed)} file(s))")
+        return OK
+    artifact.write_text(compiled, encoding="utf-8")
+    print(f"wrote {artifact} ({len(parsed)} file(s)); ship it as package data beside them")
+    return OK
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from astrai.dispatch.schemas import stale_schemas, write_schemas
     from astrai.dispatch.tables.artifact import ARTIFACT, render_artifact, shipped_tables_dir
@@ -682,6 +712,7 @@ _COMMANDS = {
     "validate": _cmd_validate,
     "lint": _cmd_lint,
     "schema": _cmd_schema,
+    "precompile": _cmd_precompile,
     "init": _cmd_init,
     "demo": _cmd_demo,
     "lock": _cmd_lock,

@@ -27,9 +27,11 @@ import torch
 
 import astrai.dispatch as d
 import astrai.ops as ops
+from astrai.cli import main
 from astrai.dispatch import distributed, registry
 from astrai.dispatch.plugins import BROKEN, DISABLED, LOADED, Plugin
 from astrai.dispatch.resolution import explanation
+from astrai.dispatch.tables import artifact, load
 from astrai.errors import TableError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -429,6 +431,8 @@ class TestExamplePackage:
         print("rows", " ".join(d.current().family("rms_norm").row_names()))
         print("served", served(8), served(600), served(5000), served(600, torch.float32))
         print("plugins", [(p.distribution, p.version, p.status) for p in d.current().plugins])
+        import sys
+        print("full path", "pydantic" in sys.modules or "yaml" in sys.modules)
         """
 
     def test_installing_it_changes_the_served_row(self, target: Path) -> None:
@@ -444,6 +448,7 @@ class TestExamplePackage:
         assert "served torch example_fused inductor_large torch" in out
         assert "('astrai-example-kernels', '0.1.0', 'loaded')" in out
         assert "numerics ok" in out
+        assert "full path False" in out  # its precompiled.json spared pydantic and PyYAML
 
     def test_list_and_explain_name_the_distribution(self, target: Path) -> None:
         listed = self.run(target, "from astrai.cli import main; main(['list'])")
@@ -464,3 +469,60 @@ class TestExamplePackage:
             assert shipped in out
             assert "served torch torch inductor_large torch" in out
         assert "plugins []" in self.run(None, self.CHECK)
+
+
+class TestPrecompiled:
+    """A plugin's precompiled.json (``astrai-ops precompile``)."""
+
+    def test_the_example_is_current(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "astrai", "precompile", "--check",
+             str(EXAMPLE / "astrai_example_kernels" / "tables")],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE), str(REPO)])},
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def precompiled(self, tmp_path: Path, text: str, *, other_format: bool = False) -> str:
+        folder = tmp_path / "pre"
+        folder.mkdir()
+        (folder / "rms.yaml").write_text(text)
+        assert main(["precompile", str(folder)]) == 0
+        raw = (folder / "precompiled.json").read_text()
+        return raw.replace(artifact.format_digest(), "0" * 16) if other_format else raw
+
+    def test_files_load_from_it(self, install: Install, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+        text = overlay(row("mine", before="torch"))
+        raw = self.precompiled(tmp_path, text)
+        used: list[str] = []
+        real = load.parse_text
+        monkeypatch.setattr(load, "parse_text", lambda *a, **k: used.append(a[1]) or real(*a, **k))
+        plugin = install("fastnorm", {"rms.yaml": text, "precompiled.json": raw})
+        assert plugin is not None and plugin.status == LOADED and used == []
+        assert rows()[:3] == ["inductor_large", "mine", "torch"]
+        rec = d.current().family("rms_norm").row("mine")
+        assert rec is not None and rec.source.endswith("rms.yaml:4")
+
+    def test_a_stale_or_foreign_one_is_not_used(self, install: Install, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+        caplog.set_level(logging.INFO, logger="astrai")
+        raw = self.precompiled(tmp_path, overlay(row("mine")), other_format=True)
+        used: list[str] = []
+        real = load.parse_text
+        monkeypatch.setattr(load, "parse_text", lambda *a, **k: used.append(a[1]) or real(*a, **k))
+        # the YAML differs from what the artifact holds, and the artifact is for other formats
+        plugin = install("fastnorm", {"rms.yaml": overlay(row("yours")), "precompiled.json": raw})
+        assert plugin is not None and plugin.status == LOADED
+        assert len(used) == 1 and rows()[0] == "yours"
+        assert "precompiled.json was made for other table formats" in caplog.text
+
+    def test_precompile_reports_problems(self, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+        folder = tmp_path / "bad"
+        folder.mkdir()
+        (folder / "rms.yaml").write_text(overlay(row("mine", before="toch")))
+        assert main(["precompile", str(folder)]) == 1
+        err = capsys.readouterr().err
+        assert "rms.yaml:7:13: before: rms_norm has no row 'toch' (did you mean 'torch'?)" in err
+        assert not (folder / "precompiled.json").exists()

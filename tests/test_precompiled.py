@@ -123,7 +123,7 @@ class TestFallsBackToFullPath:
         data = json.loads(json.dumps(entry.data))
         data["rows"][0]["impl"] = "astrai.backends.rms_norm:no_such_thing"
         monkeypatch.setattr(artifact, "lookup",
-                            lambda _b: dataclasses.replace(entry, data=data))
+                            lambda _b, _entries=None: dataclasses.replace(entry, data=data))
         pf = load.parse_file(path)
         assert pf.located is not None and not pf.problems and pf.table is not None
 

@@ -11,6 +11,10 @@ The value names an importable package; its ``*.yaml`` resources (read with
 row of that family, by default before its first faithful row). They load with the
 shipped tables, after them and before ``ASTR_TABLES``, and are validated the same way.
 
+A plugin may ship ``precompiled.json`` beside its YAML files (``astrai-ops precompile
+DIR`` writes it, as ``astrai-ops schema`` does for the shipped tables): a file whose
+bytes it holds loads without pydantic and PyYAML (about 100 ms less at the first load).
+
 This module finds the plugins and reads their files (``discover``); the registry
 builds them into a snapshot, and a plugin whose files have any problem (a typo in its
 YAML, an ``impl`` that does not import, a row overlay naming a row the family lacks, a
@@ -38,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.log import warn_once
+from astrai.dispatch.log import logger, warn_once
+from astrai.dispatch.tables.artifact import ARTIFACT, Entry, read_entries
 from astrai.dispatch.tables.load import MAX_TABLE_BYTES, parse_bytes, read_table_bytes
 from astrai.dispatch.tables.model import FamilyTable
 from astrai.dispatch.tables.parsed import ParsedFile
@@ -159,6 +164,7 @@ def _read(plugin: Plugin) -> Plugin:
     if not resources:
         return plugin.broken([TableProblem(where, 1, 1, f"package {plugin.package!r} has no "
                                                         f"*.yaml table files")])
+    precompiled = _artifact(root)
     files: list[ParsedFile] = []
     for label, resource in resources:
         try:
@@ -170,10 +176,29 @@ def _read(plugin: Plugin) -> Plugin:
             files.append(ParsedFile(label, "unknown", problems=[
                 TableProblem(label, 1, 1, f"cannot read file: {exc}")]))
             continue
-        files.append(parse_bytes(data, label, plugin.provided_by))
+        files.append(parse_bytes(data, label, plugin.provided_by, precompiled or {}))
     plugin = replace(plugin, files=tuple(files))
     problems = [p for pf in files for p in pf.problems]
     return plugin.broken(problems) if problems else plugin
+
+
+def _artifact(root: Any) -> dict[str, Entry] | None:
+    """The plugin's precompiled artifact (``precompiled.json`` beside its YAML files,
+    written by ``astrai-ops precompile``): its files then load without pydantic and
+    PyYAML. ``None`` without one, or one made for other table formats (then its files
+    take the full path, a little slower, and the log says so)."""
+    resource = root.joinpath(ARTIFACT)
+    try:
+        if not resource.is_file():
+            return None
+        raw = resource.read_bytes()
+    except OSError:
+        return None
+    entries = read_entries(raw)
+    if entries is None:
+        logger.info("%s: %s was made for other table formats (or cannot be read); the "
+                    "plugin's files take the full path", resource, ARTIFACT)
+    return entries
 
 
 def _yaml_resources(root: Any, prefix: str) -> Iterator[tuple[str, Any]]:

@@ -20,6 +20,7 @@ __all__ = [
     "register_impl",
     "reload_tables",
     "shipped_tables_dir",
+    "unplugged_families",
     "unregister_impl",
     "validate",
 ]
@@ -506,6 +507,13 @@ def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
     except TableError as exc:
         return exc.problems
     return plugin_problems(new.plugins)
+
+
+def unplugged_families() -> Mapping[str, FamilyTable]:
+    """The families as the shipped tables and ``ASTR_TABLES`` give them, without any
+    plugin's rows or tables (what a kernel package's files are checked against when it
+    is precompiled); loads nothing. Raises ``TableError`` if those tables have problems."""
+    return _build(None, _table_sources(), replace_all=True, plugins=[])[0].families
 
 
 def refresh() -> None:

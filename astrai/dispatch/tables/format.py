@@ -28,7 +28,6 @@ __all__ = [
     "schemas_dir",
 ]
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -46,6 +45,7 @@ from pydantic import (
 from astrai.dispatch.axes import AXES, FEATURE_AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
+from astrai.dispatch.tables.artifact import schemas_dir
 
 SUPPORTED_VERSION = 1
 
@@ -295,10 +295,3 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "profile.schema.json": ProfileFile.model_json_schema(),
         "overlay.schema.json": OverlayFile.model_json_schema(),
     }
-
-
-def schemas_dir() -> Path:
-    """The checked-in ``schemas/`` folder (the repo's, or the copy inside a wheel)."""
-    here = Path(__file__).resolve().parents[2]  # astrai/
-    packaged = here / "schemas"
-    return packaged if packaged.is_dir() else here.parent / "schemas"

@@ -22,6 +22,7 @@ __all__ = ["MAX_TABLE_BYTES", "parse_bytes", "parse_file", "parse_text", "read_t
 import hashlib
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import Vocabulary
 from astrai.dispatch.tables import artifact
 from astrai.dispatch.tables.build import (
+    build_extension,
     build_overlay_rows,
     build_profile,
     build_table,
@@ -37,6 +39,7 @@ from astrai.dispatch.tables.build import (
     family_vocabulary,
     no_fallback,
 )
+from astrai.dispatch.tables.model import FamilyTable
 from astrai.dispatch.tables.parsed import Data, ParsedFile, PathT, spec_problem
 from astrai.errors import SpecSyntaxError, TableError, TableProblem
 
@@ -105,15 +108,18 @@ def parse_file(path: str | Path, provided_by: str = "") -> ParsedFile:
     return parse_bytes(data, name, provided_by)
 
 
-def parse_bytes(data: bytes, name: str, provided_by: str = "") -> ParsedFile:
-    """Validate a file's bytes (``name`` places its problems)."""
+def parse_bytes(data: bytes, name: str, provided_by: str = "",
+                precompiled: Mapping[str, artifact.Entry] | None = None) -> ParsedFile:
+    """Validate a file's bytes (``name`` places its problems). A file whose bytes have
+    an entry in ``precompiled`` (a plugin's artifact; default: the shipped one) is built
+    from it."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         return ParsedFile(name, "unknown", problems=[
             TableProblem(name, 1, 1, f"file is not UTF-8 text: {exc.reason}")
         ])
-    entry = artifact.lookup(data)
+    entry = artifact.lookup(data, precompiled)
     if entry is not None:
         fast = _from_precompiled(name, text, entry, provided_by)
         if fast is not None:
@@ -130,6 +136,11 @@ def _from_precompiled(file: str, text: str, entry: artifact.Entry,
     try:
         if entry.kind == "table":
             out.table = build_table(out, entry.data)
+        elif entry.kind == "overlay":  # built once the families are known
+            if not (isinstance(entry.data["extends"], str)
+                    and all(isinstance(r, dict) for r in entry.data["rows"])):
+                return None
+            out.overlay = entry.data
         else:  # built once the families are known; its shape is checked now
             if not (isinstance(entry.data["profile"], str)
                     and all(isinstance(ov, dict) for ov in entry.data["families"].values())):
@@ -189,6 +200,9 @@ def parse_text(text: str, file: str = "<string>", provided_by: str = "") -> Pars
         out.profile = out.dump
     else:
         out.overlay = out.dump
+        # Where each row is (its source line): kept by the artifact for the fast path.
+        out.lines.update({("rows", i): out.where(("rows", i))
+                          for i in range(len(out.dump["rows"]))})
     return out
 
 
@@ -331,16 +345,21 @@ def _model_at(out: ParsedFile, path: PathT) -> type[BaseModel] | None:
     return None
 
 
-def validate_directory(directory: Path) -> list[ParsedFile]:
-    """Every table and profile under ``directory``, validated the full way (profiles
-    built against those tables), for writing the artifact. Raises ``TableError`` listing
-    every problem."""
+def validate_directory(directory: Path,
+                       known: Mapping[str, FamilyTable] | None = None) -> list[ParsedFile]:
+    """Every table, profile and row overlay under ``directory``, validated the full way
+    (profiles and overlays built against those tables and the ``known`` families: a
+    plugin's extend the loaded ones), for writing the artifact. Raises ``TableError``
+    listing every problem."""
     paths = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml"))
     parsed = [parse_text(p.read_bytes().decode("utf-8"), str(p)) for p in paths]
-    families = {pf.table.name: pf.table for pf in parsed if pf.table is not None}
+    families = {**(known or {}),
+                **{pf.table.name: pf.table for pf in parsed if pf.table is not None}}
     for pf in parsed:
         if pf.profile is not None:
             build_profile(pf, families)  # parses the profiles' expressions into pf.whens
+        if pf.overlay is not None:
+            build_extension(pf, families, {})
     problems = [prob for pf in parsed for prob in pf.problems]
     if problems:
         raise TableError(problems)
