@@ -29,11 +29,13 @@ import astrai.dispatch as d
 import astrai.ops as ops
 from astrai.cli import main
 from astrai.dispatch import distributed, registry
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.plugins import BROKEN, DISABLED, LOADED, Plugin
 from astrai.dispatch.resolution import explanation
 from astrai.dispatch.tables import artifact, load
 from astrai.errors import TableError
 
+F32, BF16 = torch.float32, torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = Path(__file__).resolve().parent / "plugin_example"
 
@@ -67,10 +69,11 @@ def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Install
 
     def make(dist: str, files: dict[str, str], *, version: str = "1.0",
              entry: str | None = None, modules: dict[str, str] | None = None,
-             value: str | None = None, reload: bool = True) -> Plugin | None:
+             value: str | None = None, reload: bool = True, init: str = "",
+             metadata: str | None = None) -> Plugin | None:
         pkg = dist.replace("-", "_")
         (site / pkg / "tables").mkdir(parents=True)
-        (site / pkg / "__init__.py").write_text("")
+        (site / pkg / "__init__.py").write_text(init)
         (site / pkg / "tables" / "__init__.py").write_text("")
         for name, text in files.items():
             path = site / pkg / "tables" / name
@@ -80,7 +83,8 @@ def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Install
             (site / pkg / f"{name}.py").write_text(textwrap.dedent(text))
         info = site / f"{pkg}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\n"
+        (info / "METADATA").write_text(metadata if metadata is not None else
+                                       f"Metadata-Version: 2.1\nName: {dist}\n"
                                        f"Version: {version}\n")
         (info / "entry_points.txt").write_text(
             f"[astrai.tables]\n{entry or pkg} = {value or pkg + '.tables'}\n")
@@ -526,3 +530,115 @@ class TestPrecompiled:
         err = capsys.readouterr().err
         assert "rms.yaml:7:13: before: rms_norm has no row 'toch' (did you mean 'torch'?)" in err
         assert not (folder / "precompiled.json").exists()
+
+
+class TestEdges:
+    """What a review found: each a plugin mistake kept to that plugin, never silent."""
+
+    def test_revision_is_the_rows_not_their_path(self, install: Install, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+        install("fastnorm", {"rms.yaml": overlay(row("mine"))})
+        here = distributed.table_revision(d.current().family("rms_norm"))
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(tmp_path / "site", elsewhere)
+        shutil.rmtree(tmp_path / "site")
+        for module in [m for m in sys.modules if m.split(".")[0] == "fastnorm"]:
+            monkeypatch.delitem(sys.modules, module)
+        monkeypatch.syspath_prepend(str(elsewhere))
+        importlib.invalidate_caches()
+        d.reload_tables()
+        assert d.current().family("rms_norm").row("mine").source.startswith(  # type: ignore[union-attr]
+            str(elsewhere))
+        assert distributed.table_revision(d.current().family("rms_norm")) == here
+        d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm, Spec.dtype_in(F32)))
+        one = distributed.table_revision(d.current().family("rms_norm"))
+        d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm, Spec.dtype_in(BF16)))
+        assert distributed.table_revision(d.current().family("rms_norm")) != one
+
+    def test_a_broken_plugin_takes_no_other_down(self, install: Install) -> None:
+        install("alpha", {"a.yaml": overlay(row("fast")),
+                          "b.yaml": overlay(row("bad", when="nope"))}, reload=False)
+        install("beta", {"b.yaml": overlay(row("fast"))}, reload=False)
+        install("gamma", {"g.yaml": overlay(row("g1", after="torch"))})
+        status = {p.distribution: p.status for p in d.current().plugins}
+        assert status == {"alpha": BROKEN, "beta": LOADED, "gamma": LOADED}
+        rec = d.current().family("rms_norm").row("fast")
+        assert rec is not None and rec.provided_by == "plugin beta 1.0"
+
+    def test_a_plugin_never_replaces_a_profile(self, install: Install) -> None:
+        plugin = install("sneaky", {"p.yaml": """\
+            version: 1
+            profile: reference
+            families:
+              rms_norm:
+                force: torch
+            """})
+        assert plugin is not None and plugin.status == BROKEN
+        assert "profile 'reference' already exists" in str(plugin.problems[0])
+        with d.use_profile("reference"):
+            assert served().startswith("reference")
+
+    def test_system_exit_in_its_package_is_a_problem(self, install: Install) -> None:
+        plugin = install("quitter", {"r.yaml": overlay(row("x"))},
+                         init="import sys\nsys.exit(3)\n")
+        assert plugin is not None and plugin.status == BROKEN
+        assert "SystemExit: 3" in str(plugin.problems[0])
+        assert served() == "torch"
+
+    def test_metadata_without_a_name(self, install: Install) -> None:
+        install("noname", {"r.yaml": overlay(row("x"))}, metadata="Metadata-Version: 2.1\n",
+                reload=False)
+        d.reload_tables()
+        (plugin,) = d.current().plugins
+        assert (plugin.distribution, plugin.version) == ("(unnamed distribution)", "?")
+        assert plugin.status == LOADED
+
+    def test_a_value_that_is_not_a_package(self, install: Install) -> None:
+        plugin = install("colon", {"r.yaml": overlay(row("x"))}, value="colon.tables:thing")
+        assert plugin is not None and plugin.status == BROKEN
+        assert "names a package holding the *.yaml files" in str(plugin.problems[0])
+
+    def test_a_name_register_impl_took(self, install: Install,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("ASTR_PLUGINS", "0")
+        install("late", {"r.yaml": overlay(row("mine"))})
+        d.register_impl(d.ImplRecord("rms_norm", "mine", ops.rms_norm))
+        monkeypatch.setenv("ASTR_PLUGINS", "1")
+        d.reload_tables()
+        (plugin,) = d.current().plugins
+        assert plugin.status == BROKEN
+        assert f"already has a row 'mine' (from register_impl in {__name__}" in str(
+            plugin.problems[0])
+        assert rows().count("mine") == 1
+
+    def test_left_out_by_load_tables_takes_its_profiles(self, install: Install,
+                                                        write_yaml: Callable[[str, str], Path]
+                                                        ) -> None:
+        install("withprof", {"r.yaml": overlay(row("mine", when="always")), "p.yaml": """\
+            version: 1
+            profile: plugprof
+            families:
+              rms_norm:
+                force: mine
+            """})
+        assert "plugprof" in d.list_profiles()
+        d.load_tables(write_yaml("rms_norm.yaml", ONE_ROW_RMS_NORM.replace("ref\n", "mine\n")))
+        (plugin,) = d.current().plugins
+        assert plugin.status == BROKEN and "plugprof" not in d.list_profiles()
+
+    @pytest.mark.parametrize("value, loaded, warning", [
+        ("- one", {"two"}, None),
+        ("one,-one", {"two"}, "both asks for and leaves out one"),
+        (",", {"one", "two"}, "empty or malformed entries are ignored"),
+        ("-", {"one", "two"}, "empty or malformed entries are ignored"),
+    ])
+    def test_astr_plugins_edges(self, install: Install, monkeypatch: pytest.MonkeyPatch,
+                                caplog: pytest.LogCaptureFixture, value: str,
+                                loaded: set[str], warning: str | None) -> None:
+        install("one", {"rms.yaml": overlay(row("x1"))}, reload=False)
+        install("two", {"rms.yaml": overlay(row("x2"))}, reload=False)
+        monkeypatch.setenv("ASTR_PLUGINS", value)
+        d.reload_tables()
+        assert {p.distribution for p in d.current().plugins if p.status == LOADED} == loaded
+        if warning is not None:
+            assert warning in caplog.text

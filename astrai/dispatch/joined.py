@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.tables.model import FamilyTable, ImplRecord, table_revision
+from astrai.dispatch.tables.model import FamilyTable, ImplRecord, row_content, table_revision
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,10 @@ def join_rows(families: Mapping[str, FamilyTable],
             rows.insert(_place(rows, table, join, names, behind), join.record)
             if join.after:
                 behind[join.after] = join.record.name
+        # The rows' content and who provided them (a plugin's version), never a path: equal
+        # in every process that joined the same rows.
         digest = hashlib.sha256(json.dumps(
-            [[j.record.name, j.record.source, j.record.provided_by, j.before, j.after,
+            [[*row_content(j.record), j.record.provided_by, j.before, j.after,
               j.record.priority] for j in joins]).encode()).hexdigest()[:12]
         base = table_revision(table).split("+joined-")[0]
         out[family] = replace(table, rows=tuple(rows), revision=f"{base}+joined-{digest}")

@@ -102,26 +102,47 @@ def _normal(name: str) -> str:
 
 
 def _choice(raw: str | None) -> tuple[bool, set[str], set[str]]:
-    """``ASTR_PLUGINS`` as ``(any at all, only these, not these)`` (normalised names)."""
+    """``ASTR_PLUGINS`` as ``(any at all, only these, not these)`` (normalised names);
+    an entry that means nothing, or a name both asked for and left out, warns once."""
     text = (raw or "").strip()
     if text.lower() in ("", "1", "all"):
         return True, set(), set()
     if text.lower() in ("0", "none"):
         return False, set(), set()
-    names = [t for t in re.split(r"[,\s]+", text) if t]
-    only = {_normal(t) for t in names if not t.startswith("-")}
-    without = {_normal(t[1:]) for t in names if t.startswith("-") and len(t) > 1}
-    return True, only, without
+    names = [t.strip() for t in text.split(",")]
+    if any(not t or t == "-" or (t.startswith("-") and not t[1:].strip()) or " " in t.strip("- ")
+           for t in names):
+        warn_once(f"{PLUGINS_ENV}={raw!r}: expected 0, 1, or comma-separated plugin names, "
+                  f"each '-name' to leave it out or 'name' to load only those; empty or "
+                  f"malformed entries are ignored")
+    only = {_normal(t) for t in names if t and not t.startswith("-") and " " not in t}
+    without = {_normal(t[1:].strip()) for t in names
+               if t.startswith("-") and t[1:].strip() and " " not in t[1:].strip()}
+    both = only & without
+    if both:
+        warn_once(f"{PLUGINS_ENV}={raw!r} both asks for and leaves out "
+                  f"{', '.join(sorted(both))}: left out")
+    return True, only - both, without
 
 
-def _entry_points() -> list[importlib.metadata.EntryPoint]:
+def _distribution(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    """``(name, version)`` of the distribution declaring ``ep`` (its metadata may lack
+    either)."""
+    dist = ep.dist
+    name = getattr(dist, "name", None) if dist is not None else None
+    version = getattr(dist, "version", None) if dist is not None else None
+    return (name if isinstance(name, str) and name else "(unnamed distribution)",
+            version if isinstance(version, str) and version else "?")
+
+
+def _entry_points() -> list[tuple[importlib.metadata.EntryPoint, str, str]]:
+    """Each ``astrai.tables`` entry point with its distribution's name and version."""
     found = importlib.metadata.entry_points(group=GROUP)
-    seen: dict[tuple[str, str], importlib.metadata.EntryPoint] = {}
+    seen: dict[tuple[str, str], tuple[importlib.metadata.EntryPoint, str, str]] = {}
     for ep in found:  # a distribution seen twice on sys.path: the first one wins
-        dist = ep.dist.name if ep.dist is not None else ""
-        seen.setdefault((dist, ep.name), ep)
-    return sorted(seen.values(),
-                  key=lambda ep: (_normal(ep.dist.name if ep.dist else ""), ep.name))
+        dist, version = _distribution(ep)
+        seen.setdefault((dist, ep.name), (ep, dist, version))
+    return sorted(seen.values(), key=lambda e: (_normal(e[1]), e[0].name))
 
 
 def discover() -> list[Plugin]:
@@ -129,9 +150,7 @@ def discover() -> list[Plugin]:
     a stable order (by distribution, then entry point name)."""
     wanted, only, without = _choice(os.environ.get(PLUGINS_ENV))
     plugins: list[Plugin] = []
-    for ep in _entry_points():
-        dist = ep.dist.name if ep.dist is not None else "(unknown distribution)"
-        version = ep.dist.version if ep.dist is not None else "?"
+    for ep, dist, version in _entry_points():
         plugin = Plugin(ep.name, dist, version, ep.value)
         names = {_normal(ep.name), _normal(dist)}
         if not wanted:
@@ -153,11 +172,17 @@ def discover() -> list[Plugin]:
 def _read(plugin: Plugin) -> Plugin:
     """``plugin`` with its files parsed; broken if its package cannot be read."""
     where = f"{plugin.distribution} {plugin.version} (entry point {plugin.name})"
+    if ":" in plugin.package or not plugin.package.strip():
+        return plugin.broken([TableProblem(where, 1, 1, (
+            f"entry point {plugin.name} = {plugin.package!r}: the value names a package "
+            f"holding the *.yaml files (like mykernels.tables), not a module:attribute"))])
     try:
         root = importlib.resources.files(plugin.package)
         resources = sorted(_yaml_resources(root, plugin.package.replace(".", "/") + "/"),
                            key=lambda pair: pair[0])
-    except Exception as exc:  # an import error in the plugin's own package, a bad name
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the plugin's package fails to import (SystemExit too)
         return plugin.broken([TableProblem(where, 1, 1, f"entry point "
                                            f"{plugin.name} = {plugin.package!r}: cannot read "
                                            f"its table files: {type(exc).__name__}: {exc}")])

@@ -218,8 +218,10 @@ def _build(base: Registry | None, paths: list[tuple[str, str]], *, replace_all: 
         got = _assemble(base, layers, found, replace_all=replace_all, problems=problems)
         if got.problems or not got.failed:
             break
-        for index, failed in got.failed.items():  # leave them out, and assemble again
-            found[index] = found[index].broken(failed)
+        # Leave out the first failing plugin only, and assemble again: a later plugin's
+        # problem may come from the rows of one left out (it is then reported again).
+        first = min(got.failed)
+        found[first] = found[first].broken(got.failed[first])
     if got.problems:
         raise TableError(sorted(got.problems, key=lambda p: (p.file, p.line, p.column)))
     for plugin in found:
@@ -249,6 +251,12 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
         if not replace_all:
             got.aliases, got.families = dict(base.aliases), dict(base.families)
             got.profiles = dict(base.profiles)
+            # A plugin left out now takes its tables and profiles along (its rows go below).
+            gone = {p.provided_by for p in plugins if p.status != LOADED}
+            for name in [n for n, t in got.families.items() if t.provided_by in gone]:
+                del got.families[name]
+            for name in [n for n, p in got.profiles.items() if p.provided_by in gone]:
+                del got.profiles[name]
             for fam, joins in base.joined.items():  # placed again below, after the overlays
                 if fam in got.families:
                     got.families[fam] = _without(got.families[fam], joins)
@@ -299,20 +307,28 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
             if pf.table.env_alias:
                 got.aliases[name] = pf.table.env_alias
     for i, plugin in live:  # row overlays join the families as they now are
+        mine: dict[str, tuple[Joined, ...]] = {}
         for pf in plugin.files:
             if pf.overlay is None:
                 continue
             fresh = replace(pf, problems=[])
             family = pf.overlay["extends"]
-            taken = {j.record.name: j.by for j in got.extended.get(family, ())}
+            taken = {j.record.name: f"{j.record.provided_by}, {j.record.source}"
+                     for j in (*got.extended.get(family, ()),
+                               *(base.joined.get(family, ()) if base is not None else ()))}
             table = got.families.get(family)
             replaced = table is not None and not (table.provided_by == SHIPPED or
                                                   table.provided_by.startswith("plugin "))
+            taken.update({j.record.name: f"{j.record.provided_by}, {j.record.source}"
+                          for j in mine.get(family, ())})
             built = build_extension(fresh, got.families, taken, replaced=replaced)
             for problem in fresh.problems:
                 report(i, problem)
             if built:
-                got.extended[family] = (*got.extended.get(family, ()), *built)
+                mine[family] = (*mine.get(family, ()), *built)
+        if i not in got.failed:  # a plugin with a problem joins no row (others still may)
+            for family, rows in mine.items():
+                got.extended[family] = (*got.extended.get(family, ()), *rows)
     got.families = families = join_rows(got.families, got.extended,
                                         base.joined if base is not None else JOINED_NONE)
     # profiles may name rows joined by overlays and in Python
@@ -322,6 +338,13 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
             if pf.profile is None:
                 continue
             name = pf.profile["profile"]
+            if owner is not None and (name in seen_profiles or name in got.profiles):
+                where = seen_profiles[name][0] if name in seen_profiles else \
+                    got.profiles[name].source
+                report(owner, TableProblem(pf.file, *pf.where(("profile",)), (
+                    f"profile {name!r} already exists ({where}); a plugin adds profiles "
+                    f"and never replaces one: choose another name")))
+                continue
             if (name in seen_profiles and seen_profiles[name][0] != pf.file
                     and seen_profiles[name][1] == index):
                 report(owner, TableProblem(pf.file, *pf.where(("profile",)),
@@ -330,8 +353,10 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
             seen_profiles[name] = (pf.file, index)
     for files, owner in sources:
         for pf in files:
-            if pf.profile is None or seen_profiles[pf.profile["profile"]][0] != pf.file:
-                continue  # replaced by a later source: not built against the final tables
+            if (pf.profile is None or pf.profile["profile"] not in seen_profiles
+                    or seen_profiles[pf.profile["profile"]][0] != pf.file):
+                continue  # replaced by a later source (not built against the final tables),
+                # or a plugin's that would replace one
             fresh = replace(pf, problems=[])
             prof = build_profile(fresh, families)
             for problem in fresh.problems:

@@ -262,9 +262,12 @@ def build_extension(parsed: ParsedFile, families: Mapping[str, FamilyTable],
             if (anchor is not None and anchor not in names and anchor not in mine
                     and not replaced):
                 known = [*names, *mine]
-                parsed.problem(("rows", i, key), f"{key}: {family} has no row {anchor!r}"
-                                                 f"{did_you_mean(anchor, known)}; rows: "
-                                                 f"{', '.join(known)}")
+                later = anchor in {r["name"] for r in data["rows"]}
+                parsed.problem(("rows", i, key), (
+                    f"{key}: row {anchor!r} comes later in this file; a row is placed "
+                    f"relative to the family's rows or to rows before it" if later else
+                    f"{key}: {family} has no row {anchor!r}{did_you_mean(anchor, known)}; "
+                    f"rows: {', '.join(known)}"))
         mine.append(name)
     if rows is None or len(parsed.problems) > before:
         return None
@@ -297,7 +300,7 @@ def build_profile(parsed: ParsedFile, families: Mapping[str, FamilyTable]) -> Pr
     if len(parsed.problems) > before:
         return None
     return Profile(model["profile"], MappingProxyType(overlays), model["description"],
-                   parsed.file, parsed.revision, model.get("provenance"))
+                   parsed.file, parsed.revision, model.get("provenance"), parsed.provided_by)
 
 
 def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,

@@ -34,6 +34,7 @@ __all__ = [
     "View",
     "check",
     "make_view",
+    "row_content",
     "table_revision",
 ]
 
@@ -166,13 +167,18 @@ def table_revision(table: FamilyTable) -> str:
     """
     if table.revision and table.source != "register_family":
         return table.revision
-    rows = [[r.name, _object_path(r.obj), r.spec.description,
-             "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful,
-             *(["explicit_only"] if r.explicit_only else []),
-             *([sorted(r.features)] if r.features else [])]
-            for r in table.rows]
+    rows = [row_content(r) for r in table.rows]
     text = json.dumps([table.name, table.fallback, table.env_alias, rows])
     return "py-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def row_content(r: ImplRecord) -> list[Any]:
+    """What a row is, wherever it was loaded from: name, implementation and probe paths,
+    ``when`` text, ``faithful`` (and ``explicit_only`` and ``features`` where set)."""
+    return [r.name, _object_path(r.obj), r.spec.description,
+            "" if r.available is ALWAYS_AVAILABLE else _object_path(r.available), r.faithful,
+            *(["explicit_only"] if r.explicit_only else []),
+            *([sorted(r.features)] if r.features else [])]
 
 
 # -- availability --------------------------------------------------------
@@ -250,6 +256,7 @@ class Profile:
     #: A tuned profile's ``provenance:`` (the file's mapping; ``astrai.dispatch.provenance``
     #: reads it), else ``None``.
     provenance: Mapping[str, Any] | None = None
+    provided_by: str = ""  # who provided the file (see ``ImplRecord.provided_by``)
 
     def for_family(self, family: str) -> list[FamilyOverlay]:
         """The overlays that apply to ``family``: ``"*"`` first, then its own."""
