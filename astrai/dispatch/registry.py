@@ -286,7 +286,8 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
                 report(None, TableProblem(pf.file, *pf.where(("extends",), key=True), (
                     "a row overlay (extends:) is read from a plugin package only; to add "
                     "rows to a family from your own files, use a profile's add: (or a copy "
-                    "of the family's table: astrai-ops init)")))
+                    "of the family's table: astrai-ops init). A plugin's files are checked "
+                    "with astrai-ops precompile DIR")))
             if pf.table is None:
                 continue
             name = pf.table.name

@@ -29,7 +29,7 @@ __all__ = [
 import inspect
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from astrai.dispatch.axes import (
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.keying import PLAIN, identity_or_base, signature_key
 from astrai.dispatch.log import warn_once
+from astrai.dispatch.plugins import in_use
 from astrai.dispatch.provenance import describe
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.sources import (
@@ -516,6 +517,8 @@ class Explanation:
     error: str | None
     source: str = ""  # the file (or registration) the family's table came from
     provided_by: str = ""  # who provided the family's table
+    #: The plugins whose rows (or table) the family holds: distribution -> version.
+    plugins: Mapping[str, str] = field(default_factory=dict)
 
     def render(self) -> str:
         """The SPEC §8 text."""
@@ -540,6 +543,7 @@ class Explanation:
             "family": self.family,
             "source": self.source,
             "provided_by": self.provided_by,
+            "plugins": dict(self.plugins),
             "context": dict(self.context),
             "profiles": list(self.profiles),
             "rows": [{"name": r.name, "verdict": r.verdict, "detail": r.detail,
@@ -600,7 +604,8 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
         error = str(exc)
     return Explanation(family, context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
                        row, origin, error, source=view.table.source,
-                       provided_by=view.table.provided_by)
+                       provided_by=view.table.provided_by,
+                       plugins=in_use(state.plugins, (view.table,)))
 
 
 def explain(family: str, ctx: CallContext, explicit: Any = None) -> str:
