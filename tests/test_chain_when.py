@@ -108,3 +108,79 @@ def test_a_compared_size_keys_by_interval(write_yaml: Write) -> None:
                                                  torch.ones(8))).name == "inductor_large"
     assert served == {"torch", "reference"}
     assert d.stats().cache_misses - before <= 4
+
+
+def test_a_row_the_same_overlay_adds(toy: Path, write_yaml: Write) -> None:
+    """chain_when, disable and force reach a row the same overlay adds."""
+    base = ("version: 1\nprofile: {name}\nfamilies:\n  toy:\n    add:\n"
+            "      - {{name: extra, impl: 'tests._impls:slow', when: ndim == 3}}\n")
+    d.load_tables(
+        write_yaml("a.yaml", base.format(name="added-narrow")
+                   + "    chain_when: {extra: has_cache}\n"),
+        write_yaml("b.yaml", base.format(name="added-off") + "    disable: [extra]\n"),
+        write_yaml("c.yaml", base.format(name="added-force") + "    force: extra\n"))
+    with d.use_profile("added-narrow"):
+        assert d.resolve("toy", ctx(3)).name == "fast"
+        assert d.resolve("toy", ctx(3, has_cache=True)).name == "extra"
+    with d.use_profile("added-off"):
+        assert d.resolve("toy", ctx(3)).name == "fast"
+    with d.use_profile("added-force"):
+        got = d.resolve("toy", ctx(3))
+        assert (got.name, got.origin) == ("extra", "profile")
+
+
+def test_lint_judges_a_forced_row_by_its_own_when(toy: Path, write_yaml: Write) -> None:
+    """Forcing is not narrowed: lint's coverage under force + chain_when is that of the
+    force alone."""
+    force = "version: 1\nprofile: {name}\nfamilies:\n  toy:\n    force: fast\n"
+    d.load_tables(write_yaml("ff.yaml", force.format(name="ff")
+                             + "    chain_when: {fast: has_cache}\n"),
+                  write_yaml("f.yaml", force.format(name="f")))
+    with d.use_profile("ff"):
+        assert d.resolve("toy", ctx(3)).name == "fast"
+    both = lint_view(d.current().view("toy", ("ff",))).coverage
+    assert both == lint_view(d.current().view("toy", ("f",))).coverage
+
+
+def test_a_narrowed_row_is_probed_once(toy: Path, write_yaml: Write) -> None:
+    from tests import _impls
+
+    d.load_tables(write_yaml("probed.yaml", """\
+        version: 1
+        family: pr
+        fallback: ref
+        rows:
+          - name: probed
+            impl: tests._impls:fast
+            available: tests._impls:counted_probe
+          - name: ref
+            impl: tests._impls:ref
+        """), write_yaml("pn.yaml", """\
+        version: 1
+        profile: pn
+        families:
+          pr:
+            chain_when: {probed: ndim == 3}
+        """))
+    with d.use_profile("pn"):
+        assert d.resolve("pr", d.CallContext("pr", ndim=3)).name == "probed"
+        assert d.resolve("pr", d.CallContext("pr", ndim=2), "probed").name == "probed"
+        explain("pr", d.CallContext("pr", ndim=3))
+    d.load_tables(write_yaml("other.yaml", NARROW.replace("narrow", "other")))
+    with d.use_profile("pn"):
+        assert d.resolve("pr", d.CallContext("pr", ndim=3)).name == "probed"
+    assert _impls.PROBE["calls"] == 1
+
+
+def test_a_profile_comparing_an_axis_the_new_table_lacks_is_stale(write_yaml: Write) -> None:
+    rows = ("rows:\n  - name: windowed\n    impl: tests._impls:fast\n"
+            "  - name: plain\n    impl: tests._impls:ref\n")
+    head = "version: 1\nfamily: ax\nfallback: plain\n"
+    d.load_tables(
+        write_yaml("ax.yaml", head + "axes:\n  - {name: span, type: int, nullable: true}\n"
+                   + rows),
+        write_yaml("pw.yaml", "version: 1\nprofile: pw\nfamilies:\n  ax:\n"
+                              "    chain_when: {windowed: span >= 64}\n"))
+    with pytest.raises(TableError, match="loaded profile 'pw' compares axis 'span', which "
+                                         "family 'ax' no longer declares"):
+        d.load_tables(write_yaml("ax2.yaml", head + rows))

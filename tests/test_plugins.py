@@ -521,6 +521,59 @@ class TestPrecompiled:
         assert len(used) == 1 and rows()[0] == "yours"
         assert "precompiled.json was made for other table formats" in caplog.text
 
+    @pytest.mark.parametrize("damage", ["no requires", "no add", "bad when"])
+    def test_a_damaged_entry_takes_the_full_path(self, install: Install, tmp_path: Path,
+                                                 damage: str) -> None:
+        """An entry that does not build (edited by hand) is not trusted: the file is read
+        the full way, and the plugin loads as its YAML says."""
+        prof = ("version: 1\nprofile: damaged\nfamilies:\n  rms_norm:\n"
+                "    when: {torch: ndim >= 2}\n")
+        folder = tmp_path / "pre"
+        folder.mkdir()
+        (folder / "rms.yaml").write_text(overlay(row("mine")))
+        (folder / "p.yaml").write_text(prof)
+        assert main(["precompile", str(folder)]) == 0
+        doc = json.loads((folder / "precompiled.json").read_text())
+        for entry in doc["files"].values():
+            if damage == "no requires" and entry["kind"] == "overlay":
+                del entry["data"]["rows"][0]["requires"]
+            if damage == "no add" and entry["kind"] == "profile":
+                del entry["data"]["families"]["rms_norm"]["add"]
+            if damage == "bad when" and entry["kind"] == "profile":
+                entry["whens"] = [[p, ["axis", "nonexistent"]] for p, _ in entry["whens"]]
+        plugin = install("fastnorm", {"rms.yaml": overlay(row("mine")), "p.yaml": prof,
+                                      "precompiled.json": json.dumps(doc)})
+        assert plugin is not None and plugin.status == LOADED, plugin
+        assert rows()[0] == "mine" and "damaged" in d.list_profiles()
+
+    def test_the_digest_covers_what_expressions_mean(self,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+        from astrai.dispatch import axes
+
+        before = artifact.format_digest()
+        artifact.format_digest.cache_clear()
+        monkeypatch.setitem(axes.PREDICATES, "mask_free",  # type: ignore[index]
+                            ("not has_mask and not has_cache", "has_mask"))
+        try:
+            assert artifact.format_digest() != before
+        finally:
+            monkeypatch.undo()
+            artifact.format_digest.cache_clear()
+        assert artifact.format_digest() == before
+
+    def test_precompile_reads_what_the_loader_reads(self, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+        folder = tmp_path / "pkg"
+        (folder / "_private").mkdir(parents=True)
+        (folder / ".github").mkdir()
+        (folder / "rms.yaml").write_text(overlay(row("mine")))
+        (folder / "_private" / "x.yaml").write_text("not: a table\n")
+        (folder / ".github" / "ci.yml").write_text("on: push\n")
+        assert main(["precompile", str(folder)]) == 0
+        (folder / "latin.yaml").write_bytes(b"version: 1\n# caf\xe9\n")
+        assert main(["precompile", str(folder)]) == 1
+        assert "latin.yaml:1:1: file is not UTF-8 text" in capsys.readouterr().err
+
     def test_precompile_reports_problems(self, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
         folder = tmp_path / "bad"

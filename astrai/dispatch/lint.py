@@ -296,7 +296,9 @@ def _asking(ask: frozenset[str]) -> dict[str, Any]:
 def lint_view(view: View) -> LintReport:
     """Lint one family as ``view`` presents it (rows in effective order, profiles applied)."""
     family = view.table.name
-    rows = [view.in_chain(r) for r in view.rows]  # a profile's chain_when narrows a row
+    # A profile's chain_when narrows a row for the chain; a forced row is not narrowed.
+    forced_row = view.forced[0] if view.forced is not None else None
+    rows = [r if r.name == forced_row else view.in_chain(r) for r in view.rows]
     fallback = view.fallback.name
     mentions: dict[str, _Mention] = {}
     notes: list[str] = []

@@ -29,15 +29,16 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from astrai import __version__
 from astrai.dispatch import state as process
 from astrai.dispatch._environ import encoded
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import PREDICATES
+from astrai.dispatch.axes import AXES, PREDICATES
 from astrai.dispatch.expr.spec import Spec, named_parts
 from astrai.dispatch.joined import EMPTY as JOINED_NONE
 from astrai.dispatch.joined import Joined, join_rows
@@ -47,7 +48,7 @@ from astrai.dispatch.plugins import BROKEN, LOADED, Plugin, discover, plugin_pro
 from astrai.dispatch.provenance import warn_if_elsewhere
 from astrai.dispatch.tables.artifact import shipped_tables_dir
 from astrai.dispatch.tables.build import build_extension, build_profile
-from astrai.dispatch.tables.load import parse_file
+from astrai.dispatch.tables.load import parse_file, parse_text
 from astrai.dispatch.tables.model import (
     ALWAYS_AVAILABLE,
     FamilyTable,
@@ -119,13 +120,15 @@ class Registry:
         if record.available is ALWAYS_AVAILABLE:
             return True, ""
         # Per process (not per snapshot): a load of another family must not re-probe.
-        got = process.probed.get(record)  # rows hash by identity
-        if got is None:
+        probe = record.available  # keyed by the probe: a row's copies share its answer
+        got = process.probed.get(id(probe))
+        if got is None or got[0] is not probe:
             with process.probe_lock:  # concurrent first callers: one runs the probe, all share it
-                got = process.probed.get(record)
-                if got is None:
-                    got = process.probed[record] = check(record.available)
-        return got
+                got = process.probed.get(id(probe))
+                if got is None or got[0] is not probe:
+                    # Stored with its probe, so the id cannot be reused meanwhile.
+                    got = process.probed[id(probe)] = (probe, *check(probe))
+        return got[1], got[2]
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]
@@ -312,7 +315,6 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
         for pf in plugin.files:
             if pf.overlay is None:
                 continue
-            fresh = replace(pf, problems=[])
             family = pf.overlay["extends"]
             taken = {j.record.name: f"{j.record.provided_by}, {j.record.source}"
                      for j in (*got.extended.get(family, ()),
@@ -322,7 +324,8 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
                                                   table.provided_by.startswith("plugin "))
             taken.update({j.record.name: f"{j.record.provided_by}, {j.record.source}"
                           for j in mine.get(family, ())})
-            built = build_extension(fresh, got.families, taken, replaced=replaced)
+            fresh, built = _built(pf, partial(build_extension, families=got.families,
+                                              taken=taken, replaced=replaced))
             for problem in fresh.problems:
                 report(i, problem)
             if built:
@@ -358,8 +361,7 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
                     or seen_profiles[pf.profile["profile"]][0] != pf.file):
                 continue  # replaced by a later source (not built against the final tables),
                 # or a plugin's that would replace one
-            fresh = replace(pf, problems=[])
-            prof = build_profile(fresh, families)
+            fresh, prof = _built(pf, partial(build_profile, families=families))
             for problem in fresh.problems:
                 report(owner, problem)
             if prof is not None:
@@ -374,6 +376,24 @@ def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: li
                 got.problems.append(TableProblem(prof.source or "<profile>", 1, 1,
                                                  f"loaded profile {name!r} {stale}"))
     return got
+
+
+_T = TypeVar("_T")
+
+
+def _built(pf: ParsedFile, make: Callable[[ParsedFile], _T]) -> tuple[ParsedFile, _T | None]:
+    """``make`` run on a copy of ``pf`` with no problems yet (so a file built again per
+    snapshot reports its problems once each time). A file read from a precompiled entry
+    whose data does not build (a plugin's artifact edited by hand, or from an astrai
+    that wrote something else) is read again the full way, which reports it properly."""
+    fresh = replace(pf, problems=[])
+    try:
+        return fresh, make(fresh)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        if pf.dump is not None or pf.text is None:
+            raise  # validated the full way: a bug, not a bad entry
+    full = parse_text(pf.text, pf.file, pf.provided_by)
+    return full, (None if full.problems else make(full))
 
 
 def _without(table: FamilyTable, joins: tuple[Joined, ...]) -> FamilyTable:
@@ -399,6 +419,10 @@ def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
             stale = _stale_definition(spec, table)
             if stale:
                 return stale
+            gone = sorted(spec.axes() - set(AXES) - set(table.axes))
+            if gone:
+                return (f"compares axis {gone[0]!r}, which family {fam!r} no longer "
+                        f"declares; load the profile again with it")
     return ""
 
 

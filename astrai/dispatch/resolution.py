@@ -137,8 +137,10 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
     if implicit:
         rec = view.in_chain(rec)
     if rec.available is not ALWAYS_AVAILABLE:
-        probed = process.probed.get(rec)  # == state.availability(rec), inlined
-        if not (probed[0] if probed is not None else state.availability(rec)[0]):
+        probe = rec.available
+        probed = process.probed.get(id(probe))  # == state.availability(rec), inlined
+        if not (probed[1] if probed is not None and probed[0] is probe
+                else state.availability(rec)[0]):
             return False
     return asked_features(ctx) <= rec.features and rec.spec.matches(ctx)
 
@@ -264,8 +266,10 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
             asked = asked_features(ctx)
             for rec in view.chain:  # == serves(state, view, rec, ctx), inlined: the hot walk
                 if rec.available is not ALWAYS_AVAILABLE:
-                    got = probed.get(rec)
-                    if not (got[0] if got is not None else state.availability(rec)[0]):
+                    probe = rec.available
+                    got = probed.get(id(probe))
+                    if not (got[1] if got is not None and got[0] is probe
+                            else state.availability(rec)[0]):
                         continue
                 if (not asked or asked <= rec.features) and rec.spec.matches(ctx):
                     return _resolved(state, rec, origin)  # the seed's origin, fallback or not

@@ -31,9 +31,10 @@ snapshot: Registry | None = None
 swap_lock = threading.RLock()
 #: Serialises the first run of each availability probe.
 probe_lock = threading.RLock()
-#: Probe results, once per process until ``refresh()``: record -> (ok, reason) (rows hash
-#: by identity; the dict keeps each probed record alive).
-probed: dict[Any, tuple[bool, str]] = {}
+#: Probe results, once per process until ``refresh()``: id(probe) -> (probe, ok, reason),
+#: keyed by the zero-argument probe (rows sharing one, and a row's copies, share its
+#: answer; a probe need not be hashable).
+probed: dict[int, tuple[Any, bool, str]] = {}
 #: Snapshot epochs (every swap takes the next one).
 epochs = itertools.count(1)
 #: The bound of each snapshot's decision cache (``set_max_decisions``).
@@ -116,9 +117,11 @@ def reset_counts() -> None:
 
 
 def reset() -> None:
-    """Forget warnings, parsed environment values, counts and cached decisions."""
+    """Forget warnings, parsed environment values, probe results, counts and cached
+    decisions."""
     with warned_lock:
         warned.clear()
+    probed.clear()
     env_parsed.clear()
     locks.clear()
     lock_indexes.clear()

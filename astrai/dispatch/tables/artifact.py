@@ -80,9 +80,16 @@ _FORMAT_SCHEMAS = ("table.schema.json", "profile.schema.json", "overlay.schema.j
 
 @functools.lru_cache(maxsize=1)
 def format_digest() -> str:
-    """A digest of the table, profile and row overlay formats, as their checked-in JSON
-    Schemas state them: an artifact made for other formats is not used."""
-    digest = hashlib.sha256()
+    """A digest of what an artifact's data means: the table, profile and row overlay
+    formats (as their checked-in JSON Schemas state them), the expression language's
+    axes (names, kinds, values) and predicates (what each stands for), and the artifact's
+    own layout. An artifact made for anything else is not used."""
+    from astrai.dispatch.axes import AXES, PREDICATES
+
+    digest = hashlib.sha256(json.dumps([
+        FORMAT, [[a.name, a.kind, list(a.values), a.nullable] for a in AXES.values()],
+        sorted([name, *meaning] for name, meaning in PREDICATES.items()),
+    ]).encode())
     for name in _FORMAT_SCHEMAS:
         try:
             digest.update((schemas_dir() / name).read_bytes())

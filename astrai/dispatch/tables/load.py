@@ -351,8 +351,10 @@ def validate_directory(directory: Path,
     (profiles and overlays built against those tables and the ``known`` families: a
     plugin's extend the loaded ones), for writing the artifact. Raises ``TableError``
     listing every problem."""
-    paths = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml"))
-    parsed = [parse_text(p.read_bytes().decode("utf-8"), str(p)) for p in paths]
+    paths = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml")
+                   and not any(part.startswith(("_", ".")) for part in
+                               p.relative_to(directory).parent.parts))  # as plugins are read
+    parsed = [parse_bytes(p.read_bytes(), str(p), precompiled={}) for p in paths]
     families = {**(known or {}),
                 **{pf.table.name: pf.table for pf in parsed if pf.table is not None}}
     for pf in parsed:

@@ -324,10 +324,10 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
     narrowed: dict[str, Spec] = {}
     for prof in profiles:
         for ov in prof.for_family(table.name):
-            names = {r.name for r in rows}
             if ov.add:
                 rows = [*ov.add, *(r for r in rows if r.name not in {a.name for a in ov.add})]
                 notes.append(f"profile {prof.name} added {', '.join(a.name for a in ov.add)}")
+            names = {r.name for r in rows}  # the overlay's own added rows included
             for name, spec in ov.when.items():
                 rows = [replace(r, spec=spec) if r.name == name else r for r in rows]
                 notes.append(f"profile {prof.name} set {name}.when = {spec.description}")
