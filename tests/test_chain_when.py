@@ -184,3 +184,17 @@ def test_a_profile_comparing_an_axis_the_new_table_lacks_is_stale(write_yaml: Wr
     with pytest.raises(TableError, match="loaded profile 'pw' compares axis 'span', which "
                                          "family 'ax' no longer declares"):
         d.load_tables(write_yaml("ax2.yaml", head + rows))
+
+
+
+def test_on_the_fallback_row_ordered_first(toy: Path, write_yaml: Write) -> None:
+    """A profile that orders the fallback first may keep the chain off it where a later
+    row should win (tune does this when the fallback wins a bucket): that row then wins,
+    and where nothing else matches the fallback still serves, as the last resort."""
+    d.load_tables(write_yaml("fb.yaml", "version: 1\nprofile: fbfirst\nfamilies:\n  toy:\n"
+                                        "    order: [ref]\n    chain_when: {ref: ndim != 3}\n"))
+    with d.use_profile("fbfirst"):
+        assert d.resolve("toy", ctx(2)).name == "ref"
+        assert d.resolve("toy", ctx(3)).name == "fast"
+        got = d.resolve("toy", ctx(3), "ref")
+        assert (got.name, got.origin) == ("ref", "explicit")

@@ -202,14 +202,16 @@ class _Assembled:
 
 
 def _build(base: Registry | None, paths: list[tuple[str, str]], *, replace_all: bool,
-           plugins: list[Plugin] | None = None) -> tuple[Registry, list[str]]:
+           plugins: list[Plugin] | None = None, quiet: bool = False
+           ) -> tuple[Registry, list[str]]:
     """A new snapshot: ``base`` with the tables under ``paths`` (each with who provided
     it; read and bound here, with no lock held), and the files read. On a full build
     (``replace_all``) the first path is the shipped tables and ``plugins`` (found by
     ``plugins.discover``) come right after it; otherwise ``base``'s plugins stay, their
     row overlays placed again on the families as they now are. Raises ``TableError``
     listing every problem of the given files; a plugin with a problem is left out, with
-    a warning, and the snapshot lists it as broken."""
+    a warning (unless ``quiet``: ``validate`` returns the problems instead), and the
+    snapshot lists it as broken."""
     files, problems = _expand([p for p, _ in paths])
     parsed: list[ParsedFile] = [parse_file(f, paths[index][1]) for index, f in files]
     layers: list[list[ParsedFile]] = [[] for _ in paths]
@@ -227,7 +229,7 @@ def _build(base: Registry | None, paths: list[tuple[str, str]], *, replace_all: 
         found[first] = found[first].broken(got.failed[first])
     if got.problems:
         raise TableError(sorted(got.problems, key=lambda p: (p.file, p.line, p.column)))
-    for plugin in found:
+    for plugin in () if quiet else found:
         if plugin.status == BROKEN:
             warn_once(f"{plugin.provided_by} (entry point {plugin.name}) is left out: "
                       f"{plugin.reason}:\n" + "\n".join(f"  {p}" for p in plugin.problems))
@@ -551,9 +553,10 @@ def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
     try:
         if paths:
             _build(current(), [(os.fspath(p), "load_tables") for p in paths],
-                   replace_all=False)
+                   replace_all=False, quiet=True)
             return []
-        new, _ = _build(None, _table_sources(), replace_all=True, plugins=discover())
+        new, _ = _build(None, _table_sources(), replace_all=True, plugins=discover(),
+                        quiet=True)
     except TableError as exc:
         return exc.problems
     return plugin_problems(new.plugins)
