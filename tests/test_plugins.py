@@ -174,7 +174,8 @@ class TestRowOverlays:
         install("fastnorm", {"rms.yaml": overlay(row("mine", before="torch"))})
         d.load_tables(write_yaml("rms_norm.yaml", ONE_ROW_RMS_NORM))
         assert rows() == ["mine", "ref"]  # torch is gone: placed before the first faithful row
-        assert "asked to go before 'torch', which the table no longer has" in caplog.text
+        assert "rms.yaml:4: rms_norm.mine asked to go before 'torch', which the table no " \
+               "longer has" in caplog.text
 
     def test_register_impl_can_anchor_on_a_plugin_row(self, install: Install) -> None:
         install("fastnorm", {"rms.yaml": overlay(row("mine"))})

@@ -71,7 +71,8 @@ def _place(rows: list[ImplRecord], table: FamilyTable, join: Joined, joined: set
             return names.index(behind.get(anchor, anchor)) + 1
         how = ("placed by priority" if not join.overlay
                else "placed before the first faithful row")
-        warn_once(f"{join.by}: {join.record.family}.{join.record.name} asked to go "
+        where = join.record.source if join.overlay else join.by  # an overlay's: file:line
+        warn_once(f"{where}: {join.record.family}.{join.record.name} asked to go "
                   f"{'before' if join.before else 'after'} {anchor!r}, which the table no "
                   f"longer has; {how}")
     return _by_default(rows, table, join, joined)
