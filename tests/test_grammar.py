@@ -692,6 +692,62 @@ class TestMatches:
             assert direct.matches(ctx) is expected
             assert reparsed.matches(ctx) is expected
             assert decoded.matches(ctx) is expected
+            # The generated function the evaluator's chain walk calls agrees too.
+            assert bool(direct.matcher()(ctx)) is expected
+            assert bool(decoded.matcher()(ctx)) is expected
+
+
+class TestMatcher:
+    """``Spec.matcher()``: the spec as one generated function, the same answers."""
+
+    def test_made_once_and_kept(self) -> None:
+        spec = parse_spec("dtype in {half} and head_dim <= 128")
+        assert spec.matcher() is spec.matcher()
+        assert spec.matcher().__code__.co_filename == "<astrai spec>"
+
+    def test_extra_axis_goes_through_its_getter(self) -> None:
+        m = parse_spec("span >= 128 and has_cache", SPANNED).matcher()
+        assert m(call(has_cache=True, extra={"span": 256}))
+        assert not m(call(has_cache=True, extra={"span": 64}))
+        assert not m(call(has_cache=True))  # none is never ordered
+
+    @pytest.mark.parametrize(("text", "ndim", "head_dim", "want"), [
+        ("head_dim > ndim", 4, 8, True), ("head_dim < ndim", None, 8, False),
+        ("head_dim >= ndim", 4, None, False), ("head_dim == ndim", None, None, True),
+        ("ndim < 4", None, None, False), ("ndim != 4", None, None, True),
+    ])
+    def test_none_is_never_ordered(self, text: str, ndim: int | None, head_dim: int | None,
+                                   want: bool) -> None:
+        ctx = CallContext("x", ndim=ndim, head_dim=head_dim)
+        assert parse_spec(text).matches(ctx) is want
+        assert bool(parse_spec(text).matcher()(ctx)) is want
+
+    def test_values_are_bound_not_spelled(self) -> None:
+        """A value reaches the generated code by name, whatever its text would be."""
+        axis = Axis("tag", "enum", values=("a'); import os; ('",), core=False)
+        vocabulary = CORE_VOCABULARY.with_extras({"tag": axis})
+        spec = Spec.decode(["in", "tag", ["a'); import os; ('"], False], vocabulary)
+        assert spec.matcher()(call(extra={"tag": "a'); import os; ('"}))
+        assert not spec.matcher()(call(extra={"tag": "b"}))
+
+    def test_python_predicates_are_called(self) -> None:
+        seen: list[CallContext] = []
+
+        def probe(ctx: CallContext) -> bool:
+            seen.append(ctx)
+            return ctx.ndim == 3
+
+        m = (Spec.of(probe, "probe") & Spec.has_cache()).matcher()
+        assert m(call(ndim=3, has_cache=True)) and not m(call(ndim=4, has_cache=True))
+        assert len(seen) == 2
+
+    def test_too_deep_to_generate_keeps_the_tree_walk(self) -> None:
+        """A spec nested beyond what Python compiles answers through ``matches``."""
+        spec = Spec.has_cache()
+        for _ in range(400):
+            spec = ~spec
+        assert spec.matcher() == spec.matches
+        assert spec.matcher()(call(has_cache=True)) is True
 
 
 class TestParseSpec:

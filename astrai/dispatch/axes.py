@@ -43,7 +43,7 @@ import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -278,6 +278,11 @@ class CallContext:
     extra: Mapping[str, Any] = field(default_factory=lambda: EMPTY, hash=False)
     raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
+    # What ``resolve`` left on this object (``astrai.dispatch.resolution``): none here.
+    # Annotated for type checkers only, so that it is no dataclass (pseudo-)field.
+    if TYPE_CHECKING:
+        _resolved: ClassVar[tuple[Any, ...] | None]
+    _resolved = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The fields, without what ``resolve`` left on this object (see its docstring):
@@ -292,14 +297,14 @@ class CallContext:
         """The hashable identity of the call: ``(family, *base axis values, extra)``, then
         the lazy axes' values as one tuple when the call fills any; ``raw`` excluded;
         computed once."""
-        got = self.__dict__.get("_signature")
+        fields = self.__dict__
+        got = fields.get("_signature")
         if got is not None:
             return got  # type: ignore[no-any-return]
         extra = tuple(sorted(self.extra.items())) if self.extra else ()
         lazy = _read_lazy(self)
-        got = ((self.family, *_read_base(self), extra) if lazy == _UNFILLED
-               else (self.family, *_read_base(self), extra, lazy))
-        object.__setattr__(self, "_signature", got)
+        got = _read_family_base(self) + ((extra,) if lazy == _UNFILLED else (extra, lazy))
+        fields["_signature"] = got  # (frozen: written past __setattr__)
         return got
 
     @classmethod
@@ -330,7 +335,7 @@ CORE_AXES: tuple[str, ...] = tuple(AXES)
 LAZY_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.lazy)
 #: The axes that are not lazy, in declaration order.
 BASE_AXES: tuple[str, ...] = tuple(name for name in CORE_AXES if name not in LAZY_AXES)
-_read_base = operator.attrgetter(*BASE_AXES)
+_read_family_base = operator.attrgetter("family", *BASE_AXES)
 _read_lazy = operator.attrgetter(*LAZY_AXES)
 _UNFILLED = (None,) * len(LAZY_AXES)
 #: The feature axes (see ``Axis.feature``), in declaration order.

@@ -91,12 +91,14 @@ class Registry:
     # family -> how a whole CallContext becomes its key (keying.signature_key)
     signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
+    #: ``alias_keys``' values, in order (what ``sources.env_now`` reads).
+    alias_names: tuple[Any, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-
         # Per family, its legacy variable's name as os.environ stores it (hot path).
-        object.__setattr__(self, "alias_keys",
-                           {f: encoded(v) for f, v in self.aliases.items()})
+        keys = {f: encoded(v) for f, v in self.aliases.items()}
+        object.__setattr__(self, "alias_keys", keys)
+        object.__setattr__(self, "alias_names", tuple(keys.values()))
 
     def family(self, name: str) -> FamilyTable:
         """The family ``name``; ``UnknownFamilyError`` (a ``KeyError``) lists the known ones."""
@@ -486,6 +488,7 @@ def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
 
 
 def _swap(new: Registry) -> None:
+    process.decisions = new.decisions  # first: answers left on contexts miss from here on
     process.snapshot = new
     rows = [(r.family, r.name, r.obj) for t in new.families.values() for r in t.rows]
     rows += [(a.family, a.name, a.obj) for p in new.profiles.values()

@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 import inspect
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -142,7 +143,8 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
         if not (probed[1] if probed is not None and probed[0] is probe
                 else state.availability(rec)[0]):
             return False
-    return asked_features(ctx) <= rec.features and rec.spec.matches(ctx)
+    spec = rec.spec
+    return asked_features(ctx) <= rec.features and bool((spec._m or spec.matcher())(ctx))
 
 
 def _adhoc(family: str, obj: Any) -> ImplRecord:
@@ -213,7 +215,11 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     sources = PRECEDENCE
     if (explicit is None and view.forced is None and family not in env.backends
             and family not in current_scope().handles):
-        sources = _UNSELECTED  # nothing names a row for this call: the table decides
+        # Nothing names a row for this call: the table decides, chain then fallback.
+        rec = _first_in_chain(state, view, ctx)
+        if rec is not None:
+            return _resolved(state, rec, "chain")  # the seed's origin, fallback or not
+        sources = _FALLBACK
     for source in sources:
         origin = source.origin
         handle = source.handle(family, explicit, env) if source.selects else None
@@ -262,17 +268,9 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
                 notes.append(f"profile {prof} forces {row}, which cannot serve this call "
                              f"({why}); falling through")
         elif origin == "chain":
-            probed = process.probed
-            asked = asked_features(ctx)
-            for rec in view.chain:  # == serves(state, view, rec, ctx), inlined: the hot walk
-                if rec.available is not ALWAYS_AVAILABLE:
-                    probe = rec.available
-                    got = probed.get(id(probe))
-                    if not (got[1] if got is not None and got[0] is probe
-                            else state.availability(rec)[0]):
-                        continue
-                if (not asked or asked <= rec.features) and rec.spec.matches(ctx):
-                    return _resolved(state, rec, origin)  # the seed's origin, fallback or not
+            rec = _first_in_chain(state, view, ctx)
+            if rec is not None:
+                return _resolved(state, rec, origin)
         elif origin == "fallback":
             rec = view.fallback
             if not serves(state, view, rec, ctx, implicit=False):
@@ -283,8 +281,26 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     raise AssertionError("unreachable: PRECEDENCE ends with the fallback")  # pragma: no cover
 
 
-#: The sources after those that name a row or force one: the chain, then the fallback.
-_UNSELECTED = tuple(s for s in PRECEDENCE if s.origin in ("chain", "fallback"))
+#: The last source: the fallback.
+_FALLBACK = tuple(s for s in PRECEDENCE if s.origin == "fallback")
+
+
+def _first_in_chain(state: Registry, view: View, ctx: CallContext) -> ImplRecord | None:
+    """The first row of ``view``'s chain that serves ``ctx``: ``serves`` row by row,
+    inlined (the hot walk of every decision)."""
+    probed = process.probed
+    asked = asked_features(ctx)
+    for rec in view.chain:
+        if rec.available is not ALWAYS_AVAILABLE:
+            probe = rec.available
+            got = probed.get(id(probe))
+            if not (got[1] if got is not None and got[0] is probe
+                    else state.availability(rec)[0]):
+                continue
+        spec = rec.spec
+        if (not asked or asked <= rec.features) and (spec._m or spec.matcher())(ctx):
+            return rec
+    return None
 
 
 # -- resolve, with its decision cache -----------------------------------------
@@ -400,12 +416,20 @@ def miss(state: Registry, key: tuple[Any, ...], family: str, explicit: Any,
     got = _decision(state, _evaluate_counted(state, family, ctx, explicit))
     decisions = state.decisions
     if len(decisions) >= process.max_decisions:
-        try:  # drop the oldest entry; another thread may be doing the same
-            decisions.pop(next(iter(decisions)), None)
-        except (StopIteration, RuntimeError):
-            pass
+        _evict(decisions)
     decisions[key] = got
     return got
+
+
+def _evict(decisions: dict[Any, Any]) -> None:
+    """Drop the oldest eighth of a full decision cache (at least one entry). In batches:
+    a dict finds its first live entry by walking past the ones deleted before it, so
+    dropping one entry per miss would cost a walk over every earlier eviction."""
+    try:  # another thread may be evicting too
+        for key in list(itertools.islice(decisions, max(1, len(decisions) >> 3))):
+            decisions.pop(key, None)
+    except RuntimeError:  # pragma: no cover - the dict changed size under the iteration
+        pass
 
 
 def _decision(state: Registry, res: Resolution) -> Decision:
@@ -438,14 +462,14 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why (SPEC §3). Cached per call signature; the same
     ``ctx`` object asked about again (a third time) while nothing changed is answered
     from what the second answer left on it, by identity checks alone."""
-    fields = ctx.__dict__
-    memo, state = fields.get(_MEMO), process.snapshot
-    if (memo is not None and memo[0] is family and memo[1] is explicit and memo[2] is state
-            and state is not None and memo[3] is state.decisions
-            and memo[4] is current_scope() and memo[5] is environ_get(OPS_KEY)
-            and memo[6] is environ_get(memo[7])):
+    memo = ctx._resolved
+    if (memo is not None and memo[0] is process.decisions and memo[1] is family
+            and memo[2] is explicit and memo[3] is current_scope()
+            and memo[4] is environ_get(OPS_KEY)
+            and (memo[5] is None or memo[6] is environ_get(memo[5]))):
         next(QUIET)  # a hit that serves no call
-        return memo[8]  # type: ignore[no-any-return]
+        return memo[7]  # type: ignore[no-any-return]
+    state, fields = process.snapshot, ctx.__dict__
     again = "_signature" in fields  # resolved before: worth remembering on the object
     sig = ctx.signature()
     if sig[0] != family:
@@ -462,9 +486,10 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
         scope, ops, alias_key, alias = seen
         if family not in scope.uncacheable:
             # Everything the decision-cache key holds besides the signature, by identity:
-            # a reload, refresh(), reset(), another scope or a changed variable misses.
-            object.__setattr__(ctx, _MEMO, (family, explicit, state, state.decisions, scope,
-                                            ops, alias, alias_key, got))
+            # the snapshot's decision cache (a reload, refresh() or reset() makes a new
+            # one), the scope and the variables.
+            object.__setattr__(ctx, _MEMO, (state.decisions, family, explicit, scope, ops,
+                                            alias_key, alias, got))
     return got
 
 

@@ -395,9 +395,10 @@ def use_profile(*names: str) -> Iterator[None]:
 def env_now(state: Registry) -> EnvSettings:
     """What the environment asks of the tables in ``state``, now (``env_settings``, with
     the lookup of an already parsed value done here, on the pre-encoded names)."""
-    keys = state.alias_keys
-    got: EnvSettings | None = process.env_parsed.get(
-        (environ_get(OPS_KEY), tuple([environ_get(k) for k in keys.values()]), state.epoch))
+    keys = state.alias_names
+    n = len(keys)  # commonly one (the shipped tables' ASTR_BACKEND): no loop then
+    raw = () if not n else (environ_get(keys[0]),) if n == 1 else tuple(map(environ_get, keys))
+    got: EnvSettings | None = process.env_parsed.get((environ_get(OPS_KEY), raw, state.epoch))
     if got is None:
         got = env_settings(state.families, state.profiles, state.aliases, state.epoch)
     return got

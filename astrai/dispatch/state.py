@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 #: The tables in force: one immutable snapshot, swapped whole (``registry``).
 snapshot: Registry | None = None
+#: ``snapshot.decisions``, the decision cache of the snapshot in force (``None`` before
+#: the first load): what ``resolve``'s answer left on a call context is checked against.
+decisions: dict[Any, Any] | None = None
 #: Guards swaps of ``snapshot`` only: nothing is read or imported under it.
 swap_lock = threading.RLock()
 #: Serialises the first run of each availability probe.
@@ -126,10 +129,12 @@ def reset() -> None:
     locks.clear()
     lock_indexes.clear()
     reset_counts()
+    global decisions
     if snapshot is not None:
         # A new dict rather than cleared in place: the answers ``resolve`` left on call
         # contexts name the dict they came from, so they are forgotten too.
         object.__setattr__(snapshot, "decisions", {})
+    decisions = None if snapshot is None else snapshot.decisions
 
 
 def update_recordings(change: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> None:

@@ -5,7 +5,9 @@ compose them and nested ands and ors flatten. The parser (``_parser``) builds th
 combinators directly from text. This module owns:
 
 - evaluation (``matches``) and, for ``explain``, ``failure(ctx)``: which clause
-  rejected a call and the value the call had;
+  rejected a call and the value the call had; ``matcher()``, the same test made into
+  one generated Python function (attribute reads and comparisons inline), which the
+  evaluator's chain walk calls;
 - the one canonical printer, ``description``, which parses back to an equal spec
   (the only place operator precedence is stated for printing: ``precedence``);
 - a plain, JSON-ready encoding (``encode`` / ``Spec.decode``) for the precompiled
@@ -20,6 +22,7 @@ __all__ = ["AxisTest", "Comparisons", "Spec", "comparisons", "cut_points", "name
            "parse_spec"]
 
 import functools
+import keyword
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -75,14 +78,36 @@ class AxisTest:
 class Spec:
     """A predicate over a call context. Subclasses are frozen and hashable."""
 
-    __slots__ = ()
+    __slots__ = ("_m",)
     precedence: ClassVar[int] = _ATOM
     kind: ClassVar[Kind] = "atom"
+    #: ``matcher()``'s function once made (``None`` until then).
+    _m: Callable[[CallContext], Any] | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Spec:
+        self = super().__new__(cls)
+        object.__setattr__(self, "_m", None)
+        return self
 
     # -- evaluation -----------------------------------------------------
     def matches(self, ctx: CallContext) -> bool:
         """Whether the call described by ``ctx`` satisfies this spec."""
         raise NotImplementedError
+
+    def matcher(self) -> Callable[[CallContext], Any]:
+        """``matches`` as one generated function, made on first use and kept: its result's
+        truth is ``matches``'s answer. A spec that does not generate (too deep for the
+        compiler) keeps its ``matches``."""
+        got = self._m
+        if got is None:
+            got = _generate(self)
+            object.__setattr__(self, "_m", got)
+        return got
+
+    def _source(self, out: _Source) -> str:
+        """A Python expression over ``ctx`` true exactly when this spec matches (the
+        generated ``matcher``); a spec without one calls its own ``matches``."""
+        return f"{out.const(self.matches)}(ctx)"
 
     def __call__(self, ctx: CallContext) -> bool:
         return self.matches(ctx)
@@ -356,6 +381,9 @@ class _Const(_Frozen):
     def matches(self, ctx: CallContext) -> bool:
         return self.value
 
+    def _source(self, out: _Source) -> str:
+        return "True" if self.value else "False"
+
     @property
     def description(self) -> str:
         return "always" if self.value else "never"
@@ -384,6 +412,9 @@ class _Fn(_Frozen):
 
     def matches(self, ctx: CallContext) -> bool:
         return bool(self.fn(ctx))
+
+    def _source(self, out: _Source) -> str:
+        return f"{out.const(self.fn)}(ctx)"
 
     def _reason(self, ctx: CallContext) -> str:
         return self.desc
@@ -437,6 +468,15 @@ class _Compare(_Atom):
             return False
         return self._fn(got, self.value)
 
+    def _source(self, out: _Source) -> str:
+        value = out.const(self.value)
+        if self.op in ("==", "!="):
+            return f"({out.read(self.axis)} {self.op} {value})"
+        if self.value is None:
+            return "False"
+        got = out.temp()
+        return f"(({got} := {out.read(self.axis)}) is not None and {got} {self.op} {value})"
+
     @property
     def test(self) -> AxisTest:
         return AxisTest(self.axis, (self.value,), ordering=self.op not in ("==", "!="),
@@ -474,6 +514,14 @@ class _CompareAxes(_Atom):
         if self.op not in ("==", "!=") and (left is None or right is None):
             return False
         return self._fn(left, right)
+
+    def _source(self, out: _Source) -> str:
+        left, right = out.read(self.axis), out.read(self.other)
+        if self.op in ("==", "!="):
+            return f"({left} {self.op} {right})"
+        a, b = out.temp(), out.temp()
+        return (f"(({a} := {left}) is not None and ({b} := {right}) is not None "
+                f"and {a} {self.op} {b})")
 
     def _reason(self, ctx: CallContext) -> str:
         return (f"{self.description} (call has {format_value(self._get(ctx))} and "
@@ -514,6 +562,10 @@ class _Member(_Atom):
     def matches(self, ctx: CallContext) -> bool:
         return (self._get(ctx) in self._values) != self.negated
 
+    def _source(self, out: _Source) -> str:
+        word = "not in" if self.negated else "in"
+        return f"({out.read(self.axis)} {word} {out.const(self._values)})"
+
     @property
     def test(self) -> AxisTest:
         return AxisTest(self.axis, self.values)
@@ -539,6 +591,9 @@ class _Flag(_Atom):
 
     def matches(self, ctx: CallContext) -> bool:
         return bool(self._get(ctx))
+
+    def _source(self, out: _Source) -> str:
+        return out.read(self.axis)
 
     @property
     def description(self) -> str:
@@ -572,6 +627,9 @@ class _Named(_Frozen):
 
     def matches(self, ctx: CallContext) -> bool:
         return self.inner.matches(ctx)
+
+    def _source(self, out: _Source) -> str:
+        return self.inner._source(out)
 
     def _reason(self, ctx: CallContext) -> str:
         """``name (call has ...)`` when the whole of it fails (``mask_free (call has
@@ -618,6 +676,9 @@ class _Not(_Frozen):
 
     def matches(self, ctx: CallContext) -> bool:
         return not self.part.matches(ctx)
+
+    def _source(self, out: _Source) -> str:
+        return f"(not {self.part._source(out)})"
 
     def axes(self) -> frozenset[str]:
         return self.part.axes()
@@ -668,6 +729,9 @@ class _Junction(_Frozen):
     def encode(self) -> Plain:
         return [self.word, [p.encode() for p in self._parts]]
 
+    def _source(self, out: _Source) -> str:
+        return "(" + f" {self.word} ".join(p._source(out) for p in self._parts) + ")"
+
     def _key(self) -> tuple[Any, ...]:
         return self._parts
 
@@ -704,6 +768,47 @@ class _Or(_Junction):
             if p.matches(ctx):
                 return True
         return False
+
+
+class _Source:
+    """What a generated matcher is made of: its constants by name, and fresh names."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, Any] = {}
+        self.temps = 0
+
+    def const(self, value: Any) -> str:
+        """A name the generated code reads ``value`` by (values never enter the text)."""
+        name = f"_c{len(self.names)}"
+        self.names[name] = value
+        return name
+
+    def temp(self) -> str:
+        """A fresh local name."""
+        self.temps += 1
+        return f"_t{self.temps}"
+
+    def read(self, axis: Axis) -> str:
+        """The expression that reads ``axis`` off ``ctx``: the attribute itself for a
+        core axis read the usual way, else the axis's own getter."""
+        name = axis.name
+        if axis.core and name.isidentifier() and not keyword.iskeyword(name) and (
+                axis.getter.__reduce__() == (operator.attrgetter, (name,))):
+            return f"ctx.{name}"
+        return f"{self.const(axis.getter)}(ctx)"
+
+
+def _generate(spec: Spec) -> Callable[[CallContext], Any]:
+    """``spec.matches`` as one function: its clauses inline, in order, short-circuiting
+    as ``matches`` does (``spec.matcher()`` keeps it)."""
+    out = _Source()
+    try:
+        body = spec._source(out)
+        code = compile(f"def _matches(ctx):\n    return {body}\n", "<astrai spec>", "exec")
+    except (RecursionError, SyntaxError, MemoryError, ValueError):
+        return spec.matches  # too deep to generate: the tree walk answers
+    exec(code, out.names)  # the text: axis names and fixed words; values are bound names
+    return out.names["_matches"]  # type: ignore[no-any-return]
 
 
 class _Build:
