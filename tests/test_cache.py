@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,8 @@ class TestFacadeKey:
         x, w = torch.randn(2, 4), torch.randn(3, 4)
         d = decide("linear", linear_context(x, w).signature(), None, linear_context, (x, w, None))
         obj = d.obj
-        if isinstance(obj, type(lambda: None)):
-            assert d.call is obj
+        if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)):
+            assert d.call is obj  # (the linear row is F.linear itself)
         else:
             assert d.call.__self__ is obj
             assert d.call.__func__ is type(obj).__call__
@@ -790,3 +791,106 @@ class TestResolveMemo:
         assert "_resolved" not in other.__dict__
         assert other == call
         assert resolve("rms_norm", other) == resolve("rms_norm", call)
+
+
+class TestFacadeLastWorld:
+    """A facade keeps its family's decisions of the last world (snapshot, scope, raw
+    variables) by the call's values: the same world skips ``decide``; any change of
+    world goes back through it, so the answer always follows the change."""
+
+    @staticmethod
+    def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        from astrai.ops import _facade
+
+        seen: list[str] = []
+        real = _facade.decide
+
+        def counted(family: str, *args: Any, **kwargs: Any) -> Decision:
+            seen.append(family)
+            return real(family, *args, **kwargs)
+
+        monkeypatch.setattr(_facade, "decide", counted)
+        return seen
+
+    def test_same_world_skips_decide_and_every_change_reaches_it(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        x, w = torch.randn(2, 4), torch.ones(4)
+        astrai.ops.rms_norm(x, w)
+        seen = self.counting(monkeypatch)
+        reset_stats()
+        for _ in range(3):
+            astrai.ops.rms_norm(x, w)
+        assert seen == [] and stats().served("rms_norm") == 3
+        assert stats().cache_hits == 3
+
+        monkeypatch.setenv("ASTR_OPS", "rms_norm=reference")
+        astrai.ops.rms_norm(x, w)
+        astrai.ops.rms_norm(x, w)
+        assert len(seen) == 1 and stats().served("rms_norm", "reference", "env") == 2
+        monkeypatch.delenv("ASTR_OPS")
+        astrai.ops.rms_norm(x, w)
+        assert len(seen) == 2 and stats().served("rms_norm", "reference", "env") == 2
+        with op_backend(rms_norm="reference"):
+            astrai.ops.rms_norm(x, w)
+            assert stats().served("rms_norm", "reference", "context") == 1
+        astrai.ops.rms_norm(x, w)
+        assert len(seen) == 4
+        state.reset()  # a new decision cache: a new world
+        astrai.ops.rms_norm(x, w)
+        astrai.ops.rms_norm(x, w)
+        assert len(seen) == 5 and stats().cache_misses == 1
+        assert stats().served("rms_norm", "reference") == 0  # (counts since reset)
+
+    def test_other_values_and_backend_go_through_decide(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        x, w = torch.randn(2, 4), torch.ones(4)
+        astrai.ops.rms_norm(x, w)
+        seen = self.counting(monkeypatch)
+        astrai.ops.rms_norm(x.double(), w.double())  # other values: decided, then kept
+        astrai.ops.rms_norm(x.double(), w.double())
+        assert len(seen) == 1
+        astrai.ops.rms_norm(x, w, backend="reference")  # never from the last world
+        astrai.ops.rms_norm(x, w, backend="reference")
+        assert len(seen) == 3
+        astrai.ops.rms_norm(x, w)
+        assert len(seen) == 3
+
+    def test_legacy_alias_is_part_of_the_world(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        q = torch.randn(1, 3, 2, 8)
+        astrai.ops.attention(q, q, q)
+        reset_stats()
+        for _ in range(2):
+            monkeypatch.setenv("ASTR_BACKEND", "math")
+            astrai.ops.attention(q, q, q)
+            monkeypatch.delenv("ASTR_BACKEND")
+            astrai.ops.attention(q, q, q)
+        assert stats().served("attention", "math", "env") == 2
+        assert stats().served("attention") == 4
+
+    def test_a_reload_is_a_new_world(self, write_yaml: Callable[[str, str], Path]) -> None:
+        x, w = torch.randn(2, 4), torch.ones(4)
+        astrai.ops.rms_norm(x, w)
+        astrai.ops.rms_norm(x, w)
+        path = write_yaml("rms_norm.yaml", """\
+            version: 1
+            family: rms_norm
+            fallback: reference
+            rows:
+              - name: reference
+                impl: astrai.backends.rms_norm:reference_rms_norm
+            """)
+        load_tables(path)
+        reset_stats()
+        astrai.ops.rms_norm(x, w)
+        assert stats().served("rms_norm", "reference") == 1
+
+    def test_uncacheable_scope_is_never_kept(self) -> None:
+        """Under a scope whose object reads the raw call, every call is probed."""
+        obj = _LongOnly()
+        q = torch.randn(1, 6, 2, 8)
+        with op_backend(attention=obj):
+            for _ in range(3):
+                astrai.ops.attention(q, q, q)
+        assert obj.probes == 3
+        plain = astrai.ops.attention(q, q, q)
+        assert not torch.equal(plain, torch.full((1, 6, 16), 7.0))

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.dispatch import state as process
+from astrai.dispatch._environ import environ_get
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.keying import key_plan
-from astrai.dispatch.registry import current
-from astrai.dispatch.resolution import decide
+from astrai.dispatch.registry import Registry, current
+from astrai.dispatch.resolution import Decision, decide
+from astrai.dispatch.sources import OPS_KEY, current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
@@ -118,9 +120,20 @@ _UNSET: Any = object()
 
 
 def route(fc: FamilyCall) -> Route:
-    """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call."""
+    """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
+
+    In front of the decision cache sits this family's *last world*: the decision cache
+    it was taken from (the snapshot's, ``state.decisions``), the scope, and the raw
+    ``ASTR_OPS`` and alias values - everything ``decide``'s key holds besides the call's
+    values and the (absent) ``backend=`` - with the decisions already taken in it, by
+    the call's values. A call in the same world (nearly every call) is looked up there by
+    its values alone; any change of world misses it, and ``decide`` answers as always.
+    """
     family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
+    # (decision cache, scope, ASTR_OPS, alias name, alias value, {values: Decision},
+    #  what the lazy axes add to the values in that snapshot or None)
+    last: list[tuple[Any, ...]] = [(None, None, None, None, None, {}, None)]
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
@@ -129,17 +142,40 @@ def route(fc: FamilyCall) -> Route:
             values = representatives(family, every, (*values, *shape(*args)))
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
+        world = last[0]
+        if (backend is None and world[0] is process.decisions and world[1] is current_scope()
+                and world[2] is environ_get(OPS_KEY)
+                and (world[3] is None or world[4] is environ_get(world[3]))):
+            extend = world[6]
+            d = world[5].get(values if extend is None else values + extend(values, args))
+            if d is not None:
+                next(d.counter)
+                return d.call  # type: ignore[no-any-return]
         state = process.snapshot or current()
         lazy_key = state.facade_keys.get(family, _UNSET)
-        if lazy_key is not None:  # a loaded table compares a lazy axis (or not known yet)
-            if lazy_key is _UNSET:
-                lazy_key = state.facade_keys[family] = key_plan(state, family).reader(
-                    reads, readers)
-            if lazy_key is not None:
-                values += lazy_key(values, args)
+        if lazy_key is _UNSET:
+            lazy_key = state.facade_keys[family] = key_plan(state, family).reader(reads, readers)
+        if lazy_key is not None:  # a loaded table compares a lazy axis
+            values += lazy_key(values, args)
         d = decide(family, values, backend, context, args, state)
+        if backend is None:
+            _remember(state, values, d, lazy_key)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
+
+    def _remember(state: Registry, values: tuple[Any, ...], d: Decision, extend: Any) -> None:
+        """Keep ``d`` for ``values`` in this family's last world (a new world if this
+        call's is another), unless the scope leaves the family uncached."""
+        scope = current_scope()
+        if family in scope.uncacheable or state.decisions is not process.decisions:
+            return
+        alias_key = state.alias_keys.get(family)
+        world = (state.decisions, scope, environ_get(OPS_KEY), alias_key,
+                 environ_get(alias_key))
+        seen = last[0]
+        if seen[:5] != world or len(seen[5]) >= process.max_decisions:
+            last[0] = seen = (*world, {}, extend)
+        seen[5][values] = d
 
     return pick
 
