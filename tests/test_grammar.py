@@ -741,6 +741,14 @@ class TestMatcher:
         assert m(call(ndim=3, has_cache=True)) and not m(call(ndim=4, has_cache=True))
         assert len(seen) == 2
 
+    def test_copies_are_the_spec_itself(self) -> None:
+        """A spec is an immutable value: copying it gives it back (it used to raise)."""
+        import copy
+
+        spec = parse_spec("dtype in {half} and ndim == 4")
+        assert copy.copy(spec) is spec and copy.deepcopy(spec) is spec
+        assert copy.deepcopy({"when": spec})["when"] is spec
+
     def test_too_deep_to_generate_keeps_the_tree_walk(self) -> None:
         """A spec nested beyond what Python compiles answers through ``matches``."""
         spec = Spec.has_cache()

@@ -172,6 +172,13 @@ class Spec:
     def __repr__(self) -> str:
         return f"Spec({self.description!r})"
 
+    # -- copies: a spec is an immutable value, so a copy is the spec itself ----
+    def __copy__(self) -> Spec:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Spec:
+        return self
+
     def __str__(self) -> str:
         return self.description
 
