@@ -894,3 +894,74 @@ class TestFacadeLastWorld:
         assert obj.probes == 3
         plain = astrai.ops.attention(q, q, q)
         assert not torch.equal(plain, torch.full((1, 6, 16), 7.0))
+
+    def test_a_change_while_deciding_is_not_filed_under_the_new_world(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """``ASTR_OPS`` set while a decision is taken (here by the probe of a row the chain
+        asks about): the decision, taken under the old value, is not kept for the new."""
+        from astrai.dispatch import register_impl, unregister_impl
+
+        def probe() -> bool:
+            os.environ["ASTR_OPS"] = "rms_norm=reference"
+            return False
+
+        def never(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+            raise AssertionError("an unavailable row ran")
+
+        monkeypatch.delenv("ASTR_OPS", raising=False)
+        register_impl(ImplRecord("rms_norm", "probing", never, available=probe),
+                      before="inductor_large")
+        try:
+            x, w = torch.randn(2, 4), torch.ones(4)
+            astrai.ops.rms_norm(x, w)  # decided under no ASTR_OPS; the probe sets it
+            reset_stats()
+            for _ in range(3):
+                astrai.ops.rms_norm(x, w)
+            assert stats().served("rms_norm", "reference", "env") == 3
+        finally:
+            os.environ.pop("ASTR_OPS", None)
+            unregister_impl("rms_norm", "probing")
+
+    def test_snapshot_put_back_by_hand_is_a_new_world(
+            self, write_yaml: Callable[[str, str], Path]) -> None:
+        """Tables saved and restored by assigning ``state.snapshot`` (as the tests' own
+        fixture does): neither a facade nor ``resolve`` answers from the other tables."""
+        x, w = torch.randn(2, 4), torch.ones(4)
+        call = rms_norm_context(x, w)
+        default = resolve("rms_norm", call).name
+        assert default != "reference"
+        saved = state.snapshot
+        load_tables(write_yaml("rms_norm.yaml", """\
+            version: 1
+            family: rms_norm
+            fallback: reference
+            rows:
+              - name: reference
+                impl: astrai.backends.rms_norm:reference_rms_norm
+            """))
+        for _ in range(3):
+            astrai.ops.rms_norm(x, w)
+            assert resolve("rms_norm", call).name == "reference"
+        state.snapshot = saved
+        reset_stats()
+        astrai.ops.rms_norm(x, w)
+        assert stats().served("rms_norm", default) == 1
+        assert resolve("rms_norm", call).name == default
+
+    def test_the_fast_path_comes_back_after_a_reset_or_an_equal_value(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A world is checked by identity: after ``reset()`` or ``ASTR_OPS`` set again to
+        the same text, the new world is kept (one ``decide``, then none)."""
+        x, w = torch.randn(2, 4), torch.ones(4)
+        astrai.ops.rms_norm(x, w)
+        seen = self.counting(monkeypatch)
+        state.reset()
+        for _ in range(5):
+            astrai.ops.rms_norm(x, w)
+        assert len(seen) == 1
+        monkeypatch.setenv("ASTR_OPS", "rms_norm=torch")
+        astrai.ops.rms_norm(x, w)
+        monkeypatch.setenv("ASTR_OPS", "rms_norm=torch")  # the same text, a new object
+        for _ in range(5):
+            astrai.ops.rms_norm(x, w)
+        assert len(seen) == 3

@@ -749,6 +749,22 @@ class TestMatcher:
         assert copy.copy(spec) is spec and copy.deepcopy(spec) is spec
         assert copy.deepcopy({"when": spec})["when"] is spec
 
+    def test_an_axis_read_by_its_own_function(self) -> None:
+        """A core axis whose getter is a function (not the attribute) is read by it."""
+        big = Axis("big", "bool", getter=lambda ctx: (ctx.ndim or 0) >= 4)
+        spec = parse_spec("big and not has_cache", CORE_VOCABULARY.with_extras({"big": big}))
+        assert spec.matcher()(call(ndim=4)) and not spec.matcher()(call(ndim=3))
+
+    def test_a_name_python_would_normalise_is_read_by_the_getter(self) -> None:
+        """A non-ASCII axis name is never spelled in the generated text: Python would read
+        another attribute (NFKC: a full-width f is an f)."""
+        odd = Axis("\uff46amily", "bool")
+        spec = Spec.decode(["axis", "\uff46amily"], CORE_VOCABULARY.with_extras({odd.name: odd}))
+        with pytest.raises(AttributeError):
+            spec.matches(call())
+        with pytest.raises(AttributeError):
+            spec.matcher()(call())
+
     def test_too_deep_to_generate_keeps_the_tree_walk(self) -> None:
         """A spec nested beyond what Python compiles answers through ``matches``."""
         spec = Spec.has_cache()

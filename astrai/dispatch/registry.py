@@ -488,7 +488,6 @@ def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
 
 
 def _swap(new: Registry) -> None:
-    process.decisions = new.decisions  # first: answers left on contexts miss from here on
     process.snapshot = new
     rows = [(r.family, r.name, r.obj) for t in new.families.values() for r in t.rows]
     rows += [(a.family, a.name, a.obj) for p in new.profiles.values()

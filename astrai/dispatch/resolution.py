@@ -463,7 +463,7 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     ``ctx`` object asked about again (a third time) while nothing changed is answered
     from what the second answer left on it, by identity checks alone."""
     memo = ctx._resolved
-    if (memo is not None and memo[0] is process.decisions and memo[1] is family
+    if (memo is not None and memo[0] is process.snapshot and memo[1] is family
             and memo[2] is explicit and memo[3] is current_scope()
             and memo[4] is environ_get(OPS_KEY)
             and (memo[5] is None or memo[6] is environ_get(memo[5]))):
@@ -486,10 +486,10 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
         scope, ops, alias_key, alias = seen
         if family not in scope.uncacheable:
             # Everything the decision-cache key holds besides the signature, by identity:
-            # the snapshot's decision cache (a reload, refresh() or reset() makes a new
-            # one), the scope and the variables.
-            object.__setattr__(ctx, _MEMO, (state.decisions, family, explicit, scope, ops,
-                                            alias_key, alias, got))
+            # the snapshot (a reload, refresh() or reset() puts a new one in force, its
+            # decision cache empty), the scope and the variables.
+            object.__setattr__(ctx, _MEMO, (state, family, explicit, scope, ops, alias_key,
+                                            alias, got))
     return got
 
 

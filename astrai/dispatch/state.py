@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = ["reset"]
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
 
 #: The tables in force: one immutable snapshot, swapped whole (``registry``).
 snapshot: Registry | None = None
-#: ``snapshot.decisions``, the decision cache of the snapshot in force (``None`` before
-#: the first load): what ``resolve``'s answer left on a call context is checked against.
-decisions: dict[Any, Any] | None = None
 #: Guards swaps of ``snapshot`` only: nothing is read or imported under it.
 swap_lock = threading.RLock()
 #: Serialises the first run of each availability probe.
@@ -121,7 +119,7 @@ def reset_counts() -> None:
 
 def reset() -> None:
     """Forget warnings, parsed environment values, probe results, counts and cached
-    decisions."""
+    decisions (the snapshot in force is replaced by a copy with empty caches)."""
     with warned_lock:
         warned.clear()
     probed.clear()
@@ -129,12 +127,12 @@ def reset() -> None:
     locks.clear()
     lock_indexes.clear()
     reset_counts()
-    global decisions
+    global snapshot
     if snapshot is not None:
-        # A new dict rather than cleared in place: the answers ``resolve`` left on call
-        # contexts name the dict they came from, so they are forgotten too.
-        object.__setattr__(snapshot, "decisions", {})
-    decisions = None if snapshot is None else snapshot.decisions
+        # A new snapshot of the same tables, its caches empty, rather than caches cleared
+        # in place: what resolve left on call contexts and what a facade keeps of its last
+        # world name the snapshot they came from, so they are forgotten too.
+        snapshot = dataclasses.replace(snapshot)
 
 
 def update_recordings(change: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> None:

@@ -119,19 +119,25 @@ class FamilyCall:
 _UNSET: Any = object()
 
 
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two worlds are the same objects, element by element (equal is not enough:
+    the last world is checked by identity)."""
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
 def route(fc: FamilyCall) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
-    In front of the decision cache sits this family's *last world*: the decision cache
-    it was taken from (the snapshot's, ``state.decisions``), the scope, and the raw
-    ``ASTR_OPS`` and alias values - everything ``decide``'s key holds besides the call's
-    values and the (absent) ``backend=`` - with the decisions already taken in it, by
-    the call's values. A call in the same world (nearly every call) is looked up there by
-    its values alone; any change of world misses it, and ``decide`` answers as always.
+    In front of the decision cache sits this family's *last world*: the snapshot it was
+    taken in, the scope, and the raw ``ASTR_OPS`` and alias values - everything
+    ``decide``'s key holds besides the call's values and the (absent) ``backend=`` - with
+    the decisions already taken in it, by the call's values. A call in the same world
+    (nearly every call) is looked up there by its values alone; any change of world misses
+    it, and ``decide`` answers as always.
     """
     family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
-    # (decision cache, scope, ASTR_OPS, alias name, alias value, {values: Decision},
+    # (snapshot, scope, ASTR_OPS, alias name, alias value, {values: Decision},
     #  what the lazy axes add to the values in that snapshot or None)
     last: list[tuple[Any, ...]] = [(None, None, None, None, None, {}, None)]
 
@@ -143,7 +149,7 @@ def route(fc: FamilyCall) -> Route:
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         world = last[0]
-        if (backend is None and world[0] is process.decisions and world[1] is current_scope()
+        if (backend is None and world[0] is process.snapshot and world[1] is current_scope()
                 and world[2] is environ_get(OPS_KEY)
                 and (world[3] is None or world[4] is environ_get(world[3]))):
             extend = world[6]
@@ -157,24 +163,28 @@ def route(fc: FamilyCall) -> Route:
             lazy_key = state.facade_keys[family] = key_plan(state, family).reader(reads, readers)
         if lazy_key is not None:  # a loaded table compares a lazy axis
             values += lazy_key(values, args)
+        before = _world(state) if backend is None else None
         d = decide(family, values, backend, context, args, state)
-        if backend is None:
-            _remember(state, values, d, lazy_key)
+        if before is not None:
+            _remember(before, values, d, lazy_key)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
 
-    def _remember(state: Registry, values: tuple[Any, ...], d: Decision, extend: Any) -> None:
-        """Keep ``d`` for ``values`` in this family's last world (a new world if this
-        call's is another), unless the scope leaves the family uncached."""
-        scope = current_scope()
-        if family in scope.uncacheable or state.decisions is not process.decisions:
-            return
+    def _world(state: Registry) -> tuple[Any, ...]:
         alias_key = state.alias_keys.get(family)
-        world = (state.decisions, scope, environ_get(OPS_KEY), alias_key,
-                 environ_get(alias_key))
+        return (state, current_scope(), environ_get(OPS_KEY), alias_key, environ_get(alias_key))
+
+    def _remember(before: tuple[Any, ...], values: tuple[Any, ...], d: Decision,
+                  extend: Any) -> None:
+        """Keep ``d`` for ``values`` in this family's last world (a new world if this
+        call's is another) - provided the world did not change while ``d`` was decided,
+        and the scope does not leave the family uncached."""
+        state, scope = before[0], before[1]
+        if family in scope.uncacheable or not _same(before, _world(state)):
+            return
         seen = last[0]
-        if seen[:5] != world or len(seen[5]) >= process.max_decisions:
-            last[0] = seen = (*world, {}, extend)
+        if not _same(seen[:5], before) or len(seen[5]) >= process.max_decisions:
+            last[0] = seen = (*before, {}, extend)
         seen[5][values] = d
 
     return pick

@@ -97,7 +97,7 @@ class Spec:
     def matcher(self) -> Callable[[CallContext], Any]:
         """``matches`` as one generated function, made on first use and kept: its result's
         truth is ``matches``'s answer. A spec that does not generate (too deep for the
-        compiler) keeps its ``matches``."""
+        compiler, say) keeps its ``matches``."""
         got = self._m
         if got is None:
             got = _generate(self)
@@ -798,9 +798,11 @@ class _Source:
     def read(self, axis: Axis) -> str:
         """The expression that reads ``axis`` off ``ctx``: the attribute itself for a
         core axis read the usual way, else the axis's own getter."""
-        name = axis.name
-        if axis.core and name.isidentifier() and not keyword.iskeyword(name) and (
-                axis.getter.__reduce__() == (operator.attrgetter, (name,))):
+        name, get = axis.name, axis.getter
+        # (ASCII only: Python normalises the identifiers in source text, attrgetter not)
+        if (axis.core and name.isascii() and name.isidentifier() and not keyword.iskeyword(name)
+                and type(get) is operator.attrgetter
+                and get.__reduce__() == (operator.attrgetter, (name,))):
             return f"ctx.{name}"
         return f"{self.const(axis.getter)}(ctx)"
 
@@ -812,8 +814,8 @@ def _generate(spec: Spec) -> Callable[[CallContext], Any]:
     try:
         body = spec._source(out)
         code = compile(f"def _matches(ctx):\n    return {body}\n", "<astrai spec>", "exec")
-    except (RecursionError, SyntaxError, MemoryError, ValueError):
-        return spec.matches  # too deep to generate: the tree walk answers
+    except Exception:  # too deep for the compiler, or a spec of unforeseen make
+        return spec.matches  # the tree walk answers
     exec(code, out.names)  # the text: axis names and fixed words; values are bound names
     return out.names["_matches"]  # type: ignore[no-any-return]
 
