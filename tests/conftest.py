@@ -12,6 +12,7 @@ import os
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,3 +120,17 @@ def toy(write_yaml: Callable[[str, str], Path]) -> Path:
 def ctx(ndim: int | None = 3, **axes: object) -> dispatch.CallContext:
     """A ``toy`` call context (``ndim=3`` lets ``fast`` win the chain)."""
     return dispatch.CallContext("toy", ndim=ndim, **axes)  # type: ignore[arg-type]
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[Any]:
+    """Replace ``owner.name`` (a function) by one that records its first argument, then
+    calls it; returns the record."""
+    seen: list[Any] = []
+    real = getattr(owner, name)
+
+    def recorded(first: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(first)
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return seen

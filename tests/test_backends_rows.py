@@ -7,8 +7,6 @@ per call signature and then served from the decision cache like a row name.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from astrai.backends.linear import torch_linear
 from astrai.backends.rms_norm import torch_rms_norm
 from astrai.backends.rotary import complex_rotary, rotary_freqs
 from astrai.dispatch import resolution
+from tests.conftest import spy
 
 FAMILIES = ("attention", "linear", "rms_norm", "rotary")
 
@@ -36,15 +35,7 @@ class TestShippedRows:
 def _count_evaluations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The families ``resolution.evaluate`` is called for from now on (decision cache cleared)."""
     dispatch.refresh()  # drops the decisions earlier tests cached
-    seen: list[str] = []
-    real = resolution.evaluate
-
-    def counting(family: str, *args: Any, **kwargs: Any) -> Any:
-        seen.append(family)
-        return real(family, *args, **kwargs)
-
-    monkeypatch.setattr(resolution, "evaluate", counting)
-    return seen
+    return spy(monkeypatch, resolution, "evaluate")
 
 
 CALLS = {

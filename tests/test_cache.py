@@ -45,7 +45,7 @@ from astrai.dispatch import (
 from astrai.dispatch.resolution import Decision, decide, set_max_decisions
 from astrai.ops import context as ops_context
 from tests import _impls
-from tests.conftest import TOY_TABLE, ctx
+from tests.conftest import TOY_TABLE, ctx, spy
 
 attention_context = functools.partial(ops_context, "attention")
 linear_context = functools.partial(ops_context, "linear")
@@ -793,6 +793,17 @@ class TestResolveMemo:
         assert resolve("rms_norm", other) == resolve("rms_norm", call)
 
 
+#: An ``rms_norm`` table of one row, the reference.
+REFERENCE_ONLY = """\
+version: 1
+family: rms_norm
+fallback: reference
+rows:
+  - name: reference
+    impl: astrai.backends.rms_norm:reference_rms_norm
+"""
+
+
 class TestFacadeLastWorld:
     """A facade keeps its family's decisions of the last world (snapshot, scope, raw
     variables) by the call's values: the same world skips ``decide``; any change of
@@ -800,17 +811,10 @@ class TestFacadeLastWorld:
 
     @staticmethod
     def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """The families ``decide`` is called for by a facade from now on."""
         from astrai.ops import _facade
 
-        seen: list[str] = []
-        real = _facade.decide
-
-        def counted(family: str, *args: Any, **kwargs: Any) -> Decision:
-            seen.append(family)
-            return real(family, *args, **kwargs)
-
-        monkeypatch.setattr(_facade, "decide", counted)
-        return seen
+        return spy(monkeypatch, _facade, "decide")
 
     def test_same_world_skips_decide_and_every_change_reaches_it(
             self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -871,14 +875,7 @@ class TestFacadeLastWorld:
         x, w = torch.randn(2, 4), torch.ones(4)
         astrai.ops.rms_norm(x, w)
         astrai.ops.rms_norm(x, w)
-        path = write_yaml("rms_norm.yaml", """\
-            version: 1
-            family: rms_norm
-            fallback: reference
-            rows:
-              - name: reference
-                impl: astrai.backends.rms_norm:reference_rms_norm
-            """)
+        path = write_yaml("rms_norm.yaml", REFERENCE_ONLY)
         load_tables(path)
         reset_stats()
         astrai.ops.rms_norm(x, w)
@@ -931,14 +928,7 @@ class TestFacadeLastWorld:
         default = resolve("rms_norm", call).name
         assert default != "reference"
         saved = state.snapshot
-        load_tables(write_yaml("rms_norm.yaml", """\
-            version: 1
-            family: rms_norm
-            fallback: reference
-            rows:
-              - name: reference
-                impl: astrai.backends.rms_norm:reference_rms_norm
-            """))
+        load_tables(write_yaml("rms_norm.yaml", REFERENCE_ONLY))
         for _ in range(3):
             astrai.ops.rms_norm(x, w)
             assert resolve("rms_norm", call).name == "reference"
