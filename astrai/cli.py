@@ -138,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--force", action="store_true", help="overwrite files that already exist")
 
     d = command("demo", "run the demo model and show which rows served it")
-    d.add_argument("--transformers", action="store_true",
-                   help="run a tiny random Hugging Face Llama through astrai instead")
+    d.add_argument("--hf", "--transformers", dest="transformers", action="store_true",
+                   help="run a tiny random Hugging Face Llama instead, the whole model "
+                        "dispatched through astrai (dispatch_model)")
     d.add_argument("--record", metavar="WORKLOAD",
                    help="record every call the demo makes and write the workload there")
 
@@ -324,7 +325,7 @@ def _add_axis_flag(parser: argparse.ArgumentParser, axis: Axis) -> None:
                             help=f"set {axis.name} to {format_value(not axis.default)} "
                                  f"({axis.description})")
     elif axis.kind == "enum":
-        parser.add_argument(axis.flag, dest=axis.name, default=None,
+        parser.add_argument(axis.flag, dest=axis.name, default=axis.default,
                             choices=[*(["none"] if axis.nullable else []), *axis.values],
                             help=axis.description)
     else:
@@ -364,8 +365,7 @@ def _context(args: argparse.Namespace, state: Registry) -> CallContext:
 
 def _describes_call(args: argparse.Namespace) -> bool:
     return bool(args.axis) or any(
-        getattr(args, name) != (axis.default if axis.kind == "bool" else None)
-        for name, axis in AXES.items())
+        getattr(args, name) != axis.default for name, axis in AXES.items())
 
 
 def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[str, ...]) -> int:

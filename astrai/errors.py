@@ -25,8 +25,9 @@ from typing import Any
 
 #: How much of a user's expression an error echoes either side of the offending token.
 ECHO = 60
-#: The longest message text echoed from user input (a name, a value) before eliding.
-CLIP = 400
+#: The longest message text (a name or value echoed from user input, the list of valid
+#: names) before eliding.
+CLIP = 800
 
 
 def clip(text: str, limit: int = CLIP) -> str:

@@ -20,7 +20,9 @@ Buckets:
   chunked prefill (q_len 16, kv_len 512, causal); head_dim 64 and 128, fp32 and bf16.
 - attention training (forward + backward of ``out.sum()``, grad mode on): causal
   q_len == kv_len in {16, 128, 512}, head_dim 64 (MHA) and 128 (GQA, 128 only).
-- rms_norm, rotary, linear: tokens in {1, 64, 4096}, two feature sizes, fp32 and bf16.
+- rms_norm, rotary, linear: tokens in {1, 64, 4096}, two feature sizes, fp32 and bf16;
+  rms_norm also in LlamaRMSNorm's form (``cast_before_weight``), rotary also in the half
+  layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
 
 Usage: ``python benchmarks/bench_rows.py [--threads N] [--quick] [--json PATH]
 [--family F ...] [--no-training] [--wall]``.
@@ -44,6 +46,7 @@ import torch
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.backends.rotary import rotary_freqs
+from astrai.dispatch.axes import asked_features
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SAMPLE_S = 0.004  # each timed sample runs the call this long, at least
@@ -143,17 +146,32 @@ def token_buckets(family: str, quick: bool) -> list[Bucket]:
                     x = _rand(n, f, dtype=dtype, seed=n)
                     w = torch.rand(f).to(dtype) + 0.5
                     out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt}", (x, w)))
+                    out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} llama",
+                                      (x, w), {"cast_before_weight": True}))
             elif family == "rotary":
                 for hd in (64, 128):
                     x = _rand(1, n, 8, hd, dtype=dtype, seed=n)
                     out.append(Bucket(family, f"tokens{n:<5} 8x{hd:<4} {dt}",
                                       (x, rotary_freqs(torch.arange(n)[None], hd))))
+                    out.append(Bucket(family, f"tokens{n:<5} 8x{hd:<4} {dt} half",
+                                      half_call(n, hd, dtype)))
             else:
                 for fi, fo in ((512, 512), (1024, 4096)):
                     x = _rand(n, fi, dtype=dtype, seed=n)
                     w = _rand(fo, fi, dtype=dtype, seed=fo) / fi**0.5
                     out.append(Bucket(family, f"tokens{n:<5} {fi}->{fo:<5} {dt}", (x, w)))
     return out
+
+
+def half_call(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    """A half-layout rotary call as transformers makes it: q and k [1, 8, tokens,
+    head_dim] (transposed from the projections' layout), cos/sin [1, tokens, head_dim]."""
+    q = _rand(1, tokens, 8, head_dim, dtype=dtype, seed=tokens).transpose(1, 2)
+    k = _rand(1, tokens, 8, head_dim, dtype=dtype, seed=tokens + 1).transpose(1, 2)
+    angles = torch.arange(tokens)[None, :, None] * 10000.0 ** (
+        -torch.arange(0, head_dim, 2) / head_dim)
+    emb = torch.cat((angles, angles), -1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype), 1
 
 
 def rows_for(bucket: Bucket) -> tuple[dict[str, Callable[[], object]], set[str]]:
@@ -164,7 +182,8 @@ def rows_for(bucket: Bucket) -> tuple[dict[str, Callable[[], object]], set[str]]
     calls: dict[str, Callable[[], object]] = {}
     unfaithful: set[str] = set()
     for rec in reg.family(bucket.family).rows:
-        if not reg.availability(rec)[0] or not rec.spec.matches(ctx):
+        if (not reg.availability(rec)[0] or not rec.spec.matches(ctx)
+                or not asked_features(ctx) <= rec.features):
             continue
         obj, args, kwargs = rec.obj, bucket.args, bucket.kwargs
         if bucket.train:

@@ -299,7 +299,7 @@ class TestInductorRmsNorm:
     def test_lengths_and_ranks_share_a_graph(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Token counts share one graph per dtype, device and rank."""
         counter = torch._dynamo.testing.CompileCounter()
-        monkeypatch.setattr(rms_mod, "_compiled", Compiled(reference_rms_norm, dynamic=True,
+        monkeypatch.setattr(rms_mod, "_compiled", Compiled(rms_mod._reference, dynamic=True,
                                                            backend=counter))
         w = torch.rand(16) + 0.5
         for n in (2, 3, 9, 40):
@@ -307,7 +307,7 @@ class TestInductorRmsNorm:
                 close(inductor_rms_norm(x, w), reference_rms_norm(x, w), torch.float32)
         assert counter.frame_count == 3
         cpu = torch.device("cpu")
-        assert rms_mod._compiled.keys() == [(torch.float32, torch.float32, cpu, n)
+        assert rms_mod._compiled.keys() == [(torch.float32, torch.float32, cpu, n, 0.0, False)
                                              for n in (2, 3, 4)]
 
     def test_gradients_match_the_reference(self) -> None:
@@ -352,8 +352,8 @@ class TestInductorRotary:
         """Once dense calls (tables per batch row, shared, 3-d) and packed calls have
         compiled, new batch sizes and lengths reuse the graphs."""
         counter = torch._dynamo.testing.CompileCounter()
-        monkeypatch.setattr(rotary_mod, "_compiled", Compiled(reference_rotary, dynamic=True,
-                                                              backend=counter))
+        monkeypatch.setattr(rotary_mod, "_compiled", Compiled(rotary_mod._reference_pairs,
+                                                              dynamic=True, backend=counter))
 
         def dense(batch: int, seq: int) -> None:
             x = torch.randn(batch, seq, 3, 8)

@@ -40,3 +40,27 @@ def test_bench_shapes_gate(monkeypatch: pytest.MonkeyPatch,
             if line.split() and line.split()[0] in ("shipped", "cut", "raw")}
     assert rows["cut"][2] == "2"  # "cut points" is two words
     assert rows["raw"][1] == "50"
+
+
+def test_bench_hf_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                       ) -> None:
+    """A tiny model, few rounds: both figures print beside their targets, with the rows."""
+    pytest.importorskip("transformers")
+    bench = _script("bench_hf")
+    monkeypatch.setattr(bench, "CONFIG", {**bench.CONFIG, "hidden_size": 64,
+                                          "intermediate_size": 128, "num_hidden_layers": 2,
+                                          "vocab_size": 128})
+    monkeypatch.setattr(bench, "NEW_TOKENS", 4)
+    monkeypatch.setattr(bench, "PREFILL", 32)
+    monkeypatch.setattr(bench, "ROUNDS", {"generate": 3, "prefill": 3})
+    threads = torch.get_num_threads()
+    try:
+        bench.main()
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "greedy tokens identical" in out
+    assert "generate  tokens/s dispatched / plain = " in out and "(target >= 0.98" in out
+    assert "prefill   speed dispatched / plain = " in out and "(target >= 1.00" in out
+    for family in ("attention", "linear", "rms_norm", "rotary"):
+        assert f"\n{family:<12} " in out

@@ -103,7 +103,7 @@ def test_a_compared_size_keys_by_interval(write_yaml: Write) -> None:
     with d.use_profile("big"):
         served = {d.resolve("rms_norm", ops.context("rms_norm", torch.randn(n, 8),
                                                     torch.ones(8))).name
-                  for n in range(1, 301, 7)}
+                  for n in range(1, 250, 7)}  # below inductor_large (256 tokens)
         assert d.resolve("rms_norm", ops.context("rms_norm", torch.randn(5000, 8),
                                                  torch.ones(8))).name == "inductor_large"
     assert served == {"torch", "reference"}

@@ -69,12 +69,16 @@ class Compiled:
     ``compiled(key, *args)`` runs ``fn(*args)`` through the key's compiled copy;
     ``dynamic`` is ``torch.compile``'s (``True``: symbolic sizes, so lengths share a
     graph). ``fullgraph=True``: a graph break is an error, never a partial compile.
-    ``backend`` is ``torch.compile``'s too (the rows use inductor; tests count graphs).
+    ``backend`` is ``torch.compile``'s too (the rows use inductor; tests count graphs),
+    and so are ``options`` (inductor's settings, e.g. ``emulate_precision_casts``: a
+    cast to a lower precision inside the graph rounds as in eager mode, where inductor
+    would otherwise keep float32 through it).
     """
 
     def __init__(self, fn: Callable[..., Any], *, dynamic: bool, max_keys: int = 32,
-                 backend: Any = "inductor") -> None:
+                 backend: Any = "inductor", options: dict[str, Any] | None = None) -> None:
         self.fn, self.dynamic, self.max_keys, self.backend = fn, dynamic, max_keys, backend
+        self.options = options
         self._by_key: dict[Hashable, Callable[..., Any]] = {}
         self._lock = threading.Lock()
 
@@ -100,8 +104,9 @@ class Compiled:
                 fn = self.fn
                 copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                           fn.__defaults__, fn.__closure__)
+                copy.__kwdefaults__ = fn.__kwdefaults__
                 compiled = torch.compile(copy, dynamic=self.dynamic, fullgraph=True,
-                                         backend=self.backend)
+                                         backend=self.backend, options=self.options)
                 while len(self._by_key) >= self.max_keys:
                     del self._by_key[next(iter(self._by_key))]
                 self._by_key[key] = compiled

@@ -6,8 +6,20 @@ dtype. Rows are plain functions: the table's ``when`` decides which calls they
 serve, and the facade (``astrai.ops.rms_norm``) validates shapes before any row
 runs, so a row does neither.
 
+The forms models define (``astrai.ops.rms_norm``'s features; a row serves them only
+when its table row declares them):
+
+- ``weight_offset=c``: the weight is applied as ``c + weight``, added in float32
+  (Gemma's ``(1 + weight)``, with ``c = 1``);
+- ``cast_before_weight=True``: normalised in float32, cast back to ``x``'s dtype, then
+  multiplied by the weight in torch's type promotion, so the output's dtype is that of
+  ``weight * x`` (``LlamaRMSNorm``: ``weight * normed.to(input_dtype)``).
+
+The reference writes each form out op for op as the models do, so it equals their
+forward bit for bit; ``torch`` and ``inductor`` equal it within float32 rounding.
+
 ``inductor`` is ``reference_rms_norm`` compiled by ``torch.compile`` with dynamic
-shapes, on its first call per (dtype, weight dtype, device, rank of x): token counts
+shapes, on its first call per (dtype, weight dtype, device, rank of x, form): token counts
 and feature sizes share one graph. Inside a user's ``torch.compile`` it is the
 reference math, which the user's compile compiles with the rest of the graph.
 """
@@ -38,8 +50,23 @@ def torch_rms_norm_available() -> bool | Unavailable:
     )
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """PyTorch's fused RMS norm; a weight of another dtype is cast to ``x``'s."""
+_FULL = (torch.float32, torch.float64)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                   weight_offset: float = 0.0,
+                   cast_before_weight: bool = False) -> torch.Tensor:
+    """PyTorch's fused RMS norm; a weight of another dtype is cast to ``x``'s.
+
+    The model forms (see the module docstring) normalise in float32 with the fused
+    kernel too: without the weight for ``cast_before_weight`` (the weight multiplies
+    after the cast), with ``weight_offset + weight`` as its weight for the offset form.
+    """
+    if weight_offset or cast_before_weight:
+        if (cast_before_weight and not weight_offset and x.dtype is weight.dtype
+                and x.dtype in _FULL):  # both casts are no-ops: the one fused kernel
+            return torch.rms_norm(x, weight.shape, weight, eps)
+        return _torch_model_form(x, weight, eps, weight_offset, cast_before_weight)
     if weight.dtype is not x.dtype:
         weight = weight.to(x.dtype)
     # torch.rms_norm is what F.rms_norm calls, minus its __torch_function__ check;
@@ -47,22 +74,49 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
     return torch.rms_norm(x, weight.shape, weight, eps)
 
 
+def _torch_model_form(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                      cast_before_weight: bool) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    if cast_before_weight:
+        scale = weight + offset if offset else weight
+        if x.dtype is compute and scale.dtype is compute:  # the casts are no-ops: one kernel
+            return torch.rms_norm(x, scale.shape, scale, eps)
+        return scale * torch.rms_norm(x.to(compute), weight.shape, None, eps).to(x.dtype)
+    scale = weight.to(compute) + offset
+    return torch.rms_norm(x.to(compute), scale.shape, scale, eps).to(x.dtype)
+
+
 def reference_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, weight_offset: float = 0.0,
+    cast_before_weight: bool = False,
 ) -> torch.Tensor:
-    """The fallback: mean of squares, ``rsqrt`` and weight, all in float32 (or float64)."""
+    """The fallback: mean of squares, ``rsqrt`` and weight, all in float32 (or float64);
+    the model forms written out as the models write them."""
+    return _reference(x, weight, eps, weight_offset, cast_before_weight)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+               cast_before_weight: bool) -> torch.Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     xw = x.to(compute)
-    inv_rms = torch.rsqrt(xw.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xw * inv_rms * weight.to(compute)).to(x.dtype)
+    normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:  # LlamaRMSNorm: weight * normed.to(input dtype)
+        return (weight + offset if offset else weight) * normed.to(x.dtype)
+    # Gemma's (1 + weight) in float32 when offset, then one cast back
+    return (normed * (weight.to(compute) + offset if offset else weight.to(compute))).to(x.dtype)
 
 
-_compiled = Compiled(reference_rms_norm, dynamic=True)
+# The casts of the model forms round as in eager mode (the reference's bits).
+_compiled = Compiled(_reference, dynamic=True, options={"emulate_precision_casts": True})
 
 
-def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                      weight_offset: float = 0.0,
+                      cast_before_weight: bool = False) -> torch.Tensor:
     """``reference_rms_norm`` compiled by inductor (dynamic shapes, compiled lazily)."""
     if compiling():
-        return reference_rms_norm(x, weight, eps)
-    # Keyed by rank too: a copy per rank keeps each graph's guards to one kind of input.
-    return _compiled((x.dtype, weight.dtype, x.device, x.dim()), x, weight, eps)  # type: ignore[no-any-return]
+        return _reference(x, weight, eps, weight_offset, cast_before_weight)
+    # Keyed by rank and form too: a copy per key keeps each graph's guards to one kind
+    # of input.
+    key = (x.dtype, weight.dtype, x.device, x.dim(), weight_offset, cast_before_weight)
+    return _compiled(key, x, weight, eps, weight_offset, cast_before_weight)  # type: ignore[no-any-return]

@@ -24,6 +24,7 @@ __all__ = [
     "FWD_MODES",
     "LAZY_AXES",
     "PREDICATES",
+    "ROTARY_LAYOUTS",
     "Axis",
     "AxisKind",
     "CallContext",
@@ -65,6 +66,8 @@ COMMON_DTYPES: tuple[str, ...] = (
 
 #: The forward modes a call can be in; ``None`` is training / a plain forward.
 FWD_MODES: tuple[str, ...] = ("prefill", "decode")
+#: The rotary layouts: adjacent pairs (the default) and transformers' halves.
+ROTARY_LAYOUTS: tuple[str, ...] = ("pairs", "half")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -85,7 +88,8 @@ def unremarkable(name: str, value: Any) -> bool:
     """Whether explain's text leaves ``name=value`` out: a lazy axis the call does not
     fill, or a feature the call does not ask for."""
     axis = AXES.get(name)
-    return axis is not None and (axis.lazy or axis.feature) and value is axis.default
+    return axis is not None and (axis.lazy or axis.feature) and (
+        value is axis.default or (isinstance(value, str) and value == axis.default))
 
 
 def format_value(value: Any) -> str:
@@ -275,6 +279,17 @@ class CallContext:
                         "softmax", flag="--sinks", feature=True)
     return_weights: bool = _axis("bool", False, "attention: the probabilities are returned "
                                  "with the output", flag="--return-weights", feature=True)
+    layout: str = _axis("enum", "pairs", "rotary: which elements turn together: adjacent "
+                        "pairs (2i, 2i+1), or the halves (i, i + head_dim/2) of "
+                        "transformers' apply_rotary_pos_emb", values=ROTARY_LAYOUTS,
+                        flag="--layout", feature=True)
+    weight_offset: bool = _axis("bool", False, "rms_norm: the weight is applied as "
+                                "offset + weight (Gemma: 1 + weight)", flag="--weight-offset",
+                                feature=True)
+    cast_before_weight: bool = _axis("bool", False, "rms_norm: normalised in float32, cast "
+                                     "back to the input's dtype, then scaled by the weight "
+                                     "(LlamaRMSNorm)", flag="--cast-before-weight",
+                                     feature=True)
     extra: Mapping[str, Any] = field(default_factory=lambda: EMPTY, hash=False)
     raw: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     raw_kwargs: Mapping[str, Any] = field(default_factory=lambda: EMPTY, compare=False, repr=False)
@@ -352,8 +367,9 @@ def asked_features(ctx: CallContext) -> frozenset[str]:
     values = _read_features(ctx)
     if values == _FEATURES_OFF:
         return _NO_FEATURES
-    return frozenset(name for name, value in zip(FEATURE_AXES, values, strict=True)
-                     if value is not None and value is not False)
+    return frozenset(name for name, value, off in zip(FEATURE_AXES, values, _FEATURES_OFF,
+                                                       strict=True)
+                     if value is not None and value is not False and value != off)
 _read_core = operator.attrgetter(*CORE_AXES)
 
 

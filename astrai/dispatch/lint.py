@@ -289,8 +289,17 @@ def _feature_sets(rows: list[ImplRecord]) -> list[frozenset[str]]:
 
 def _asking(ask: frozenset[str]) -> dict[str, Any]:
     """The feature axis values of a call asking for ``ask``."""
-    return {f: (1 if AXES[f].kind == "int" else True) if f in ask else AXES[f].default
-            for f in FEATURE_AXES}
+    return {f: _asked_value(AXES[f]) if f in ask else AXES[f].default for f in FEATURE_AXES}
+
+
+def _asked_value(axis: Axis) -> Any:
+    """A value of feature ``axis`` that asks for it: 1, true, or its first value that is
+    not the default."""
+    if axis.kind == "int":
+        return 1
+    if axis.kind == "enum":
+        return next(v for v in axis.values if v != axis.default)
+    return True
 
 
 def lint_view(view: View) -> LintReport:

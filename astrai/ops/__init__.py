@@ -9,10 +9,11 @@ object): strict, it raises rather than fall back.
 
 from __future__ import annotations
 
-__all__ = ["AttentionFeatures", "apply_rotary", "attention", "call", "context", "linear",
-           "rms_norm"]
+__all__ = ["AttentionFeatures", "apply_rotary", "apply_rotary_half", "attention", "call",
+           "context", "linear", "rms_norm", "rms_norm_form"]
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import torch
@@ -35,8 +36,12 @@ from astrai.ops._families import (
     ATTENTION_SHAPE,
     LINEAR_READS,
     LINEAR_SHAPE,
+    RMS_NORM_ASKS,
+    RMS_NORM_FEATURES,
     RMS_NORM_READS,
     RMS_NORM_SHAPE,
+    ROTARY_HALF_READS,
+    ROTARY_HALF_SHAPE,
     ROTARY_READS,
     ROTARY_SHAPE,
     attention_features,
@@ -44,6 +49,8 @@ from astrai.ops._families import (
     describe_linear,
     describe_rms_norm,
     describe_rotary,
+    describe_rotary_half,
+    rms_norm_features,
 )
 
 
@@ -111,10 +118,53 @@ def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) 
     return _rotary(backend, (x, freqs_cis))(x, freqs_cis)  # type: ignore[no-any-return]
 
 
+def apply_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      unsqueeze_dim: int = 1,
+                      backend: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` through the ``rotary`` table (``layout ==
+    half``): q and k ``[batch, heads, seq, head_dim]`` (heads at ``unsqueeze_dim``),
+    ``cos``/``sin`` ``[batch or 1, seq, head_dim]``; element ``i`` turns with
+    ``i + head_dim/2``. Returns ``(q_out, k_out)``, computed as
+    ``x * cos + rotate_half(x) * sin``. Only rows declaring the ``layout`` feature serve it."""
+    return _rotary_half(backend, (q, k, cos, sin, unsqueeze_dim))(  # type: ignore[no-any-return]
+        q, k, cos, sin, unsqueeze_dim)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             backend: Any = None) -> torch.Tensor:
-    """RMS normalisation over the last dimension, scaled by ``weight``."""
-    return _rms_norm(backend, (x, weight, eps))(x, weight, eps)  # type: ignore[no-any-return]
+             backend: Any = None, *, weight_offset: float = 0.0,
+             cast_before_weight: bool = False) -> torch.Tensor:
+    """RMS normalisation over the last dimension, scaled by ``weight``.
+
+    The forms models define are features, served only by rows that declare them:
+    ``weight_offset=1.0`` applies the weight as ``1 + weight`` (Gemma);
+    ``cast_before_weight=True`` normalises in float32, casts back to ``x``'s dtype and
+    then multiplies by the weight, the output taking the dtype of ``weight * x``
+    (``LlamaRMSNorm``).
+    """
+    if not (weight_offset or cast_before_weight):  # the common call: no feature keywords
+        return _rms_norm(backend, (x, weight, eps, _NO_FEATURES))(x, weight, eps)  # type: ignore[no-any-return]
+    asked = rms_norm_features({"weight_offset": weight_offset,
+                               "cast_before_weight": cast_before_weight})
+    return _rms_norm(backend, (x, weight, eps, asked))(x, weight, eps, **asked)  # type: ignore[no-any-return]
+
+
+def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = False
+                  ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """``rms_norm(x, weight, eps)`` with the form's features fixed and checked once: the
+    call a model's norm module makes on every forward, without building and checking
+    its keywords each time (``dispatch_model`` serves each norm module with one)."""
+    asked = rms_norm_features({"weight_offset": weight_offset,
+                               "cast_before_weight": cast_before_weight})
+    if not asked:
+        def plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return _rms_norm(None, (x, weight, eps, _NO_FEATURES))(x, weight, eps)  # type: ignore[no-any-return]
+
+        return plain
+
+    def form(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rms_norm(None, (x, weight, eps, asked))(x, weight, eps, **asked)  # type: ignore[no-any-return]
+
+    return form
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -135,31 +185,49 @@ FAMILY_CALLS: dict[str, FamilyCall] = {
         FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, ROTARY_SHAPE,
                       positional=2),
         FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, RMS_NORM_SHAPE,
-                      positional=3),
+                      positional=3, keywords=tuple(RMS_NORM_FEATURES), asks=RMS_NORM_ASKS,
+                      check=lambda full, asked: rms_norm_features(asked)),
         FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE, positional=3),
     )
 }
+#: The rotary family's second call: the half layout (``apply_rotary_half``).
+ROTARY_HALF_CALL = FamilyCall.of(apply_rotary_half, describe_rotary_half, ROTARY_HALF_READS,
+                                 ROTARY_HALF_SHAPE, positional=5, family="rotary")
+#: Every facade call, by facade name.
+_CALLS: dict[str, FamilyCall] = {**{fc.family: fc for fc in FAMILY_CALLS.values()},
+                                 "rotary_half": ROTARY_HALF_CALL}
 _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
-                            "rms_norm": rms_norm, "linear": linear}
+                            "rotary_half": apply_rotary_half, "rms_norm": rms_norm,
+                            "linear": linear}
 #: Each facade's route: ``route`` itself, or while a recording is in force (and only
 #: then, so that nothing else costs anything) the same route feeding the recordings.
-_PLAIN: dict[str, Route] = {family: route(fc) for family, fc in FAMILY_CALLS.items()}
+_PLAIN: dict[str, Route] = {name: route(fc) for name, fc in _CALLS.items()}
 _RECORDING: dict[str, Route] = {}
-_attention, _rotary, _rms_norm, _linear = (
-    _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rms_norm"], _PLAIN["linear"])
+_attention, _rotary, _rotary_half, _rms_norm, _linear = (
+    _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rotary_half"], _PLAIN["rms_norm"],
+    _PLAIN["linear"])
 
 
 def _switch_routes(recording_now: bool) -> None:
     """Point the facades at their recording routes (``True``) or plain ones."""
-    global _attention, _rotary, _rms_norm, _linear
+    global _attention, _rotary, _rotary_half, _rms_norm, _linear
     if recording_now and not _RECORDING:
         from astrai.dispatch.recording import note_call  # loaded by whoever started recording
 
-        _RECORDING.update({family: recording(fc, _PLAIN[family], note_call)
-                           for family, fc in FAMILY_CALLS.items()})
+        _RECORDING.update({name: recording(fc, _PLAIN[name], note_call)
+                           for name, fc in _CALLS.items()})
     routes = _RECORDING if recording_now else _PLAIN
-    _attention, _rotary, _rms_norm, _linear = (
-        routes["attention"], routes["rotary"], routes["rms_norm"], routes["linear"])
+    _attention, _rotary, _rotary_half, _rms_norm, _linear = (
+        routes["attention"], routes["rotary"], routes["rotary_half"], routes["rms_norm"],
+        routes["linear"])
+
+
+def _facade_name(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The facade a call of a built-in ``family`` goes to: a rotary call of four or more
+    arguments (q, k, cos, sin) is a half-layout call."""
+    if family == "rotary" and len(args) + len(kwargs) >= 4:
+        return "rotary_half"
+    return family
 
 
 process.record_switches.append(_switch_routes)
@@ -175,9 +243,9 @@ def context(family: str, *args: Any, **kwargs: Any) -> CallContext:
     """The ``CallContext`` a call of ``family`` with these arguments is resolved with
     (validated as the facade validates it): what ``explain`` and ``resolve`` need to
     reason about a real call."""
-    fc = FAMILY_CALLS.get(family)
+    fc = _CALLS.get(_facade_name(family, args, kwargs)) if family in FAMILY_CALLS else None
     if fc is not None:
-        return fc.context(*fc.bind(args, kwargs))
+        return fc.context(*fc.bind(args, dict(kwargs)))
     table = (process.snapshot or current()).family(family)
     return generic_context(family, table.context, tuple(table.axes), args, kwargs)
 
@@ -192,7 +260,7 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     callable the table names as ``context:``, called with the same arguments.
     ``backend=`` selects a row (or an implementation object) strictly.
     """
-    facade = _FACADES.get(family)
+    facade = _FACADES.get(_facade_name(family, args, kwargs)) if family in FAMILY_CALLS else None
     if facade is not None:
         return facade(*args, backend=backend, **kwargs)
     table = (process.snapshot or current()).family(family)  # names the known families

@@ -61,13 +61,15 @@ class FamilyCall:
            positional: int, keywords: tuple[str, ...] = (),
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
-           incidental: tuple[str, ...] = ()) -> FamilyCall:
+           incidental: tuple[str, ...] = (), family: str | None = None) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
-        feature keywords, ``**features``, are given as ``keywords``)."""
+        feature keywords, ``**features``, are given as ``keywords``); its family is the
+        facade's name without ``apply_`` unless given."""
         params = [p for p in inspect.signature(facade).parameters.values()
                   if p.name != "backend" and p.kind is not p.VAR_KEYWORD
                   and p.name not in keywords]
-        return cls(facade.__name__.removeprefix("apply_"), tuple(p.name for p in params),
+        return cls(family or facade.__name__.removeprefix("apply_"),
+                   tuple(p.name for p in params),
                    tuple(p.default for p in params), positional, reads, describe, readers,
                    keywords, asks, check, incidental)
 

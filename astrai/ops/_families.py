@@ -22,8 +22,12 @@ __all__ = [
     "ATTENTION_SHAPE",
     "LINEAR_READS",
     "LINEAR_SHAPE",
+    "RMS_NORM_ASKS",
+    "RMS_NORM_FEATURES",
     "RMS_NORM_READS",
     "RMS_NORM_SHAPE",
+    "ROTARY_HALF_READS",
+    "ROTARY_HALF_SHAPE",
     "ROTARY_READS",
     "ROTARY_SHAPE",
     "attention_features",
@@ -31,7 +35,9 @@ __all__ = [
     "describe_linear",
     "describe_rms_norm",
     "describe_rotary",
+    "describe_rotary_half",
     "device_axes",
+    "rms_norm_features",
 ]
 
 import math as _math
@@ -44,7 +50,7 @@ from torch import Tensor
 
 from astrai.backends.attention.dense import PAGED_MODES, check_dense
 from astrai.backends.attention.paged import check_paged
-from astrai.backends.rotary import check_rotary_call
+from astrai.backends.rotary import check_rotary_call, check_rotary_half_call
 from astrai.dispatch.torch_compile import constant_result
 
 _grad = torch.is_grad_enabled
@@ -52,6 +58,8 @@ _grad = torch.is_grad_enabled
 ATTENTION_READS = ("fwd", "dtype", "device_cuda", "ndim", "head_dim", "has_cache", "has_mask",
                    "grad_enabled")
 ROTARY_READS = ("dtype", "device_cuda", "ndim", "head_dim", "grad_enabled")
+#: A half-layout rotary call: the same axes, and its layout.
+ROTARY_HALF_READS = (*ROTARY_READS, "layout")
 RMS_NORM_READS = ("dtype", "device_cuda", "ndim", "grad_enabled")
 LINEAR_READS = RMS_NORM_READS
 
@@ -95,9 +103,9 @@ ATTENTION_FEATURES: dict[str, str] = {"scale": "scale", "softcap": "softcap",
 ATTENTION_ASKS = tuple(ATTENTION_FEATURES.values())
 
 
-def _number(name: str, value: Any) -> float:
+def _number(name: str, value: Any, family: str = "attention") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise TypeError(f"attention: {name} must be a number, got {value!r}")
+        raise TypeError(f"{family}: {name} must be a number, got {value!r}")
     return float(value)
 
 
@@ -219,12 +227,66 @@ def describe_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]
                          f"{tuple(freqs_cis.shape)}")  # pragma: no cover
 
 
-def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[Any, ...]:
-    """``weight`` is ``[x.shape[-1]]``; ``eps`` is a non-negative number."""
+def describe_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, unsqueeze_dim: int) -> tuple[Any, ...]:
+    """A half-layout call: q and k alike but for their heads (at ``unsqueeze_dim``), one
+    dtype, and ``cos``/``sin`` that fit them once given an axis there."""
+    try:  # the common call: transformers' [batch, heads, seq, head_dim], cos [b or 1, s, d]
+        qs, ks, cs = q.shape, k.shape, cos.shape
+        if (unsqueeze_dim == 1 and len(qs) == 4 and len(ks) == 4 and len(cs) == 3
+                and sin.shape == cs):
+            b, _, n, d = qs
+            if (ks[0] == b and ks[2] == n and ks[3] == d and cs[2] == d and cs[1] == n
+                    and (cs[0] == b or cs[0] == 1) and d >= 2 and not d % 2
+                    and k.dtype is q.dtype and cos.is_floating_point()
+                    and sin.is_floating_point() and unsqueeze_dim.__class__ is int):
+                return (q.dtype, q.is_cuda, 4, d, _grad(), "half")
+    except (AttributeError, IndexError, TypeError, ValueError):
+        pass  # not tensors, or other ranks: the full check says which
+    check_rotary_half_call(q, k, cos, sin, unsqueeze_dim)  # raises, naming the shapes
+    return (q.dtype, q.is_cuda, q.dim(), q.shape[-1], _grad(), "half")
+
+
+#: The rms_norm facade's feature keywords, and the feature axis each one sets.
+RMS_NORM_FEATURES: dict[str, str] = {"weight_offset": "weight_offset",
+                                     "cast_before_weight": "cast_before_weight"}
+#: The feature axes, in the order ``describe_rms_norm`` appends them.
+RMS_NORM_ASKS = tuple(RMS_NORM_FEATURES.values())
+
+
+def rms_norm_features(features: dict[str, Any]) -> dict[str, Any]:
+    """The forms an rms_norm call asks for, checked, with those at their default (an
+    offset of 0, the weight applied in float32) left out."""
+    asked: dict[str, Any] = {}
+    for name, value in features.items():
+        if name == "weight_offset":
+            if not _math.isfinite(_number(name, value, "rms_norm")):
+                raise ValueError(f"rms_norm: weight_offset must be a finite number, "
+                                 f"got {value!r}")
+            if value:
+                asked[name] = value
+        elif name == "cast_before_weight":
+            if value.__class__ is not bool:
+                raise TypeError(f"rms_norm: cast_before_weight must be a bool, got {value!r}")
+            if value:
+                asked[name] = True
+        else:
+            raise TypeError(f"rms_norm got an unexpected keyword argument {name!r}; "
+                            f"features: {', '.join(RMS_NORM_FEATURES)}")
+    return asked
+
+
+def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      features: dict[str, Any] = _NONE) -> tuple[Any, ...]:
+    """``weight`` is ``[x.shape[-1]]``; ``eps`` is a non-negative number. ``features``
+    (checked by ``rms_norm_features``) add ``RMS_NORM_ASKS`` when there are any."""
     if isinstance(x, Tensor) and isinstance(weight, Tensor):
         shape, ws = x.shape, weight.shape
         if (len(ws) == 1 and shape and ws[0] == shape[-1] and eps.__class__ is float
                 and eps >= 0):  # the common call: nothing but integer comparisons
+            if features:
+                return (x.dtype, x.is_cuda, len(shape), _grad(), "weight_offset" in features,
+                        "cast_before_weight" in features)
             return (x.dtype, x.is_cuda, len(shape), _grad())
     _tensors("rms_norm", x=x, weight=weight)
     if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
@@ -232,6 +294,9 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
+    if features:
+        return (x.dtype, x.is_cuda, x.dim(), _grad(), "weight_offset" in features,
+                "cast_before_weight" in features)
     return (x.dtype, x.is_cuda, x.dim(), _grad())
 
 
@@ -301,9 +366,22 @@ ROTARY_SHAPE: dict[str, Callable[..., Any]] = {
     "device": _device, "sm": _sm,
     "tokens": lambda x, freqs_cis: _rows(x.shape, 2),
     "heads": lambda x, freqs_cis: x.shape[-2]}
+def _half_heads(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                unsqueeze_dim: int) -> int:
+    return q.shape[unsqueeze_dim % q.dim()]  # type: ignore[no-any-return]
+
+
+def _half_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int) -> int:
+    return prod(q.shape[:-1]) // _half_heads(q, k, cos, sin, unsqueeze_dim)
+
+
+#: Rotary, half layout: ``tokens`` are the positions rotated (batch * seq), ``heads`` q's.
+ROTARY_HALF_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": _device, "sm": _sm, "tokens": _half_tokens, "heads": _half_heads}
 #: RMS norm: ``tokens`` are the rows normalised.
 RMS_NORM_SHAPE: dict[str, Callable[..., Any]] = {
-    "device": _device, "sm": _sm, "tokens": lambda x, weight, eps: _rows(x.shape, 1)}
+    "device": _device, "sm": _sm, "tokens": lambda x, weight, eps, *_: _rows(x.shape, 1)}
 #: Linear: ``tokens`` are the rows of ``x``; the features are ``weight``'s.
 LINEAR_SHAPE: dict[str, Callable[..., Any]] = {
     "device": _device, "sm": _sm, "tokens": lambda x, weight, bias: _rows(x.shape, 1),

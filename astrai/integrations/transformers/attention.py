@@ -1,8 +1,8 @@
-"""Hugging Face transformers plug-in: ``attn_implementation="astrai"``.
+"""transformers' attention through astrai: ``attn_implementation="astrai"``.
 
 After ``register()``, any model whose attention layers go through transformers'
 ``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma 2, gpt-oss, ... - transformers
->= 4.48) can be built with ``attn_implementation="astrai"``; every attention call is
+>= 4.51, which added it) can be built with ``attn_implementation="astrai"``; every attention call is
 then sent to ``astrai.ops.attention``, so it is resolved against
 ``tables/attention.yaml``, counted in ``astrai.dispatch.stats()``, explainable with
 ``explain`` and overridable with ``ASTR_OPS``, ``op_backend`` and profiles::
@@ -69,10 +69,9 @@ __all__ = [
     "explain_call",
     "is_registered",
     "register",
-    "run_transformers_demo",
 ]
 
-import copy
+import math as _math
 from collections.abc import Callable
 from typing import Any
 
@@ -87,13 +86,22 @@ from astrai.ops import context as facade_context
 ATTN_IMPLEMENTATION = "astrai"
 
 _INSTALL_HINT = (
-    "the transformers integration needs transformers >= 4.48 (pip install 'astrai[transformers]')"
+    "attn_implementation='astrai' needs transformers >= 4.51, whose AttentionInterface it "
+    "registers with (pip install 'astrai[transformers]'); dispatch_model works from 4.48"
 )
 
 # Keyword arguments some architectures pass that the facade cannot honour, with why.
 _REFUSED_KWARGS: dict[str, str] = {
     "position_bias": "an additive position bias (e.g. T5 / ALiBi style)",
 }
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Whether transformers' keywords ask for nothing beyond plain attention."""
+    get = kwargs.get
+    return (get("softcap") is None and get("s_aux") is None and get("sinks") is None
+            and get("sliding_window") is None and not get("output_attentions")
+            and get("position_bias") is None)
 
 
 def _refuse(feature: str, value: Any, hint: str | None = None) -> UnsupportedFeatureError:
@@ -261,9 +269,18 @@ def astrai_attention_forward(
     become the facade's features (see the module docstring); what it cannot
     express raises ``UnsupportedFeatureError``.
     """
+    batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
+    if (not dropout and (not kwargs or _plain(kwargs))
+            and (scaling is None or _math.isclose(scaling, query.shape[-1] ** -0.5,
+                                                  rel_tol=1e-6))
+            and (attention_mask is None or isinstance(attention_mask, torch.Tensor))):
+        # Plain attention (a decode step of most models): no feature to translate.
+        q, k, v, mask, causal, _ = _facade_arguments(module, query, key, value,
+                                                     attention_mask, is_causal)
+        out = attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return out.view(batch, q_len, heads, -1), None
     (q, k, v), keywords = _translate(module, query, key, value, attention_mask, dropout,
                                      scaling, is_causal, kwargs)
-    batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
     if not keywords.get("return_weights"):
         out = attention(q, k, v, **keywords)
         return out.view(batch, q_len, heads, -1), None
@@ -316,7 +333,7 @@ def _interfaces() -> tuple[Any, Any, Callable[..., Any] | None]:
     """``(AttentionInterface, AttentionMaskInterface or None, sdpa's mask builder or None)``."""
     try:
         from transformers import AttentionInterface
-    except ImportError as exc:  # transformers missing, or older than 4.48
+    except ImportError as exc:  # transformers missing, or older than 4.51
         raise ImportError(_INSTALL_HINT) from exc
     try:
         from transformers.masking_utils import (
@@ -349,75 +366,3 @@ def is_registered() -> bool:
     except ImportError:
         return False
     return ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION) is astrai_attention_forward
-
-
-def run_transformers_demo(seed: int = 0, max_new_tokens: int = 8) -> str:
-    """Build a tiny random Llama, run it through ``attn_implementation="astrai"``, report.
-
-    The model (GQA: 4 query heads, 2 key/value heads) gets random weights from its
-    config - nothing is downloaded. Runs a forward pass (compared with ``"sdpa"``)
-    and a short greedy ``generate``, then returns a printable report with the
-    dispatch ``stats()`` table and ``explain`` of a prefill-shaped call.
-    """
-    try:
-        import transformers
-        from transformers import AutoModelForCausalLM, LlamaConfig
-    except ImportError as exc:
-        raise ImportError(_INSTALL_HINT) from exc
-
-    from astrai.dispatch import op_backend, reset_stats, stats
-
-    register()
-    layers, heads, kv_heads, head_dim, prompt = 2, 4, 2, 16, 10
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    # Each model gets its own config: the attention implementation is stored on it.
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION
-    ).eval()
-    reference = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        copy.deepcopy(config), attn_implementation="sdpa"
-    ).eval()
-    reference.load_state_dict(model.state_dict())
-
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, 128, (2, prompt), generator=generator)
-    reset_stats()
-    with torch.no_grad():
-        expected = reference(input_ids).logits
-        logits = model(input_ids).logits
-        with op_backend(attention="math"):
-            logits_math = model(input_ids).logits
-        tokens = model.generate(
-            input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0,
-        )
-        q = torch.zeros(2, heads, prompt, head_dim)
-        kv = torch.zeros(2, kv_heads, prompt, head_dim)
-        decision = explain("attention", call_context(q, kv, kv))
-    usage = stats()
-
-    def gap(got: torch.Tensor) -> str:
-        return f"{(got - expected).abs().max().item():.2e}"
-
-    lines = [
-        f"astrai x transformers {transformers.__version__} (torch {torch.__version__})",
-        f"model: LlamaForCausalLM, random weights, {layers} layers, {heads} heads / "
-        f"{kv_heads} kv heads (GQA), head_dim {head_dim}, "
-        f"attn_implementation={model.config._attn_implementation!r}",
-        f"forward: logits {tuple(logits.shape)}; max |astrai - sdpa| = {gap(logits)}, "
-        f"with op_backend(attention='math') = {gap(logits_math)}",
-        f"generate (greedy, {max_new_tokens} new tokens): "
-        f"{tokens[0, prompt:].tolist()}",
-        "",
-        "dispatch stats:",
-        usage.table(),
-        "",
-        "explain (a prefill-shaped call of this model, as generate makes it):",
-        decision,
-    ]
-    return "\n".join(lines)

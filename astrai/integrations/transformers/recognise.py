@@ -1,0 +1,386 @@
+"""What a module of a model is, told by what it does rather than by its class's name.
+
+``dispatch_model`` routes only what it has checked. Each check answers either with what
+the facade needs to serve the module (a ``NormForm``, a ``RotarySite``, an
+``AttentionSite``) or with the reason it cannot, which the report shows:
+
+- **RMS norms** (``rms_norm_form``): a module whose class is an RMS norm by name (or
+  ``torch.nn.RMSNorm``), with one weight vector and an epsilon attribute, is run - its
+  class's own ``forward``, on a copy holding a random weight, hooks left out - on a few
+  small inputs (float32; bfloat16 with a bfloat16 and with a float32 weight; one row
+  small enough that epsilon matters), and compared with each form the facade computes
+  (weight applied in float32 or after the cast back; ``weight`` or ``1 + weight``).
+  The form that equals it, within float32 tolerance in float32 and within one rounding
+  in bfloat16 (the closest in bfloat16 when two pass), is the module's; none that does
+  is a reason.
+- **Rotary call sites** (``rotary_sites``): a global function a layer's ``forward``
+  calls whose name says it applies a rotary embedding (``apply_...rotary...``,
+  ``apply_...rope...``, ``...rotary_pos_emb...``) is called on random ``q``, ``k``, ``cos`` and
+  ``sin`` and must equal the half layout (``x * cos + rotate_half(x) * sin``); a
+  function that computes anything else (pairs, partial rotary, a multimodal variant)
+  is a reason.
+- **Attention call sites** (``attention_site``): a ``forward`` that looks its attention
+  function up in transformers' ``ALL_ATTENTION_FUNCTIONS``, in a model whose masks the
+  adapter reads (``attn_implementation`` ``sdpa``, ``eager`` or ``astrai``).
+- **Linear layers** (``linear_reason``): ``torch.nn.Linear`` and subclasses that keep its
+  ``forward``, with a floating-point weight.
+
+A module whose instance ``forward`` was already replaced by someone else (accelerate's
+offloading hooks do this) is never routed: its replacement stays in charge.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTENTION_INTERFACE",
+    "EAGER_ATTENTION",
+    "EPS_NAMES",
+    "READABLE_MASKS",
+    "AttentionSite",
+    "NormForm",
+    "RotarySite",
+    "attention_site",
+    "is_linear_kind",
+    "is_norm_kind",
+    "linear_reason",
+    "not_linear_reason",
+    "own_forward",
+    "rms_norm_form",
+    "rotary_sites",
+]
+
+import copy
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from astrai.backends.rms_norm import reference_rms_norm
+from astrai.backends.rotary import reference_rotary_half
+from astrai.integrations.transformers.rebind import global_names
+
+#: The epsilon attributes RMS norms carry, in the order they are tried.
+EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "norm_eps")
+#: The global through which transformers' attention layers find their attention function.
+ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+#: The eager attention function older layers call directly for ``"eager"``.
+EAGER_ATTENTION = "eager_attention_forward"
+#: The ``attn_implementation`` values whose masks the adapter reads (sdpa's boolean or
+#: none, eager's additive, astrai's own: sdpa's).
+READABLE_MASKS = ("sdpa", "eager", "astrai")
+
+_TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+                nn.LocalResponseNorm)
+_NORM_NAME = re.compile(r"norm", re.IGNORECASE)
+_RMS_NAME = re.compile(r"rms.?norm|t5layernorm", re.IGNORECASE)
+#: The names of functions that apply a rotary embedding (apply_rotary_pos_emb,
+#: apply_rotary_emb, apply_multimodal_rotary_pos_emb, apply_rope, ...).
+_ROTARY_NAME = re.compile(r"^apply_.*(rotary|rope)|rotary_pos_emb", re.IGNORECASE)
+
+
+def own_forward(module: nn.Module) -> Any:
+    """The ``forward`` set on the instance itself, or ``None``."""
+    return module.__dict__.get("forward")
+
+
+# -- RMS norms -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """How to serve one RMS norm module through ``astrai.ops.rms_norm``."""
+
+    eps_attr: str  # the attribute holding epsilon, read on every call
+    weight_offset: float  # 0.0, or 1.0 for Gemma's (1 + weight)
+    cast_before_weight: bool  # LlamaRMSNorm: weight * normed.to(input dtype)
+    eps_from_dtype: bool = False  # torch.nn.RMSNorm with eps=None: finfo(x.dtype).eps
+
+    def describe(self) -> str:
+        """The form in words, for the report."""
+        parts = ["weight after the cast back (LlamaRMSNorm)" if self.cast_before_weight
+                 else "weight in float32"]
+        if self.weight_offset:
+            parts.append(f"{self.weight_offset:g} + weight")
+        parts.append("eps = finfo(dtype).eps" if self.eps_from_dtype
+                     else f"eps from .{self.eps_attr}")
+        return ", ".join(parts)
+
+    def keywords(self) -> dict[str, Any]:
+        """The facade's feature keywords for this form."""
+        out: dict[str, Any] = {}
+        if self.weight_offset:
+            out["weight_offset"] = self.weight_offset
+        if self.cast_before_weight:
+            out["cast_before_weight"] = True
+        return out
+
+
+def is_norm_kind(module: nn.Module) -> bool:
+    """Whether the report must account for ``module`` as a norm: an RMS norm by class,
+    or any class named ``...Norm...``."""
+    return isinstance(module, nn.RMSNorm) or bool(_NORM_NAME.search(type(module).__name__))
+
+
+#: The forms tried, as ``(weight_offset, cast_before_weight)``.
+_FORMS = ((0.0, True), (0.0, False), (1.0, False), (1.0, True))
+_FP32_TOL = 1e-5
+_BF16_TOL = 2.0 ** -7  # one rounding of bfloat16 (8 bits of mantissa), relative
+
+
+def rms_norm_form(module: nn.Module) -> NormForm | str:
+    """``module``'s ``NormForm``, or why it cannot be served as an RMS norm."""
+    cls = type(module)
+    if isinstance(module, _TORCH_NORMS):
+        return f"torch.nn.{cls.__name__} is not an RMS norm (astrai has no family for it)"
+    if not (isinstance(module, nn.RMSNorm) or _RMS_NAME.search(cls.__name__)):
+        return ("not an RMS norm by its class name, so astrai does not try to serve it "
+                "(astrai has no family for other norms)")
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return "it has no weight vector (astrai's rms_norm scales by a weight of [features])"
+    extra = [n for n, p in module.named_parameters(recurse=True) if n != "weight"]
+    extra += [n for n, b in module.named_buffers(recurse=True) if b is not None]
+    if extra:
+        return f"it holds more than a weight ({', '.join(extra)}), which astrai would ignore"
+    if weight.is_meta or not weight.is_floating_point():
+        return f"its weight is {'on the meta device' if weight.is_meta else weight.dtype}, " \
+               "so what it computes cannot be checked"
+    if isinstance(module, nn.RMSNorm) and tuple(module.normalized_shape) != tuple(weight.shape):
+        return f"it normalises over {tuple(module.normalized_shape)}, more than the last dim"
+    eps_names = [n for n in EPS_NAMES if _eps_value(module, n) is not _NO_EPS]
+    if not eps_names:
+        return (f"no epsilon attribute astrai knows ({', '.join(EPS_NAMES)}) holds a "
+                f"number")
+    best: tuple[float, NormForm] | None = None
+    failures: list[str] = []
+    for name in eps_names:
+        for offset, cast in _FORMS:
+            form = NormForm(name, offset, cast, _eps_value(module, name) is None)
+            got = _compare(module, form)
+            if isinstance(got, str):
+                failures.append(got)
+            elif best is None or got < best[0]:
+                best = (got, form)
+    if best is None:
+        reason = min(failures, key=len) if failures else "no probe ran"
+        return f"its output matches no RMS norm form astrai serves ({reason})"
+    return best[1]
+
+
+_NO_EPS: Any = object()
+
+
+def _eps_value(module: nn.Module, name: str) -> Any:
+    """The epsilon ``module.name`` holds (``None`` only for ``torch.nn.RMSNorm``'s
+    default), or ``_NO_EPS``."""
+    value = module.__dict__.get(name, _NO_EPS)
+    if value is None and isinstance(module, nn.RMSNorm) and name == "eps":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return _NO_EPS
+    return float(value)
+
+
+def _probe_inputs(hidden: int, eps: float, dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(4, hidden, generator=g)
+    x[0] *= math.sqrt(eps) if eps > 0 else 1e-3  # a row whose mean square is about eps
+    return x.to(device=device, dtype=dtype)
+
+
+def _compare(module: nn.Module, form: NormForm) -> float | str:
+    """The bfloat16 error of ``form`` against ``module`` (float32 must pass), or why it
+    does not match."""
+    weight = module._parameters["weight"]
+    assert weight is not None
+    device, hidden = weight.device, weight.shape[0]
+    g = torch.Generator().manual_seed(hidden + 1)
+    random_weight = torch.randn(hidden, generator=g).to(device)
+    bf16_error = 0.0
+    ran = 0
+    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                             (torch.bfloat16, torch.float32)):
+        eps = torch.finfo(x_dtype).eps if form.eps_from_dtype else float(
+            getattr(module, form.eps_attr))
+        x = _probe_inputs(hidden, eps, x_dtype, device)
+        w = random_weight.to(w_dtype)
+        try:
+            want = _own_forward(module, w, x)
+        except Exception:  # a dtype combination the module does not take: not compared
+            continue
+        got = reference_rms_norm(x, w, eps, weight_offset=form.weight_offset,
+                                 cast_before_weight=form.cast_before_weight)
+        if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or (
+                want.shape != got.shape):
+            what = (f"{want.dtype} {tuple(want.shape)}" if isinstance(want, torch.Tensor)
+                    else type(want).__name__)
+            return f"with {x_dtype} input and {w_dtype} weight it returns {what}"
+        tol = _FP32_TOL if x_dtype == torch.float32 else _BF16_TOL
+        err = ((want.float() - got.float()).abs() / (got.float().abs() + tol)).max().item()
+        if not err <= tol * 2:
+            return f"with {x_dtype} input and {w_dtype} weight its output differs by " \
+                   f"{err:.2g} (relative)"
+        ran += 1
+        if x_dtype != torch.float32:
+            bf16_error += err
+    if ran < 2:
+        return "it runs on fewer than two of the dtypes astrai checks it in"
+    return bf16_error
+
+
+def _own_forward(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> Any:
+    """The class's ``forward`` of a shallow copy of ``module`` holding ``weight``."""
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    with torch.no_grad():
+        return type(module).forward(probe, x)
+
+
+# -- rotary --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RotarySite:
+    """A rotary function a layer's ``forward`` calls by its global name."""
+
+    name: str  # the global name the forward reads
+    owner: dict[str, Any]  # the globals it is read from
+    function: Any  # what the name holds: the model's own function
+    unsqueeze_dim: int  # the default of its unsqueeze_dim
+    dim_position: int | None  # the positional index of unsqueeze_dim, if it has one
+    extra: tuple[str, ...]  # its other parameters after (q, k, cos, sin)
+
+    @property
+    def label(self) -> str:
+        """``module.function`` as the report names it."""
+        fn = self.function
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', self.name)}"
+
+
+def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]:
+    """The rotary functions ``forward`` calls that compute the half layout, and
+    ``(label, reason)`` for those that compute something else."""
+    sites: list[RotarySite] = []
+    refused: list[tuple[str, str]] = []
+    for name, owner in global_names(forward):
+        value = owner[name]
+        if not _ROTARY_NAME.search(name) or isinstance(value, type) or not callable(value):
+            continue
+        label = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', name)}"
+        site = _half_layout_site(name, owner, value)
+        if isinstance(site, str):
+            refused.append((label, site))
+        else:
+            sites.append(site)
+    return sites, refused
+
+
+def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 4:
+        return "it does not take (q, k, cos, sin)"
+    rest = params[4:] if params[:4] == positional[:4] else []
+    if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+           for p in rest):
+        return "it needs more arguments than (q, k, cos, sin)"
+    dim_param = next((p for p in rest if p.name == "unsqueeze_dim"), None)
+    dim = dim_param.default if dim_param is not None else 1
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return f"its unsqueeze_dim default is {dim!r}"
+    dim_position = (positional.index(dim_param) if dim_param in positional else None) \
+        if dim_param is not None else None
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
+    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    if dim != 1:  # heads where unsqueeze_dim puts them
+        q, k = q.movedim(1, dim), k.movedim(1, dim)
+    try:
+        with torch.no_grad():
+            got = fn(q, k, cos, sin)
+    except Exception as exc:
+        return f"called as (q, k, cos, sin) it raised {type(exc).__name__}: {exc}"
+    want = reference_rotary_half(q, k, cos, sin, dim)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) and t.shape == w.shape
+                    for t, w in zip(got, want, strict=True))):
+        return "it does not return (q, k) rotated"
+    gap = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
+    if not gap <= 1e-5:
+        return (f"it does not compute the half-split rotary x * cos + rotate_half(x) * sin "
+                f"(differs by {gap:.2g} on random inputs)")
+    return RotarySite(name, owner, fn, dim, dim_position,
+                      tuple(p.name for p in rest if p is not dim_param))
+
+
+# -- attention -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """An attention layer's ``forward`` that finds its attention function by global name."""
+
+    owner: dict[str, Any]  # the forward's globals
+    names: tuple[str, ...]  # which of ATTENTION_INTERFACE / EAGER_ATTENTION it reads
+
+
+def attention_site(forward: Any, implementation: Any) -> AttentionSite | str | None:
+    """The site, the reason it cannot be routed, or ``None`` when ``forward`` does not use
+    transformers' attention interface at all."""
+    found = [(n, g) for n, g in global_names(forward) if n in (ATTENTION_INTERFACE,
+                                                                  EAGER_ATTENTION)]
+    if not found:
+        return None
+    if implementation not in READABLE_MASKS:
+        return (f"the model's attn_implementation is {implementation!r}, whose masks "
+                f"astrai's adapter does not read; build the model with "
+                f"attn_implementation='sdpa' (or 'astrai')")
+    owners = {id(g): g for _, g in found}
+    if len(owners) > 1:
+        return "its forward reads the attention interface from more than one module"
+    return AttentionSite(found[0][1], tuple(dict.fromkeys(n for n, _ in found)))
+
+
+# -- linear --------------------------------------------------------------------
+
+
+def linear_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (an ``nn.Linear``) cannot be routed, or ``None`` when it can."""
+    if type(module).forward is not nn.Linear.forward:
+        return (f"{type(module).__qualname__} overrides nn.Linear.forward (a quantized or "
+                f"adapted layer?), so astrai cannot tell what it computes")
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        what = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        return f"its weight is {what}, not floating point"
+    return None
+
+
+def is_linear_kind(module: nn.Module) -> bool:
+    """Whether the report must account for ``module`` as a linear layer: an
+    ``nn.Linear``, or a class named ``...Linear...`` or ``Conv1D`` (GPT-2's transposed
+    linear) that holds a 2-d weight of its own."""
+    if isinstance(module, nn.Linear):
+        return True
+    name = type(module).__name__
+    weight = module._parameters.get("weight")
+    return ("linear" in name.lower() or name == "Conv1D") and isinstance(
+        weight, torch.Tensor) and weight.dim() == 2
+
+
+def not_linear_reason(module: nn.Module) -> str:
+    """Why a linear-kind module that is no ``nn.Linear`` is not routed."""
+    if type(module).__name__ == "Conv1D":
+        return ("transformers' Conv1D multiplies by a weight of [in, out]; the linear "
+                "family takes nn.Linear's [out, in]")
+    return f"{type(module).__qualname__} is not a torch.nn.Linear"
+

@@ -1,0 +1,82 @@
+"""What ``dispatch_model`` routed in a model, and what it could not route and why."""
+
+from __future__ import annotations
+
+__all__ = ["DispatchReport", "NotRouted", "Routed"]
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+_FAMILIES = ("attention", "rotary", "rms_norm", "linear")
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One module whose calls of ``family`` go through astrai (for ``attention`` and
+    ``rotary``: an attention layer, the call site)."""
+
+    family: str
+    path: str  # the module's name in the model (``model.layers.0.self_attn``)
+    kind: str  # its class name
+    detail: str = ""  # the norm's form; the rotary function the site called
+
+
+@dataclass(frozen=True)
+class NotRouted:
+    """One module of a kind astrai knows that it did not route, with the reason."""
+
+    family: str
+    path: str
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """The model's routing after a ``dispatch_model`` call: every module routed (by this
+    call or an earlier one), every one of the families asked for that could not be, and
+    how many modules this call changed (0 when it had nothing left to do)."""
+
+    model: str
+    routed: tuple[Routed, ...]
+    not_routed: tuple[NotRouted, ...]
+    changed: int
+    families: frozenset[str]
+
+    def counts(self) -> dict[str, int]:
+        """Modules (call sites) routed, per family, every family asked for included."""
+        got = Counter(r.family for r in self.routed)
+        return {f: got[f] for f in _FAMILIES if f in self.families or got[f]}
+
+    def paths(self, family: str) -> list[str]:
+        """The modules routed for ``family``."""
+        return [r.path for r in self.routed if r.family == family]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain data (``json.dumps`` takes it)."""
+        return {
+            "model": self.model,
+            "changed": self.changed,
+            "counts": self.counts(),
+            "routed": [vars(r) for r in self.routed],
+            "not_routed": [vars(n) for n in self.not_routed],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"astrai dispatch_model: {self.model} "
+                 f"({self.changed} module{'s' if self.changed != 1 else ''} changed)"]
+        for family, n in self.counts().items():
+            kinds: Counter[tuple[str, str]] = Counter(
+                (r.kind, r.detail) for r in self.routed if r.family == family)
+            what = "call sites" if family in ("attention", "rotary") else "modules"
+            lines.append(f"  {family:<10} {n:>4} {what} routed")
+            lines += [f"      {count} x {kind}" + (f": {detail}" if detail else "")
+                      for (kind, detail), count in sorted(kinds.items())]
+        if self.not_routed:
+            lines.append("  not routed:")
+            lines += [f"    {n.family:<10} {n.path} ({n.kind}): {n.reason}"
+                      for n in self.not_routed]
+        else:
+            lines.append("  not routed: nothing")
+        return "\n".join(lines)

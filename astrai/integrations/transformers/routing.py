@@ -1,0 +1,473 @@
+"""Whole models through astrai: ``dispatch_model`` and ``restore_model``.
+
+``dispatch_model(model)`` routes, on the live instances of an already-built model, every
+RMS norm, linear layer, rotary application and attention call to astrai's facades
+(``ops.rms_norm``, ``ops.linear``, ``ops.apply_rotary_half``, and ``ops.attention``
+through the attention adapter), so each of them is decided by its table and counted,
+explained, scoped, recorded, tuned and locked like any other call. Nothing is patched
+on a class or a module: other models of the same architecture in the process are left
+as they are.
+
+How each kind is routed (``recognise`` says how each is found):
+
+- **RMS norms and linear layers**: the instance's ``forward`` becomes astrai's
+  (``_rms_norm_forward(form)`` / ``_linear_forward``), reading the module's weight, bias and
+  epsilon attribute on every call; for a norm, the form its own forward computes
+  (weight in float32 or after the cast back, ``1 + weight``) is the call's features.
+- **Attention layers**: the instance's ``forward`` becomes a copy of its class's
+  (``rebind``), decorators included, that sees the rotary function it calls by name as
+  a router to ``ops.apply_rotary_half``, and transformers' ``ALL_ATTENTION_FUNCTIONS``
+  as an interface whose every implementation is astrai's adapter. The model's masks
+  stay as its ``attn_implementation`` builds them (sdpa's or eager's, which the adapter
+  reads). A rotary call the half layout cannot express (partial rotary: ``cos`` shorter
+  than ``head_dim``; an argument it does not know) runs the model's own function and
+  warns once, naming the layer.
+
+Each routed module carries its ``Route`` (``_astrai_route``): what was routed, the
+``forward`` it had of its own before (usually none) and the one installed.
+``dispatch_model`` routes a module once (a second call changes nothing, or adds the
+families it did not route before); ``restore_model`` puts every original ``forward``
+back, after which no astrai call happens. A module whose ``forward`` someone else
+replaced on the instance (before astrai, or after it) is left alone and reported.
+
+A routed model copies with ``copy.deepcopy`` (the copy is routed too); pickling the
+model object itself (``torch.save(model)``, not its ``state_dict``) needs
+``restore_model`` first, and says so.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FAMILIES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch_model",
+           "restore_model", "verify_model"]
+
+import copy
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.stats import stats
+from astrai.integrations.transformers.attention import astrai_attention_forward
+from astrai.integrations.transformers.rebind import rebind
+from astrai.integrations.transformers.recognise import (
+    ATTENTION_INTERFACE,
+    EAGER_ATTENTION,
+    AttentionSite,
+    NormForm,
+    RotarySite,
+    attention_site,
+    is_linear_kind,
+    is_norm_kind,
+    linear_reason,
+    not_linear_reason,
+    own_forward,
+    rms_norm_form,
+    rotary_sites,
+)
+from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
+from astrai.ops import apply_rotary_half, linear
+from astrai.ops import rms_norm_form as rms_norm_call
+
+#: The families ``dispatch_model`` routes, in the order it reports them.
+FAMILIES = ("attention", "rotary", "rms_norm", "linear")
+#: The attribute a routed module carries its ``Route`` in.
+ROUTE_ATTR = "_astrai_route"
+_MISSING: Any = object()
+
+
+class RoutingError(RuntimeError):
+    """``verify_model`` found a routed family that served no call."""
+
+
+@dataclass
+class Route:
+    """What ``dispatch_model`` did to one module (kept on it as ``_astrai_route``)."""
+
+    families: frozenset[str]
+    original: Any  # the forward the instance had of its own before, or _MISSING
+    installed: Any = None  # the forward astrai set on the instance
+    norm: NormForm | None = None
+    rotary: tuple[RotarySite, ...] = ()
+    attention: AttentionSite | None = None
+    forward: Callable[..., Any] | None = None  # an attention layer's rebuilt forward
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Route:
+        # The installed and original forwards are bound to the module: copy them (the
+        # module's copy binds them to itself); the rest is code, shared.
+        return Route(self.families, copy.deepcopy(self.original, memo),
+                     copy.deepcopy(self.installed, memo), self.norm,
+                     self.rotary, self.attention, self.forward)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a module routed by astrai's dispatch_model cannot be pickled: call "
+                        "restore_model(model) first (its state_dict pickles as always)")
+
+
+# -- the forwards astrai installs -------------------------------------------------
+
+
+def _rms_norm_forward(form: NormForm) -> Callable[..., Any]:
+    """An RMS norm module's forward in ``form``, through ``ops.rms_norm``: the weight read
+    from the module's parameters and epsilon from its attribute, on every call. Holds no
+    module (a copy of the model binds it to the copy)."""
+    call = rms_norm_call(**form.keywords())
+    eps_attr, from_dtype = form.eps_attr, form.eps_from_dtype
+
+    def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight: Any
+        try:
+            weight = self._parameters["weight"]
+        except KeyError:  # parametrized since: its weight is a property
+            weight = self.weight
+        eps = (torch.finfo(hidden_states.dtype).eps if from_dtype
+               else self.__dict__[eps_attr])
+        return call(hidden_states, weight, eps)
+
+    return rms_norm_forward
+
+
+def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` through ``ops.linear``."""
+    params = self._parameters
+    try:
+        return linear(input, params["weight"], params["bias"])  # type: ignore[arg-type]
+    except KeyError:  # parametrized since: its weight is a property
+        return linear(input, self.weight, self.bias)  # type: ignore[arg-type]
+
+
+def _layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """An attention layer's forward: its class's, seeing astrai's rotary and attention."""
+    route: Route = self.__dict__[ROUTE_ATTR]
+    assert route.forward is not None
+    return route.forward(self, *args, **kwargs)
+
+
+class _AdapterInterface:
+    """Stands for transformers' ``ALL_ATTENTION_FUNCTIONS`` in a routed layer: every
+    implementation it is asked for is astrai's adapter; anything else is the real one's."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def get_interface(self, name: Any, default: Any = None) -> Any:
+        return astrai_attention_forward
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        return astrai_attention_forward
+
+    def __getitem__(self, name: Any) -> Any:
+        return astrai_attention_forward
+
+    def __contains__(self, name: Any) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+#: One router per rotary function and one interface per real one, so that every layer
+#: of an architecture shares one copy of its module's globals (``rebind.home``).
+_ROUTERS: dict[int, tuple[Any, Callable[..., Any]]] = {}
+_INTERFACES: dict[int, tuple[Any, _AdapterInterface]] = {}
+
+
+def _router(site: RotarySite) -> Callable[..., Any]:
+    got = _ROUTERS.get(id(site.function))
+    if got is None or got[0] is not site.function:
+        got = _ROUTERS[id(site.function)] = (site.function, _rotary_router(site))
+    return got[1]
+
+
+def _interface(real: Any) -> _AdapterInterface:
+    got = _INTERFACES.get(id(real))
+    if got is None or got[0] is not real:
+        got = _INTERFACES[id(real)] = (real, _AdapterInterface(real))
+    return got[1]
+
+
+def _rotary_router(site: RotarySite) -> Callable[..., Any]:
+    """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``,
+    or the function itself (warning once) for a call the half layout cannot express."""
+    original, default_dim = site.function, site.unsqueeze_dim
+    try:
+        import inspect
+
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
+
+    def own(q: Any, k: Any, cos: Any, sin: Any, args: tuple[Any, ...],
+            kwargs: dict[str, Any], why: str) -> Any:
+        warn_once(f"astrai: a rotary call to {site.label} runs the model's own function: "
+                  f"{why}")
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    def routed_rotary(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+        dim = default_dim
+        if args or kwargs:
+            if signature is None:
+                return own(q, k, cos, sin, args, kwargs, "its extra arguments cannot be read")
+            bound = signature.bind(q, k, cos, sin, *args, **kwargs)
+            extra = {n: v for n, v in list(bound.arguments.items())[4:]}
+            dim = extra.pop("unsqueeze_dim", default_dim)
+            if any(v is not None and v is not signature.parameters[n].default
+                   for n, v in extra.items()):
+                return own(q, k, cos, sin, args, kwargs,
+                           f"it was called with {', '.join(extra)}, which the half layout "
+                           f"does not take")
+        if (isinstance(cos, torch.Tensor) and isinstance(q, torch.Tensor)
+                and cos.shape[-1] != q.shape[-1]):
+            return own(q, k, cos, sin, args, kwargs,
+                       f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]} (partial rotary)")
+        return apply_rotary_half(q, k, cos, sin, dim)
+
+    routed_rotary.__qualname__ = f"astrai routed {site.name}"
+    return routed_rotary
+
+
+# -- dispatch_model ------------------------------------------------------------
+
+
+def _families(families: Iterable[str] | None) -> frozenset[str]:
+    if families is None:
+        return frozenset(FAMILIES)
+    if isinstance(families, str):
+        families = (families,)
+    wanted = frozenset(families)
+    unknown = sorted(wanted - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"dispatch_model: unknown famil{'y' if len(unknown) == 1 else 'ies'} "
+                         f"{', '.join(map(repr, unknown))}; families: {', '.join(FAMILIES)}")
+    return wanted
+
+
+def _install(module: nn.Module, function: Callable[..., Any], route: Route) -> None:
+    route.installed = types.MethodType(function, module)
+    module.__dict__[ROUTE_ATTR] = route
+    module.__dict__["forward"] = route.installed
+
+
+def _implementation(module: nn.Module, model: nn.Module) -> Any:
+    for owner in (module, model):
+        config = getattr(owner, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            return config._attn_implementation
+    return None
+
+
+class _Dispatch:
+    """One ``dispatch_model`` call: what it routed and what it could not."""
+
+    def __init__(self, model: nn.Module, wanted: frozenset[str]) -> None:
+        self.model, self.wanted = model, wanted
+        self.changed = 0
+        self.refused: list[NotRouted] = []
+        self.attention_named: list[str] = []
+
+    def refuse(self, family: str, path: str, module: nn.Module, reason: str) -> None:
+        self.refused.append(NotRouted(family, path or "(the model)", type(module).__name__,
+                                      reason))
+
+    def module(self, path: str, module: nn.Module) -> None:
+        route: Route | None = module.__dict__.get(ROUTE_ATTR)
+        if route is not None and own_forward(module) is not route.installed:
+            for family in sorted(route.families & self.wanted):
+                self.refuse(family, path, module, "its forward was replaced on the instance "
+                            "after astrai routed it; astrai leaves it alone")
+            return
+        if is_linear_kind(module):
+            self.linear(path, module, route)
+        elif is_norm_kind(module):
+            self.norm(path, module, route)
+        else:
+            self.layer(path, module, route)
+
+    def _foreign(self, family: str, path: str, module: nn.Module, route: Route | None) -> bool:
+        """Whether someone else set this module's forward (then it is refused)."""
+        if route is None and own_forward(module) is not None:
+            self.refuse(family, path, module,
+                        f"its forward is already replaced on the instance "
+                        f"({own_forward(module)!r}, e.g. by accelerate's hooks); astrai "
+                        f"leaves it alone")
+            return True
+        return False
+
+    def linear(self, path: str, module: nn.Module, route: Route | None) -> None:
+        if "linear" not in self.wanted or route is not None:
+            return
+        if not isinstance(module, nn.Linear):
+            self.refuse("linear", path, module, not_linear_reason(module))
+            return
+        if self._foreign("linear", path, module, route):
+            return
+        reason = linear_reason(module)
+        if reason is not None:
+            self.refuse("linear", path, module, reason)
+            return
+        _install(module, _linear_forward, Route(frozenset({"linear"}), _MISSING))
+        self.changed += 1
+
+    def norm(self, path: str, module: nn.Module, route: Route | None) -> None:
+        if "rms_norm" not in self.wanted or route is not None:
+            return
+        if self._foreign("rms_norm", path, module, route):
+            return
+        form = rms_norm_form(module)
+        if isinstance(form, str):
+            self.refuse("rms_norm", path, module, form)
+            return
+        _install(module, _rms_norm_forward(form), Route(frozenset({"rms_norm"}), _MISSING,
+                                                        norm=form))
+        self.changed += 1
+
+    def layer(self, path: str, module: nn.Module, route: Route | None) -> None:
+        wanted = self.wanted & {"attention", "rotary"}
+        if not wanted:
+            return
+        forward = type(module).forward
+        attention: AttentionSite | None = None
+        sites: list[RotarySite] = []
+        if "attention" in wanted:
+            found = attention_site(forward, _implementation(module, self.model))
+            if isinstance(found, str):
+                self.refuse("attention", path, module, found)
+            else:
+                attention = found
+            if found is None and "attention" in type(module).__name__.lower():
+                self.attention_named.append(path)
+        if "rotary" in wanted:
+            sites, refused = rotary_sites(forward)
+            for label, reason in refused:
+                self.refuse("rotary", path, module, f"{label}: {reason}")
+        families = frozenset({"attention"} if attention is not None else set()) | (
+            frozenset({"rotary"}) if sites else frozenset())
+        if route is not None:  # routed before: add what it did not route then
+            families |= route.families
+            attention = attention or route.attention
+            sites = sites or list(route.rotary)
+            if families == route.families:
+                return
+        if not families:
+            return
+        if self._foreign(next(iter(sorted(families))), path, module, route):
+            return
+        rebuilt = self.rebuild(forward, attention, sites)
+        if rebuilt is None:
+            for family in sorted(families):
+                self.refuse(family, path, module, "its forward could not be copied to see "
+                            "astrai's functions (it is not a plain Python function)")
+            return
+        new = Route(families, _MISSING if route is None else route.original, norm=None,
+                    rotary=tuple(sites), attention=attention, forward=rebuilt)
+        _install(module, _layer_forward, new)
+        self.changed += 1
+
+    def rebuild(self, forward: Any, attention: AttentionSite | None,
+                sites: list[RotarySite]) -> Callable[..., Any] | None:
+        owners = {id(s.owner): s.owner for s in sites}
+        if attention is not None:
+            owners[id(attention.owner)] = attention.owner
+        if len(owners) != 1:
+            return None
+        owner = next(iter(owners.values()))
+        replacements: dict[str, Any] = {s.name: _router(s) for s in sites}
+        if attention is not None:
+            if ATTENTION_INTERFACE in attention.names:
+                replacements[ATTENTION_INTERFACE] = _interface(owner[ATTENTION_INTERFACE])
+            if EAGER_ATTENTION in attention.names:
+                replacements[EAGER_ATTENTION] = astrai_attention_forward
+        return rebind(forward, owner, replacements)
+
+    def report(self) -> DispatchReport:
+        routed: list[Routed] = []
+        attention_paths: list[str] = []
+        for path, module in self.model.named_modules():
+            route = module.__dict__.get(ROUTE_ATTR)
+            if route is None or own_forward(module) is not route.installed:
+                continue
+            name = path or "(the model)"
+            kind = type(module).__name__
+            for family in FAMILIES:
+                if family not in route.families:
+                    continue
+                if family == "rms_norm" and route.norm is not None:
+                    detail = route.norm.describe()
+                elif family == "rotary":
+                    detail = ", ".join(s.label for s in route.rotary)
+                elif family == "attention":
+                    detail = "astrai's attention adapter"
+                    attention_paths.append(path)
+                else:
+                    detail = ""
+                routed.append(Routed(family, name, kind, detail))
+        refused = list(self.refused)
+        for path in self.attention_named:  # an attention-named container of routed layers
+            if not any(p.startswith(f"{path}.") or not path for p in attention_paths):
+                module = self.model.get_submodule(path)
+                refused.append(NotRouted("attention", path or "(the model)",
+                                         type(module).__name__,
+                                         "its forward does not go through transformers' "
+                                         "attention interface (it computes attention itself)"))
+        return DispatchReport(type(self.model).__name__, tuple(routed), tuple(refused),
+                              self.changed, self.wanted)
+
+
+def dispatch_model(model: nn.Module, families: Iterable[str] | None = None) -> DispatchReport:
+    """Route ``model``'s RMS norms, linear layers, rotary applications and attention
+    calls (or only ``families``) through astrai's facades; returns the report of what is
+    routed and what could not be, with the reason. Routes each module once."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dispatch_model takes a torch.nn.Module, got {type(model).__name__}")
+    wanted = _families(families)
+    run = _Dispatch(model, wanted)
+    for path, module in model.named_modules():
+        run.module(path, module)
+    return run.report()
+
+
+def restore_model(model: nn.Module) -> int:
+    """Put back every ``forward`` ``dispatch_model`` replaced in ``model``; returns how
+    many modules were restored. A module whose ``forward`` was replaced again after
+    astrai's is left as it is, with a warning (its route is forgotten all the same)."""
+    restored = 0
+    for path, module in model.named_modules():
+        route: Route | None = module.__dict__.pop(ROUTE_ATTR, None)
+        if route is None:
+            continue
+        if own_forward(module) is not route.installed:
+            warn_once(f"astrai: restore_model left {path or 'the model'} "
+                      f"({type(module).__name__}) alone: its forward was replaced again "
+                      f"after astrai routed it")
+            continue
+        if route.original is _MISSING:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = route.original
+        restored += 1
+    return restored
+
+
+def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
+    """Run ``model(*args, **kwargs)`` without autograd and count the calls each routed
+    family served; ``RoutingError`` when a family routed in the model served none (a
+    routing that did not take effect)."""
+    routed = set()
+    for module in model.modules():
+        route = module.__dict__.get(ROUTE_ATTR)
+        if route is not None and own_forward(module) is route.installed:
+            routed |= route.families
+    before = stats()
+    with torch.no_grad():
+        model(*args, **kwargs)
+    after = stats()
+    served = {family: after.served(family) - before.served(family) for family in FAMILIES
+              if family in routed}
+    idle = sorted(f for f, n in served.items() if n <= 0)
+    if idle:
+        raise RoutingError(f"routed but served no call: {', '.join(idle)} (the model does not "
+                           f"reach the routed modules, or its code changed under them)")
+    return served

@@ -1,0 +1,474 @@
+"""``dispatch_model`` / ``restore_model`` on real transformers models with tiny random weights.
+
+Five architectures, each built from a config (nothing is downloaded): Llama (GQA),
+Mistral (sliding window), Qwen2 (biased q/k/v projections), Gemma (``1 + weight``
+norms, a custom head_dim) and Gemma 2 (soft-capping, four norms per layer, a custom
+scale). Each is built with ``attn_implementation="sdpa"`` (Gemma 2: ``"eager"``, its only one
+besides flash and flex), its norm weights made random
+(so the norm form matters), and compared with an untouched copy of itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+import astrai.dispatch as dispatch
+from astrai.dispatch.lock import check_lock, lock_workload
+from astrai.dispatch.recording import record
+from astrai.dispatch.tuning import tune_workload
+from astrai.integrations.transformers import (
+    FAMILIES,
+    RoutingError,
+    dispatch_model,
+    restore_model,
+    verify_model,
+)
+from astrai.integrations.transformers.recognise import attention_site
+
+LAYERS = 2
+TINY: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
+)
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(**TINY),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=4),
+    "qwen2": lambda: Qwen2Config(**TINY),
+    "gemma": lambda: GemmaConfig(**TINY, head_dim=16),
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, sliding_window=4,
+                                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                   query_pre_attn_scalar=24),
+}
+#: Norm modules per model: two per layer (four for Gemma 2) and the final one.
+NORMS = {"llama": 5, "mistral": 5, "qwen2": 5, "gemma": 5, "gemma2": 9}
+LINEARS = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the lm head
+#: Which form each architecture's norms are served in.
+FORM = {"llama": "weight after the cast back", "mistral": "weight after the cast back",
+        "qwen2": "weight after the cast back", "gemma": "1 + weight",
+        "gemma2": "1 + weight"}
+#: Gemma 2 has no sdpa path in transformers: built with eager attention (additive masks).
+IMPL = {"gemma2": "eager"}
+SEQ = 12
+
+
+def randomize_norms(model: nn.Module) -> None:
+    """Norm weights random, not ones/zeros: each form then gives another result."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def build(arch: str, impl: str | None = None, dtype: torch.dtype = torch.float32
+          ) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """``(plain, routed)``: one random model and a copy of it, the copy dispatched."""
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        CONFIGS[arch](), attn_implementation=impl or IMPL.get(arch, "sdpa"))
+    randomize_norms(plain)
+    plain = plain.to(dtype).eval()
+    routed = copy.deepcopy(plain)
+    dispatch_model(routed)
+    return plain, routed
+
+
+def tokens(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model: nn.Module, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(ids, **kwargs).logits.float()
+    return out
+
+
+def greedy(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model.generate(ids, max_new_tokens=8, min_new_tokens=8,
+                                           do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def served() -> dict[str, dict[str, int]]:
+    """Calls served so far per family, by row."""
+    by_row = dispatch.stats().by_row()
+    return {f: {row: sum(origins.values()) for row, origins in rows.items()}
+            for f, rows in by_row.items()}
+
+
+def own_forwards(model: nn.Module) -> dict[str, Any]:
+    return {name: m.__dict__["forward"] for name, m in model.named_modules()
+            if "forward" in m.__dict__}
+
+
+ARCHS = list(CONFIGS)
+
+
+class TestModels:
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_coverage_and_logits(self, arch: str) -> None:
+        plain, routed = build(arch)
+        report = dispatch_model(routed)  # a second call: nothing left to do
+        assert report.changed == 0
+        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS,
+                                   "rms_norm": NORMS[arch], "linear": LINEARS}
+        assert report.not_routed == ()
+        assert all(FORM[arch] in r.detail for r in report.routed if r.family == "rms_norm")
+        ids = tokens()
+        torch.testing.assert_close(logits(routed, ids), logits(plain, ids), atol=1e-5,
+                                   rtol=1e-5)
+        counts = verify_model(routed, ids)
+        assert set(counts) == set(FAMILIES) and min(counts.values()) > 0
+        assert counts["rms_norm"] == NORMS[arch] and counts["linear"] == LINEARS
+        assert counts["rotary"] == counts["attention"] == LAYERS
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_generate_greedy(self, arch: str) -> None:
+        plain, routed = build(arch)
+        ids = tokens()
+        assert torch.equal(greedy(routed, ids), greedy(plain, ids))
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_gradients(self, arch: str) -> None:
+        plain, routed = build(arch)
+        ids = tokens()
+        grads = []
+        for model in (plain, routed):
+            model.train()
+            model.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+        assert grads[0].keys() == grads[1].keys()
+        for name, g in grads[0].items():
+            assert g is not None and grads[1][name] is not None, name
+            torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_restore(self, arch: str) -> None:
+        plain, routed = build(arch)
+        assert restore_model(routed) == NORMS[arch] + LINEARS + LAYERS
+        assert own_forwards(routed) == {}
+        dispatch.reset_stats()
+        ids = tokens()
+        torch.testing.assert_close(logits(routed, ids), logits(plain, ids))
+        assert served() == {}  # no astrai call at all
+        assert restore_model(routed) == 0
+
+    @pytest.mark.parametrize("arch", ARCHS)
+    def test_scopes_reach_the_layers(self, arch: str) -> None:
+        plain, routed = build(arch)
+        ids = tokens()
+        dispatch.reset_stats()
+        with dispatch.op_backend(rms_norm="reference", rotary="reference", linear="torch",
+                                 attention="math"):
+            got = logits(routed, ids)
+        torch.testing.assert_close(got, logits(plain, ids), atol=1e-5, rtol=1e-5)
+        assert served() == {"rms_norm": {"reference": NORMS[arch]},
+                            "rotary": {"reference": LAYERS},
+                            "linear": {"torch": LINEARS}, "attention": {"math": LAYERS}}
+
+
+class TestDispatch:
+    def test_second_call_changes_nothing(self) -> None:
+        _, routed = build("llama")
+        before = own_forwards(routed)
+        assert len(before) == NORMS["llama"] + LINEARS + LAYERS
+        report = dispatch_model(routed)
+        assert report.changed == 0 and own_forwards(routed) == before
+
+    def test_families_narrow_then_widen(self) -> None:
+        plain, _ = build("llama")
+        model = copy.deepcopy(plain)
+        report = dispatch_model(model, ("rms_norm", "linear"))
+        assert report.counts() == {"rms_norm": NORMS["llama"], "linear": LINEARS}
+        attn = model.model.layers[0].self_attn
+        assert "forward" not in attn.__dict__
+        assert set(verify_model(model, tokens())) == {"rms_norm", "linear"}
+        report = dispatch_model(model, ["rotary"])
+        assert report.changed == LAYERS and report.counts()["rotary"] == LAYERS
+        report = dispatch_model(model)  # attention joins the rotary already routed
+        assert report.changed == LAYERS
+        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS,
+                                   "rms_norm": NORMS["llama"], "linear": LINEARS}
+        torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()))
+
+    def test_error_unknown_family(self) -> None:
+        _, routed = build("llama")
+        with pytest.raises(ValueError, match="unknown family 'rope'; families: attention"):
+            dispatch_model(routed, ["rope"])
+        with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+            dispatch_model("model")  # type: ignore[arg-type]
+
+    def test_plain_model_untouched(self) -> None:
+        """Routing is per instance: another model of the same class is not routed."""
+        plain, routed = build("llama")
+        dispatch.reset_stats()
+        logits(plain, tokens())
+        assert served() == {}
+        logits(routed, tokens())
+        assert set(served()) == set(FAMILIES)
+
+    def test_eager_masks_and_left_padding(self) -> None:
+        plain, routed = build("llama", impl="eager")
+        ids = tokens()
+        mask = torch.ones_like(ids)
+        ids[0, :3], mask[0, :3] = 0, 0
+        got, want = logits(routed, ids, attention_mask=mask), logits(plain, ids,
+                                                                      attention_mask=mask)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[0, 3:], want[0, 3:], atol=1e-5, rtol=1e-5)
+        assert dispatch.stats().served("attention") > 0
+
+    def test_attention_masks_it_cannot_read(self) -> None:
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        why = attention_site(LlamaAttention.forward, "flash_attention_2")
+        assert isinstance(why, str) and "'flash_attention_2'" in why and "sdpa" in why
+        assert attention_site(nn.Linear.forward, "sdpa") is None
+
+    def test_bfloat16(self) -> None:
+        plain, routed = build("llama", dtype=torch.bfloat16)
+        ids = tokens()
+        want = logits(plain, ids)
+        torch.testing.assert_close(logits(routed, ids), want, atol=3e-2, rtol=3e-2)
+        with dispatch.op_backend(rms_norm="reference", rotary="reference"):
+            exact = logits(routed, ids)  # the references: the model's own bits
+        torch.testing.assert_close(exact, want, atol=0, rtol=0)
+
+    def test_env_and_profiles(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        plain, routed = build("gemma")
+        ids = tokens()
+        monkeypatch.setenv("ASTR_OPS", "rms_norm=reference,rotary=reference")
+        dispatch.reset_stats()
+        logits(routed, ids)
+        assert served()["rms_norm"] == {"reference": NORMS["gemma"]}
+        assert served()["rotary"] == {"reference": LAYERS}
+        monkeypatch.delenv("ASTR_OPS")
+        dispatch.reset_stats()
+        with dispatch.use_profile("reference"):
+            got = logits(routed, ids)
+        torch.testing.assert_close(got, logits(plain, ids), atol=1e-5, rtol=1e-5)
+        assert {f: set(rows) for f, rows in served().items()} == {
+            "rms_norm": {"reference"}, "rotary": {"reference"}, "linear": {"torch"},
+            "attention": {"math"}}
+
+    def test_explain_a_routed_call(self) -> None:
+        _, routed = build("gemma2")
+        with record() as wl:
+            logits(routed, tokens())
+        norm = next(c for c in wl.calls if c.family == "rms_norm")
+        text = dispatch.explain("rms_norm", norm.context())
+        assert "weight_offset=true" in text and "=> torch (origin=chain)" in text
+        rotary = next(c for c in wl.calls if c.family == "rotary")
+        assert "layout=half" in dispatch.explain("rotary", rotary.context())
+
+    def test_record_tune_lock(self, tmp_path: Path) -> None:
+        """A real model's workload: recorded, tuned into a profile, locked and checked."""
+        _, routed = build("qwen2")
+        with record() as wl:
+            logits(routed, tokens())
+            greedy(routed, tokens(batch=1, seq=4))
+        workload = wl.workload()
+        assert set(workload.families()) == set(FAMILIES)
+        path = workload.save(tmp_path / "wl.yaml")
+        tuned = tune_workload(type(workload).load(path), tmp_path / "tuned.yaml", rounds=1,
+                              progress=False)
+        assert {b.family for b in tuned.buckets} == set(FAMILIES)
+        assert not [t for t in tuned.timings if t.skipped]
+        dispatch.load_tables(tmp_path / "tuned.yaml")
+        with dispatch.use_profile(tuned.name):
+            torch.testing.assert_close(logits(routed, tokens()), logits(routed, tokens()))
+        lock = lock_workload(workload)
+        assert {d.family for d in lock.decisions} == set(FAMILIES)
+        assert check_lock(lock).ok
+
+    def test_compile_fullgraph(self) -> None:
+        plain, routed = build("llama")
+        ids = tokens()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(routed)(ids)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        compiled = torch.compile(routed, fullgraph=True)
+        torch.testing.assert_close(logits(compiled, ids), logits(plain, ids), atol=1e-5,
+                                   rtol=1e-5)
+        torch._dynamo.reset()
+
+    def test_deepcopy_routed_and_pickle_refused(self) -> None:
+        plain, routed = build("llama")
+        twin = copy.deepcopy(routed)
+        assert dispatch_model(twin).changed == 0  # the copy is routed
+        with torch.no_grad():
+            twin.model.norm.weight.add_(1.0)  # the copy's forwards read the copy's weights
+        ids = tokens()
+        torch.testing.assert_close(logits(routed, ids), logits(plain, ids), atol=1e-5,
+                                   rtol=1e-5)
+        assert not torch.allclose(logits(twin, ids), logits(plain, ids))
+        with pytest.raises(TypeError, match=r"restore_model\(model\) first"):
+            pickle.dumps(routed)
+        restore_model(twin)
+        assert pickle.loads(pickle.dumps(twin)) is not None
+
+
+# -- what is not routed, and why ----------------------------------------------------
+
+
+class WeirdRMSNorm(nn.Module):
+    """Named like an RMS norm, but divides by the mean absolute value."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x / (x.abs().mean(-1, keepdim=True) + self.eps)
+
+
+class TestNotRouted:
+    def test_unrecognised_norm_is_reported(self) -> None:
+        plain, _ = build("llama")
+        plain.model.norm = WeirdRMSNorm(64)
+        plain.model.layers[0].post_attention_layernorm = nn.LayerNorm(64)
+        model = copy.deepcopy(plain)
+        report = dispatch_model(model)
+        reasons = {(n.family, n.path): n.reason for n in report.not_routed}
+        assert "matches no RMS norm form" in reasons[("rms_norm", "model.norm")]
+        assert "not an RMS norm" in reasons[("rms_norm",
+                                             "model.layers.0.post_attention_layernorm")]
+        assert report.counts()["rms_norm"] == NORMS["llama"] - 2
+        assert "model.norm (WeirdRMSNorm)" in str(report)
+        torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()),
+                                   atol=1e-5, rtol=1e-5)
+
+    def test_foreign_forward_left_alone(self, caplog: pytest.LogCaptureFixture) -> None:
+        plain, _ = build("llama")
+        model = copy.deepcopy(plain)
+        norm = model.model.norm
+        norm.forward = functools.partial(type(norm).forward, norm)  # an accelerate-style hook
+        report = dispatch_model(model)
+        refused = [n for n in report.not_routed if n.path == "model.norm"]
+        assert refused and "already replaced on the instance" in refused[0].reason
+        # replaced after astrai: restore leaves it and says so
+        lin = model.lm_head
+        mine = functools.partial(nn.Linear.forward, lin)
+        lin.forward = mine
+        assert dispatch_model(model).changed == 0
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            restore_model(model)
+        assert lin.forward is mine
+        assert any("left lm_head" in r.getMessage() for r in caplog.records)
+
+    def test_not_linear_kinds(self) -> None:
+        class QuantLinear(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x).round()
+
+        plain, _ = build("llama")
+        model = copy.deepcopy(plain)
+        model.lm_head = QuantLinear(64, 128, bias=False)
+        report = dispatch_model(model)
+        refused = {n.path: n.reason for n in report.not_routed}
+        assert "overrides nn.Linear.forward" in refused["lm_head"]
+
+
+def pairs_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary of adjacent pairs, under transformers' name pattern."""
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., 0::2].unsqueeze(1), sin[..., 0::2].unsqueeze(1)
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
+    return turn(q), turn(k)
+
+
+def apply_partial_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                                 sin: torch.Tensor, unsqueeze_dim: int = 1
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-NeoX's partial rotary: the first cos.shape[-1] dims turn, the rest pass."""
+    n = cos.shape[-1]
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        r, rest = x[..., :n], x[..., n:]
+        half = r.shape[-1] // 2
+        rot = torch.cat((-r[..., half:], r[..., :half]), -1)
+        return torch.cat((r * c + rot * s, rest), -1)
+    return turn(q), turn(k)
+
+
+class ToyAttention(nn.Module):
+    """Calls a rotary function by its global name, as transformers' layers do: a
+    partial one (half of head_dim turns)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return apply_partial_rotary_pos_emb(q, k, cos[..., :8], sin[..., :8])
+
+
+class ToyPairsAttention(nn.Module):
+    """Calls a rotary of adjacent pairs by its global name."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return pairs_rotary_pos_emb(q, k, cos, sin)
+
+
+class TestRotarySites:
+    def toy_call(self) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g),
+                torch.randn(1, 3, 16, generator=g), torch.randn(1, 3, 16, generator=g))
+
+    def test_other_rotary_reported(self) -> None:
+        toy = ToyPairsAttention()
+        report = dispatch_model(toy, ["rotary"])
+        assert report.counts() == {"rotary": 0}
+        (refused,) = [n for n in report.not_routed if "pairs_rotary_pos_emb" in n.reason]
+        assert "does not compute the half-split rotary" in refused.reason
+
+    def test_partial_rotary_runs_its_own_and_warns(
+            self, caplog: pytest.LogCaptureFixture) -> None:
+        toy = ToyAttention()
+        report = dispatch_model(toy, ["rotary"])
+        assert report.counts() == {"rotary": 1}  # full-width calls would be served
+        args = self.toy_call()
+        want = type(toy).forward(toy, *args)
+        dispatch.reset_stats()
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            got = toy(*args)
+            toy(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert served() == {}
+        warned = [r.getMessage() for r in caplog.records if "partial rotary" in r.getMessage()]
+        assert len(warned) == 1 and "runs the model's own function" in warned[0]
+
+    def test_verify_model_names_an_idle_family(self) -> None:
+        toy = ToyAttention()
+        dispatch_model(toy, ["rotary"])
+        with pytest.raises(RoutingError, match="served no call: rotary"):
+            verify_model(toy, *self.toy_call())
