@@ -19,6 +19,7 @@ it strays from 1.00 by more than 2%, the machine is not quiet and the figures sa
 Then the rows that served each family in the dispatched runs.
 
     python benchmarks/bench_hf.py
+    python benchmarks/bench_hf.py --instructions   # CPU work by callgrind (slow, noise-free)
 """
 
 from __future__ import annotations
@@ -151,5 +152,61 @@ def main() -> int:
     return 0 if ok and quiet and same else 1
 
 
+def _generate_once(mode: str, tokens: int) -> None:
+    """The child of ``--instructions``: build the model (dispatched or not), warm up, and
+    generate ``tokens`` tokens (none: the setup alone, subtracted)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from astrai.integrations.transformers import dispatch_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        LlamaConfig(**CONFIG), attn_implementation="sdpa").eval()
+    if mode == "dispatched":
+        dispatch_model(model)
+    prompt = torch.randint(3, CONFIG["vocab_size"], (1, PROMPT),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for n in (4, tokens):
+            if n:
+                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)
+
+
+def instructions(tokens: int = 16) -> int:
+    """Instructions per generated token, plain and dispatched, counted by callgrind: the
+    CPU work, the same on a busy machine as on a quiet one (memory stalls are not in it).
+    Four runs under valgrind (about 25 minutes here): each mode with and without the
+    ``tokens`` to generate, the difference being theirs."""
+    import re
+    import subprocess
+    import tempfile
+
+    counts: dict[tuple[str, int], int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("plain", "dispatched"):
+            for n in (0, tokens):
+                out = f"{tmp}/{mode}.{n}"
+                subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                                sys.executable, __file__, "--child", mode, str(n)],
+                               check=True, capture_output=True)
+                with open(out) as fh:
+                    counts[(mode, n)] = int(re.search(r"^summary: (\d+)", fh.read(),
+                                                      re.M).group(1))  # type: ignore[union-attr]
+    per = {m: (counts[(m, tokens)] - counts[(m, 0)]) / tokens for m in ("plain", "dispatched")}
+    ratio = per["plain"] / per["dispatched"]
+    print(f"instructions per generated token: plain {per['plain'] / 1e6:.2f} M, dispatched "
+          f"{per['dispatched'] / 1e6:.2f} M; dispatched / plain speed by CPU work = "
+          f"{ratio:.3f}  (target >= {GENERATE_TARGET:.2f}: "
+          f"{'PASS' if ratio >= GENERATE_TARGET else 'FAIL'})")
+    return 0 if ratio >= GENERATE_TARGET else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--child"]:
+        _generate_once(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--instructions"]:
+        sys.exit(instructions())
+    else:
+        sys.exit(main())
