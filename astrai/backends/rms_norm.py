@@ -63,9 +63,6 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     after the cast), with ``weight_offset + weight`` as its weight for the offset form.
     """
     if weight_offset or cast_before_weight:
-        if (cast_before_weight and not weight_offset and x.dtype is weight.dtype
-                and x.dtype in _FULL):  # both casts are no-ops: the one fused kernel
-            return torch.rms_norm(x, weight.shape, weight, eps)
         return _torch_model_form(x, weight, eps, weight_offset, cast_before_weight)
     if weight.dtype is not x.dtype:
         weight = weight.to(x.dtype)
@@ -76,12 +73,14 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 
 def _torch_model_form(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                       cast_before_weight: bool) -> torch.Tensor:
-    compute = torch.promote_types(x.dtype, torch.float32)
+    dtype = x.dtype
     if cast_before_weight:
         scale = weight + offset if offset else weight
-        if x.dtype is compute and scale.dtype is compute:  # the casts are no-ops: one kernel
+        if dtype in _FULL and scale.dtype is dtype:  # both casts are no-ops: one kernel
             return torch.rms_norm(x, scale.shape, scale, eps)
-        return scale * torch.rms_norm(x.to(compute), weight.shape, None, eps).to(x.dtype)
+        compute = torch.promote_types(dtype, torch.float32)
+        return scale * torch.rms_norm(x.to(compute), weight.shape, None, eps).to(dtype)
+    compute = torch.promote_types(dtype, torch.float32)
     scale = weight.to(compute) + offset
     return torch.rms_norm(x.to(compute), scale.shape, scale, eps).to(x.dtype)
 

@@ -88,8 +88,7 @@ def unremarkable(name: str, value: Any) -> bool:
     """Whether explain's text leaves ``name=value`` out: a lazy axis the call does not
     fill, or a feature the call does not ask for."""
     axis = AXES.get(name)
-    return axis is not None and (axis.lazy or axis.feature) and (
-        value is axis.default or (isinstance(value, str) and value == axis.default))
+    return axis is not None and (axis.lazy or axis.feature) and value == axis.default
 
 
 def format_value(value: Any) -> str:
@@ -368,8 +367,7 @@ def asked_features(ctx: CallContext) -> frozenset[str]:
     if values == _FEATURES_OFF:
         return _NO_FEATURES
     return frozenset(name for name, value, off in zip(FEATURE_AXES, values, _FEATURES_OFF,
-                                                       strict=True)
-                     if value is not None and value is not False and value != off)
+                                                       strict=True) if value != off)
 _read_core = operator.attrgetter(*CORE_AXES)
 
 

@@ -222,9 +222,11 @@ def _switch_routes(recording_now: bool) -> None:
         routes["linear"])
 
 
-def _facade_name(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The facade a call of a built-in ``family`` goes to: a rotary call of four or more
-    arguments (q, k, cos, sin) is a half-layout call."""
+def _facade_name(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The facade a call of ``family`` goes to (``None`` for a family without one): a
+    rotary call of four or more arguments (q, k, cos, sin) is a half-layout call."""
+    if family not in FAMILY_CALLS:
+        return None
     if family == "rotary" and len(args) + len(kwargs) >= 4:
         return "rotary_half"
     return family
@@ -243,8 +245,9 @@ def context(family: str, *args: Any, **kwargs: Any) -> CallContext:
     """The ``CallContext`` a call of ``family`` with these arguments is resolved with
     (validated as the facade validates it): what ``explain`` and ``resolve`` need to
     reason about a real call."""
-    fc = _CALLS.get(_facade_name(family, args, kwargs)) if family in FAMILY_CALLS else None
-    if fc is not None:
+    name = _facade_name(family, args, kwargs)
+    if name is not None:
+        fc = _CALLS[name]
         return fc.context(*fc.bind(args, dict(kwargs)))
     table = (process.snapshot or current()).family(family)
     return generic_context(family, table.context, tuple(table.axes), args, kwargs)
@@ -260,9 +263,9 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     callable the table names as ``context:``, called with the same arguments.
     ``backend=`` selects a row (or an implementation object) strictly.
     """
-    facade = _FACADES.get(_facade_name(family, args, kwargs)) if family in FAMILY_CALLS else None
-    if facade is not None:
-        return facade(*args, backend=backend, **kwargs)
+    name = _facade_name(family, args, kwargs)
+    if name is not None:
+        return _FACADES[name](*args, backend=backend, **kwargs)
     table = (process.snapshot or current()).family(family)  # names the known families
     ctx = generic_context(family, table.context, tuple(table.axes), args, kwargs)
     if compiling():

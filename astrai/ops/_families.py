@@ -285,8 +285,7 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if (len(ws) == 1 and shape and ws[0] == shape[-1] and eps.__class__ is float
                 and eps >= 0):  # the common call: nothing but integer comparisons
             if features:
-                return (x.dtype, x.is_cuda, len(shape), _grad(), "weight_offset" in features,
-                        "cast_before_weight" in features)
+                return _forms(x.dtype, x.is_cuda, len(shape), features)
             return (x.dtype, x.is_cuda, len(shape), _grad())
     _tensors("rms_norm", x=x, weight=weight)
     if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
@@ -295,9 +294,15 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
     if features:
-        return (x.dtype, x.is_cuda, x.dim(), _grad(), "weight_offset" in features,
-                "cast_before_weight" in features)
+        return _forms(x.dtype, x.is_cuda, x.dim(), features)
     return (x.dtype, x.is_cuda, x.dim(), _grad())
+
+
+def _forms(dtype: torch.dtype, cuda: bool, ndim: int,
+           features: dict[str, Any]) -> tuple[Any, ...]:
+    """An rms_norm call's base axes and its ``RMS_NORM_ASKS``."""
+    return (dtype, cuda, ndim, _grad(), "weight_offset" in features,
+            "cast_before_weight" in features)
 
 
 def describe_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -366,6 +371,8 @@ ROTARY_SHAPE: dict[str, Callable[..., Any]] = {
     "device": _device, "sm": _sm,
     "tokens": lambda x, freqs_cis: _rows(x.shape, 2),
     "heads": lambda x, freqs_cis: x.shape[-2]}
+
+
 def _half_heads(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 unsqueeze_dim: int) -> int:
     return q.shape[unsqueeze_dim % q.dim()]  # type: ignore[no-any-return]

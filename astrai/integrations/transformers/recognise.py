@@ -158,9 +158,11 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
     best: tuple[float, NormForm] | None = None
     failures: list[str] = []
     for name in eps_names:
+        from_dtype = _eps_value(module, name) is None
+        probes = _probes(module, name, from_dtype)
         for offset, cast in _FORMS:
-            form = NormForm(name, offset, cast, _eps_value(module, name) is None)
-            got = _compare(module, form)
+            form = NormForm(name, offset, cast, from_dtype)
+            got = _compare(probes, form)
             if isinstance(got, str):
                 failures.append(got)
             elif best is None or got < best[0]:
@@ -193,25 +195,42 @@ def _probe_inputs(hidden: int, eps: float, dtype: torch.dtype, device: torch.dev
     return x.to(device=device, dtype=dtype)
 
 
-def _compare(module: nn.Module, form: NormForm) -> float | str:
-    """The bfloat16 error of ``form`` against ``module`` (float32 must pass), or why it
-    does not match."""
+#: One probe: the input, the weight, epsilon, and the module's own output (or ``None``
+#: when it does not take that dtype combination).
+_Probe = tuple[torch.Tensor, torch.Tensor, float, Any]
+#: The dtypes of (input, weight) a norm is probed in.
+_PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                 (torch.bfloat16, torch.float32))
+
+
+def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool) -> list[_Probe]:
+    """The module's own forward on each probe (run once, whatever forms it is compared
+    with), a random weight in its copy."""
     weight = module._parameters["weight"]
     assert weight is not None
     device, hidden = weight.device, weight.shape[0]
     g = torch.Generator().manual_seed(hidden + 1)
     random_weight = torch.randn(hidden, generator=g).to(device)
-    bf16_error = 0.0
-    ran = 0
-    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                             (torch.bfloat16, torch.float32)):
-        eps = torch.finfo(x_dtype).eps if form.eps_from_dtype else float(
-            getattr(module, form.eps_attr))
+    probes: list[_Probe] = []
+    for x_dtype, w_dtype in _PROBE_DTYPES:
+        eps = torch.finfo(x_dtype).eps if eps_from_dtype else float(getattr(module, eps_attr))
         x = _probe_inputs(hidden, eps, x_dtype, device)
         w = random_weight.to(w_dtype)
         try:
             want = _own_forward(module, w, x)
         except Exception:  # a dtype combination the module does not take: not compared
+            want = None
+        probes.append((x, w, eps, want))
+    return probes
+
+
+def _compare(probes: list[_Probe], form: NormForm) -> float | str:
+    """The bfloat16 error of ``form`` against the module's outputs in ``probes`` (float32
+    must pass), or why it does not match."""
+    bf16_error = 0.0
+    ran = 0
+    for x, w, eps, want in probes:
+        if want is None:
             continue
         got = reference_rms_norm(x, w, eps, weight_offset=form.weight_offset,
                                  cast_before_weight=form.cast_before_weight)
@@ -219,14 +238,14 @@ def _compare(module: nn.Module, form: NormForm) -> float | str:
                 want.shape != got.shape):
             what = (f"{want.dtype} {tuple(want.shape)}" if isinstance(want, torch.Tensor)
                     else type(want).__name__)
-            return f"with {x_dtype} input and {w_dtype} weight it returns {what}"
-        tol = _FP32_TOL if x_dtype == torch.float32 else _BF16_TOL
+            return f"with {x.dtype} input and {w.dtype} weight it returns {what}"
+        tol = _FP32_TOL if x.dtype == torch.float32 else _BF16_TOL
         err = ((want.float() - got.float()).abs() / (got.float().abs() + tol)).max().item()
         if not err <= tol * 2:
-            return f"with {x_dtype} input and {w_dtype} weight its output differs by " \
+            return f"with {x.dtype} input and {w.dtype} weight its output differs by " \
                    f"{err:.2g} (relative)"
         ran += 1
-        if x_dtype != torch.float32:
+        if x.dtype != torch.float32:
             bf16_error += err
     if ran < 2:
         return "it runs on fewer than two of the dtypes astrai checks it in"
@@ -253,14 +272,17 @@ class RotarySite:
     owner: dict[str, Any]  # the globals it is read from
     function: Any  # what the name holds: the model's own function
     unsqueeze_dim: int  # the default of its unsqueeze_dim
-    dim_position: int | None  # the positional index of unsqueeze_dim, if it has one
-    extra: tuple[str, ...]  # its other parameters after (q, k, cos, sin)
+    signature: inspect.Signature  # the function's, to read the arguments of a call
 
     @property
     def label(self) -> str:
         """``module.function`` as the report names it."""
-        fn = self.function
-        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', self.name)}"
+        return _label(self.function, self.name)
+
+
+def _label(fn: Any, name: str) -> str:
+    """``module.function`` of ``fn``, found under the global ``name``."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', name)}"
 
 
 def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]:
@@ -272,10 +294,9 @@ def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]
         value = owner[name]
         if not _ROTARY_NAME.search(name) or isinstance(value, type) or not callable(value):
             continue
-        label = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', name)}"
         site = _half_layout_site(name, owner, value)
         if isinstance(site, str):
-            refused.append((label, site))
+            refused.append((_label(value, name), site))
         else:
             sites.append(site)
     return sites, refused
@@ -283,9 +304,10 @@ def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]
 
 def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return "its signature cannot be read"
+    params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 4:
         return "it does not take (q, k, cos, sin)"
@@ -297,8 +319,6 @@ def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite |
     dim = dim_param.default if dim_param is not None else 1
     if isinstance(dim, bool) or not isinstance(dim, int):
         return f"its unsqueeze_dim default is {dim!r}"
-    dim_position = (positional.index(dim_param) if dim_param in positional else None) \
-        if dim_param is not None else None
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
     cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
@@ -318,8 +338,7 @@ def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite |
     if not gap <= 1e-5:
         return (f"it does not compute the half-split rotary x * cos + rotate_half(x) * sin "
                 f"(differs by {gap:.2g} on random inputs)")
-    return RotarySite(name, owner, fn, dim, dim_position,
-                      tuple(p.name for p in rest if p is not dim_param))
+    return RotarySite(name, owner, fn, dim, signature)
 
 
 # -- attention -----------------------------------------------------------------

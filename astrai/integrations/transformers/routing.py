@@ -41,8 +41,9 @@ __all__ = ["FAMILIES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch_model",
            "restore_model", "verify_model"]
 
 import copy
+import functools
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,6 @@ from astrai.ops import rms_norm_form as rms_norm_call
 FAMILIES = ("attention", "rotary", "rms_norm", "linear")
 #: The attribute a routed module carries its ``Route`` in.
 ROUTE_ATTR = "_astrai_route"
-_MISSING: Any = object()
 
 
 class RoutingError(RuntimeError):
@@ -88,18 +88,18 @@ class Route:
     """What ``dispatch_model`` did to one module (kept on it as ``_astrai_route``)."""
 
     families: frozenset[str]
-    original: Any  # the forward the instance had of its own before, or _MISSING
-    installed: Any = None  # the forward astrai set on the instance
+    # The forward astrai set on the instance (which had none of its own: a module whose
+    # forward someone else set is never routed, so restoring is removing this one).
+    installed: Any = None
     norm: NormForm | None = None
     rotary: tuple[RotarySite, ...] = ()
     attention: AttentionSite | None = None
     forward: Callable[..., Any] | None = None  # an attention layer's rebuilt forward
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Route:
-        # The installed and original forwards are bound to the module: copy them (the
-        # module's copy binds them to itself); the rest is code, shared.
-        return Route(self.families, copy.deepcopy(self.original, memo),
-                     copy.deepcopy(self.installed, memo), self.norm,
+        # The installed forward is bound to the module: copy it (the module's copy binds
+        # it to itself); the rest is code, shared.
+        return Route(self.families, copy.deepcopy(self.installed, memo), self.norm,
                      self.rotary, self.attention, self.forward)
 
     def __reduce__(self) -> Any:
@@ -169,36 +169,23 @@ class _AdapterInterface:
         return getattr(self._real, name)
 
 
-#: One router per rotary function and one interface per real one, so that every layer
-#: of an architecture shares one copy of its module's globals (``rebind.home``).
-_ROUTERS: dict[int, tuple[Any, Callable[..., Any]]] = {}
-_INTERFACES: dict[int, tuple[Any, _AdapterInterface]] = {}
+#: What stands in for each replaced object (a rotary function, transformers' interface),
+#: made once per object, so that every layer of an architecture shares one copy of its
+#: module's globals (``rebind.home``): ``id(object) -> (object, stand-in)``.
+_STAND_INS: dict[int, tuple[Any, Any]] = {}
 
 
-def _router(site: RotarySite) -> Callable[..., Any]:
-    got = _ROUTERS.get(id(site.function))
-    if got is None or got[0] is not site.function:
-        got = _ROUTERS[id(site.function)] = (site.function, _rotary_router(site))
-    return got[1]
-
-
-def _interface(real: Any) -> _AdapterInterface:
-    got = _INTERFACES.get(id(real))
+def _stand_in(real: Any, make: Callable[[], Any]) -> Any:
+    got = _STAND_INS.get(id(real))
     if got is None or got[0] is not real:
-        got = _INTERFACES[id(real)] = (real, _AdapterInterface(real))
+        got = _STAND_INS[id(real)] = (real, make())
     return got[1]
 
 
 def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``,
     or the function itself (warning once) for a call the half layout cannot express."""
-    original, default_dim = site.function, site.unsqueeze_dim
-    try:
-        import inspect
-
-        signature: inspect.Signature | None = inspect.signature(original)
-    except (TypeError, ValueError):
-        signature = None
+    original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
 
     def own(q: Any, k: Any, cos: Any, sin: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any], why: str) -> Any:
@@ -209,8 +196,6 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     def routed_rotary(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
         dim = default_dim
         if args or kwargs:
-            if signature is None:
-                return own(q, k, cos, sin, args, kwargs, "its extra arguments cannot be read")
             bound = signature.bind(q, k, cos, sin, *args, **kwargs)
             extra = {n: v for n, v in list(bound.arguments.items())[4:]}
             dim = extra.pop("unsqueeze_dim", default_dim)
@@ -243,6 +228,15 @@ def _families(families: Iterable[str] | None) -> frozenset[str]:
         raise ValueError(f"dispatch_model: unknown famil{'y' if len(unknown) == 1 else 'ies'} "
                          f"{', '.join(map(repr, unknown))}; families: {', '.join(FAMILIES)}")
     return wanted
+
+
+def _live_routes(model: nn.Module) -> Iterator[tuple[str, nn.Module, Route]]:
+    """``(path, module, route)`` of every module of ``model`` whose forward is still the
+    one astrai installed."""
+    for path, module in model.named_modules():
+        route = module.__dict__.get(ROUTE_ATTR)
+        if route is not None and own_forward(module) is route.installed:
+            yield path, module, route
 
 
 def _install(module: nn.Module, function: Callable[..., Any], route: Route) -> None:
@@ -308,7 +302,7 @@ class _Dispatch:
         if reason is not None:
             self.refuse("linear", path, module, reason)
             return
-        _install(module, _linear_forward, Route(frozenset({"linear"}), _MISSING))
+        _install(module, _linear_forward, Route(frozenset({"linear"})))
         self.changed += 1
 
     def norm(self, path: str, module: nn.Module, route: Route | None) -> None:
@@ -320,8 +314,7 @@ class _Dispatch:
         if isinstance(form, str):
             self.refuse("rms_norm", path, module, form)
             return
-        _install(module, _rms_norm_forward(form), Route(frozenset({"rms_norm"}), _MISSING,
-                                                        norm=form))
+        _install(module, _rms_norm_forward(form), Route(frozenset({"rms_norm"}), norm=form))
         self.changed += 1
 
     def layer(self, path: str, module: nn.Module, route: Route | None) -> None:
@@ -361,8 +354,7 @@ class _Dispatch:
                 self.refuse(family, path, module, "its forward could not be copied to see "
                             "astrai's functions (it is not a plain Python function)")
             return
-        new = Route(families, _MISSING if route is None else route.original, norm=None,
-                    rotary=tuple(sites), attention=attention, forward=rebuilt)
+        new = Route(families, rotary=tuple(sites), attention=attention, forward=rebuilt)
         _install(module, _layer_forward, new)
         self.changed += 1
 
@@ -374,10 +366,13 @@ class _Dispatch:
         if len(owners) != 1:
             return None
         owner = next(iter(owners.values()))
-        replacements: dict[str, Any] = {s.name: _router(s) for s in sites}
+        replacements: dict[str, Any] = {
+            s.name: _stand_in(s.function, functools.partial(_rotary_router, s)) for s in sites}
         if attention is not None:
             if ATTENTION_INTERFACE in attention.names:
-                replacements[ATTENTION_INTERFACE] = _interface(owner[ATTENTION_INTERFACE])
+                real = owner[ATTENTION_INTERFACE]
+                replacements[ATTENTION_INTERFACE] = _stand_in(
+                    real, functools.partial(_AdapterInterface, real))
             if EAGER_ATTENTION in attention.names:
                 replacements[EAGER_ATTENTION] = astrai_attention_forward
         return rebind(forward, owner, replacements)
@@ -385,10 +380,7 @@ class _Dispatch:
     def report(self) -> DispatchReport:
         routed: list[Routed] = []
         attention_paths: list[str] = []
-        for path, module in self.model.named_modules():
-            route = module.__dict__.get(ROUTE_ATTR)
-            if route is None or own_forward(module) is not route.installed:
-                continue
+        for path, module, route in _live_routes(self.model):
             name = path or "(the model)"
             kind = type(module).__name__
             for family in FAMILIES:
@@ -443,10 +435,7 @@ def restore_model(model: nn.Module) -> int:
                       f"({type(module).__name__}) alone: its forward was replaced again "
                       f"after astrai routed it")
             continue
-        if route.original is _MISSING:
-            del module.__dict__["forward"]
-        else:
-            module.__dict__["forward"] = route.original
+        del module.__dict__["forward"]
         restored += 1
     return restored
 
@@ -455,11 +444,7 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     """Run ``model(*args, **kwargs)`` without autograd and count the calls each routed
     family served; ``RoutingError`` when a family routed in the model served none (a
     routing that did not take effect)."""
-    routed = set()
-    for module in model.modules():
-        route = module.__dict__.get(ROUTE_ATTR)
-        if route is not None and own_forward(module) is route.installed:
-            routed |= route.families
+    routed = {family for _, _, route in _live_routes(model) for family in route.families}
     before = stats()
     with torch.no_grad():
         model(*args, **kwargs)
