@@ -234,7 +234,7 @@ class UnknownFamilyError(AstraiError, KeyError):
 class PlanMismatchError(AstraiError, RuntimeError):
     """Ranks of a ``torch.distributed`` job would not run the same dispatch plan.
 
-    Raised by ``astrai.dispatch.distributed.check_agreement`` on every rank alike.
+    Raised by ``astrai.distributed.agreement.check_agreement`` on every rank alike.
     ``differences`` holds one ``PlanDifference`` per item that differs (a table
     revision, the active profiles, the row a call resolves to, or a family for
     which consensus found no row every rank can run); the message lists them all.

@@ -1,4 +1,4 @@
-"""Every ``astrai.ops`` facade vs the direct torch call it replaces (SPEC §11, issue 12).
+"""Every ``astrai.ops`` facade vs the direct torch call it replaces (contract §11).
 
 Decode sizes, CPU, 1 thread, ``torch.no_grad()``:
 

@@ -1,4 +1,4 @@
-"""Import of astrai + loading every shipped table, beyond ``import torch`` (SPEC §11, issue 12).
+"""Import of astrai + loading every shipped table, beyond ``import torch`` (contract §11).
 
 Each measurement runs in a fresh interpreter, which imports torch first (untimed for
 the astrai figure), then times ``import astrai``, ``astrai.dispatch`` and ``astrai.ops``

@@ -1,4 +1,4 @@
-"""Cached ``resolve`` vs the naive table walk (SPEC §11), and how the cache scales.
+"""Cached ``resolve`` vs the naive table walk (contract §11), and how the cache scales.
 
 Prints: per-call cost of a cached resolve and of a naive walk of the same 4-row
 table (re-probe availability and re-check every row's spec, as the original

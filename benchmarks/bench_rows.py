@@ -1,4 +1,4 @@
-"""Every available row of each family, timed side by side on this machine (issue 13).
+"""Every available row of each family, timed side by side on this machine.
 
 For each bucket (one call shape), every row that is available here and whose table
 ``when`` accepts the call is called directly, as the facade would call it. Compiled

@@ -1,4 +1,4 @@
-"""astrai's ``resolve`` vs the seed's, on the same 4-row table, in one process (issue 12).
+"""astrai's ``resolve`` vs the seed's, on the same 4-row table, in one process.
 
 The seed (``seed_dispatch.py``) is imported from ``../shared/seed/`` beside the repo
 root, else from ``$ASTR_SEED_DIR``; where neither holds it this prints a skip line.

@@ -1,5 +1,5 @@
 """1 000 distinct prompt lengths through the attention facade: cache misses and the
-cost of a decision, by how the tables key on ``q_len`` (issue 13 §2).
+cost of a decision, by how the tables key on ``q_len``.
 
 Three attention tables, each served the same 1 000 prefill calls (q [1, L, 1, 8],
 L = 1..1000, CPU) - the decision only (``ops._attention``: validate, key, look up,

@@ -1,4 +1,4 @@
-"""Issue 14's done-when: record the demo, tune it, and compare the demo's decode
+"""Tuned against shipped: record the demo, tune it, and compare the demo's decode
 throughput under the shipped order and under the tuned profile, paired, in one run.
 
 Steps: record the demo's calls (``astrai.dispatch.record``); ``tune_workload`` them into
@@ -24,8 +24,8 @@ import torch
 
 import astrai.dispatch as dispatch
 from astrai.demo import DECODE_STEPS, PROMPT_LENS, run_demo
-from astrai.dispatch.tuning import tune_workload
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
+from astrai.tune.run import tune_workload
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,7 @@
 """Shared fixtures: isolation of the engine's global state, markers, and small test tables.
 
+A test citing "contract §N" checks that section of ``docs/contract.md``.
+
 The dispatch engine keeps process-wide state (the loaded tables, parsed ``ASTR_OPS``
 values, warn-once bookkeeping, usage counters). Every test starts from the snapshot in
 force before it and leaves that snapshot in force after it, with the astrai variables

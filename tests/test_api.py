@@ -61,7 +61,7 @@ class TestAll:
         assert len(dispatch.__all__) == len(set(dispatch.__all__))
 
     def test_spec_names(self) -> None:
-        """The names SPEC §2, §3 and §8 promise are exported."""
+        """The names contract §2, §3 and §8 promise are exported."""
         promised = {
             "CallContext", "Spec", "parse_spec", "ImplRecord", "register_family",
             "register_env_alias", "Resolution", "ExplicitSelectionError", "resolve",

@@ -1,4 +1,4 @@
-"""The shipped rows are plain callables: eligibility is the table's ``when`` alone (SPEC §9).
+"""The shipped rows are plain callables: eligibility is the table's ``when`` alone (contract §9).
 
 An implementation object's own ``supports_call`` is for ad hoc objects passed explicitly;
 no shipped row has one, so passing a shipped row object as ``backend=`` is decided once

@@ -64,3 +64,24 @@ def test_bench_hf_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     assert "prefill   speed dispatched / plain = " in out and "(target >= 1.00" in out
     for family in ("attention", "linear", "rms_norm", "rotary"):
         assert f"\n{family:<12} " in out
+
+
+def test_trace_call_path_sees_the_facade_and_the_decision(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The path script traces the dispatch of one call (not the row it hands over): a hit
+    starts and ends in the facade module, and a miss also passes the evaluator."""
+    bench = _script("trace_call_path")
+    threads = torch.get_num_threads()
+    try:
+        paths = bench.measure()
+        bench.main(["--path"])
+    finally:
+        torch.set_num_threads(threads)
+    hit, miss = paths["hit"], paths["miss"]
+    assert hit[0] == hit[-1] == "astrai.ops" and "astrai.ops._facade" in hit
+    assert not any(m.startswith("astrai.backends") for m in hit)
+    assert "astrai.dispatch.resolution" in miss and "astrai.dispatch.resolution" not in hit
+    out = capsys.readouterr().out
+    for label in ("miss: astrai modules entered: ", "miss: moves between them: ",
+                  "hit: moves between modules: "):
+        assert label in out and "target <= " in out

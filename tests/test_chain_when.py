@@ -11,8 +11,8 @@ import torch
 
 import astrai.dispatch as d
 import astrai.ops as ops
+from astrai.dispatch.explain import explain
 from astrai.dispatch.lint import lint_view
-from astrai.dispatch.resolution import explain
 from astrai.errors import ExplicitSelectionError, TableError
 from tests.conftest import ctx
 

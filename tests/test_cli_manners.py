@@ -1,4 +1,5 @@
-"""``astrai-ops`` manners (SPEC §10) and ``astrai-ops init`` (SPEC §5), run as a user runs them.
+"""``astrai-ops`` manners (contract §10) and ``astrai-ops init`` (contract §5), run as a
+user runs them.
 
 Like ``test_cli.py``: every command is a fresh ``python -m astrai`` in a temporary working
 directory with the astrai variables removed from the environment, all started together once
@@ -28,8 +29,8 @@ import torch
 import astrai
 from astrai.dispatch import CallContext
 from astrai.dispatch.axes import AXES, FEATURE_AXES, LAZY_AXES
+from astrai.dispatch.explain import explanation
 from astrai.dispatch.registry import shipped_tables_dir
-from astrai.dispatch.resolution import explanation
 from tests.test_cli import astrai_stderr
 
 #: The feature axes of a call that asks for none.

@@ -254,8 +254,7 @@ def test_two_probed_objects_recompile() -> None:
 
 class TestDynamicShapes:
     """``fullgraph=True, dynamic=True``: a decision on a symbolic length is taken for its
-    interval between the tables' cut points, so lengths share a graph (issue 13's first
-    step; it used to fail on the first call)."""
+    interval between the tables' cut points, so lengths share a graph."""
 
     def test_attention_twenty_lengths(self) -> None:
         def block(q: torch.Tensor) -> torch.Tensor:
@@ -332,7 +331,7 @@ def test_cut_points() -> None:
 class TestShapeAxesCompiled:
     """A table comparing ``q_len`` (a lazy axis): under ``dynamic=True`` and
     ``mark_dynamic`` a graph serves a whole interval, and no table comparing it costs
-    nothing at all (issue 13 §2)."""
+    nothing at all."""
 
     def _table(self, tmp_path: Path, when: str) -> None:
         (tmp_path / "attn.yaml").write_text(

@@ -1,4 +1,4 @@
-"""Resolution under concurrent reloads, profile switches and overrides (SPEC §12).
+"""Resolution under concurrent reloads, profile switches and overrides (contract §12).
 
 Two table directories define the same ``race`` family and ``race-pick`` profile with the
 winners swapped: in ``A`` the chain picks ``alpha`` and ``race-pick`` forces ``beta``; in
@@ -12,7 +12,7 @@ Validity without racing ourselves: the writer publishes a generation number that
 while it changes something and even when the configuration is settled, and it records the
 configuration of each even generation. A reader that sees the same even generation before
 and after a decision knows exactly which configuration was in force, and checks the row
-and origin against a model of SPEC §3 (itself checked single-threaded first) and against
+and origin against a model of contract §3 (itself checked single-threaded first) and against
 an uncached ``evaluate`` on the snapshot it holds; any other decision must at least be one
 that some configuration gives, never a mix.
 """
@@ -86,7 +86,7 @@ Config = tuple[str, str | None]  # (tables directory, ASTR_OPS value)
 
 def expected(tables: str, ops_value: str | None, override: str | None,
              scoped: list[str]) -> tuple[str, str]:
-    """``(row, origin)`` that SPEC §3 gives for ``race`` in this configuration."""
+    """``(row, origin)`` that contract §3 gives for ``race`` in this configuration."""
     if override is not None:
         return override, "context"
     if ops_value == "race=ref":

@@ -36,9 +36,6 @@ from transformers import (
 )
 
 import astrai.dispatch as dispatch
-from astrai.dispatch.lock import check_lock, lock_workload
-from astrai.dispatch.recording import record
-from astrai.dispatch.tuning import tune_workload
 from astrai.integrations.transformers import (
     FAMILIES,
     RoutingError,
@@ -47,6 +44,9 @@ from astrai.integrations.transformers import (
     verify_model,
 )
 from astrai.integrations.transformers.recognise import attention_site
+from astrai.lock.make import check_lock, lock_workload
+from astrai.record.recording import record
+from astrai.tune.run import tune_workload
 
 LAYERS = 2
 TINY: dict[str, Any] = dict(

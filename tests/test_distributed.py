@@ -1,4 +1,4 @@
-"""Plan agreement across ranks (``astrai.dispatch.distributed``, SPEC §12).
+"""Plan agreement across ranks (``astrai.distributed.agreement``, contract §12).
 
 The multi-rank tests start 2 and 4 gloo processes on CPU (rendezvous through a
 ``file://`` store in ``tmp_path``, no ports). Each child runs every scenario in sequence
@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import astrai.dispatch as dispatch
-import astrai.dispatch.distributed as distributed
+import astrai.distributed.agreement as distributed
 from astrai.dispatch import (
     AgreedPlan,
     CallContext,
@@ -49,15 +49,11 @@ from astrai.dispatch import (
     resolve,
     use_profile,
 )
-from astrai.dispatch.distributed import (
-    CallPlan,
-    Fingerprint,
-    PlanDifference,
-    call_key,
-    differences,
-    fingerprint,
-    table_revision,
-)
+from astrai.dispatch.axes import call_key
+from astrai.dispatch.tables.model import table_revision
+from astrai.distributed import collective
+from astrai.distributed.comparison import PlanDifference, differences
+from astrai.distributed.fingerprint import WIRE_FORMAT, CallPlan, Fingerprint, fingerprint
 from tests import _impls
 
 REPO = Path(__file__).resolve().parent.parent
@@ -446,7 +442,7 @@ def _failing_child(rank: int, world: int, root: str, paths: dict[str, str], case
 
 @pytest.mark.parametrize("case", ["bad_context", "bad_tables"])
 def test_one_rank_failing_inside_check_agreement(case: str, tmp_path: Path) -> None:
-    """Issue 16: 2 gloo ranks, rank 1 fails inside ``check_agreement`` (a non-CallContext
+    """2 gloo ranks, rank 1 fails inside ``check_agreement`` (a non-CallContext
     in its list; its own ``ASTR_TABLES`` broken). It still joins the all-gather, sending
     its error, so both ranks raise the same ``PlanMismatchError`` naming rank 1 and the
     error within seconds; before the fix rank 0 waited for the group's timeout."""
@@ -642,13 +638,13 @@ def test_consensus_needs_one_row_for_every_call_of_the_family() -> None:
     ``medium`` would settle ndim 3, but it cannot serve the other call on rank 1, so
     consensus takes ``ref``, the first row that serves everything everywhere.
     """
-    from astrai.dispatch.distributed import _consensus
+    from astrai.distributed.comparison import consensus_rows as consensus
 
     prints = [_print({K3: ("fast", ("fast", "medium", "ref")), K4: ("medium", ("medium", "ref"))}),
               _print({K3: ("medium", ("medium", "ref")), K4: ("ref", ("ref",))})]
     diffs = differences(prints, [0, 1])
     assert [d.item for d in diffs] == [K3, K4]
-    assert _consensus(prints, [0, 1], diffs) == {"dist": "ref"}
+    assert consensus(prints, [0, 1], diffs) == {"dist": "ref"}
 
 
 def test_error_carries_differences_and_pickles() -> None:
@@ -676,9 +672,9 @@ def test_wire_format_round_trip() -> None:
     the fingerprint read back equals (and hashes like) the one sent."""
     fp = _full_print()
     assert Fingerprint.from_wire(pickle.loads(pickle.dumps(fp.to_wire()))) == fp
-    raw = distributed._encode(fp.to_wire())
+    raw = collective.encode_payload(fp.to_wire())
     assert raw.isascii()
-    back = Fingerprint.from_wire(distributed._decode(raw))
+    back = Fingerprint.from_wire(collective.decode_payload(raw))
     assert back == fp and hash(back) == hash(fp)
     assert Fingerprint.from_wire(json.loads(json.dumps(_print({K3: ("fast", ())}).to_wire()))) \
         == _print({K3: ("fast", ())})
@@ -711,13 +707,13 @@ def test_wire_format_rejects_other_shapes(damage: Callable[[dict[str, Any]], Any
 def test_unreadable_payload_is_named_not_unpickled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes that are not JSON (say, a pickle from an older astrai) are never unpickled:
     the check raises ``PlanMismatchError`` with a ``format`` difference."""
-    monkeypatch.setattr(distributed, "_encode", pickle.dumps)
+    monkeypatch.setattr(collective, "encode_payload", pickle.dumps)
     with pytest.raises(PlanMismatchError) as err:
         check_agreement([C3])
     assert [d.kind for d in err.value.differences] == ["format"]
     assert "fingerprint format: rank 0 -> unreadable (astrai ?)" in str(err.value)
-    assert distributed._decode(pickle.dumps({"wire": 1})) is None
-    assert distributed._decode(b"[" * 100_000) is None  # too deep for json: still None
+    assert collective.decode_payload(pickle.dumps({"wire": 1})) is None
+    assert collective.decode_payload(b"[" * 100_000) is None  # too deep for json: still None
 
 
 @pytest.mark.parametrize(("backend", "expected"), [("gloo", "cpu"), ("mpi", "cpu"),
@@ -729,7 +725,7 @@ def test_gather_device_follows_backend(backend: str, expected: str,
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: dist.Backend(backend))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert str(distributed._device(None)) == expected
+    assert str(collective.collective_device(None)) == expected
 
 
 
@@ -751,10 +747,11 @@ def _fake_world(monkeypatch: pytest.MonkeyPatch, others: list[dict[str, Any]]) -
     """Pretend this process is rank 0 of a group whose other ranks sent ``others``."""
     def gather(payload: dict[str, Any], group: Any, timeout: float | None = None
                ) -> tuple[list[Any], tuple[int, ...], int]:
-        gathered = [distributed._decode(distributed._encode(p)) for p in [payload, *others]]
+        gathered = [collective.decode_payload(collective.encode_payload(p))
+                    for p in [payload, *others]]
         return gathered, tuple(range(len(gathered))), 0
 
-    monkeypatch.setattr(distributed, "_gather", gather)
+    monkeypatch.setattr(distributed, "gather_payloads", gather)
 
 
 @pytest.mark.usefixtures("dist_table")
@@ -762,7 +759,7 @@ def test_failed_rank_is_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank that could not compute its plan sends its error; every rank raises one
     ``PlanMismatchError`` naming the failed ranks, the failing one chaining its error."""
     good = fingerprint([C3]).to_wire()
-    broken = distributed._failed_payload(ValueError("bad \udcff table"))
+    broken = collective.failed_payload(ValueError("bad \udcff table"))
     _fake_world(monkeypatch, [broken, good, broken])
     with pytest.raises(PlanMismatchError) as err:
         check_agreement([C3])
@@ -795,9 +792,9 @@ def test_failed_payload_is_bounded_and_safe() -> None:
         def __str__(self) -> str:
             raise RuntimeError("no")
 
-    text = distributed._failed_text(distributed._failed_payload(Unprintable()))
+    text = collective.failed_text(collective.failed_payload(Unprintable()))
     assert text == "Unprintable: (the error's message could not be formatted)"
-    huge = distributed._failed_text(distributed._failed_payload(ValueError("x" * 100_000)))
+    huge = collective.failed_text(collective.failed_payload(ValueError("x" * 100_000)))
     assert huge is not None and len(huge) < 9000 and huge.endswith(" [...]")
-    assert distributed._failed_text({"wire": distributed.WIRE_FORMAT, "failed": 3}) is None
-    assert distributed._failed_text(fingerprint([]).to_wire()) is None
+    assert collective.failed_text({"wire": WIRE_FORMAT, "failed": 3}) is None
+    assert collective.failed_text(fingerprint([]).to_wire()) is None

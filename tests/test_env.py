@@ -1,4 +1,4 @@
-"""``ASTR_OPS`` and legacy single-value aliases (SPEC §7, §2 ``register_env_alias``)."""
+"""``ASTR_OPS`` and legacy single-value aliases (contract §7, §2 ``register_env_alias``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The environment cannot break dispatch, and a vanishing table directory cannot either
-(SPEC §5, §7, §12).
+(contract §5, §7, §12).
 
 Arbitrary bytes (not UTF-8, but without NUL, which the OS refuses) are put into
 ``ASTR_OPS``, the legacy alias ``ASTR_BACKEND`` and ``ASTR_TABLES`` through

@@ -1,4 +1,4 @@
-"""``explain`` and ``explain_plan`` (SPEC §8): the trace, and its agreement with ``resolve``."""
+"""``explain`` and ``explain_plan`` (contract §8): the trace, and its agreement with ``resolve``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``explicit_only: true``: a faithful row the implicit chain never picks (issue 13).
+"""``explicit_only: true``: a faithful row the implicit chain never picks.
 
 Such a row is selected by name (``backend=``, ``op_backend``, ``ASTR_OPS``, a profile's
 ``force``) or joins the chain when a profile ``enable``s it, exactly like a non-faithful
@@ -27,8 +27,8 @@ from astrai.dispatch import (
     resolve,
     use_profile,
 )
-from astrai.dispatch.distributed import table_revision
 from astrai.dispatch.lint import lint_family
+from astrai.dispatch.tables.model import table_revision
 
 #: ``by_name`` would win every call it accepts, but is explicit-only; ``ref`` is the fallback.
 TABLE = """\

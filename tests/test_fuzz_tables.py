@@ -1,4 +1,4 @@
-"""Structural mutation fuzzing of every shipped table and profile (SPEC §5, §6, §12).
+"""Structural mutation fuzzing of every shipped table and profile (contract §5, §6, §12).
 
 Each example takes the shipped set (``tables/`` and ``tables/profiles/``), mutates one or
 two of its files (keys dropped, values of the wrong type, rows and references renamed,

@@ -1,4 +1,4 @@
-"""Tests for the spec expression grammar (SPEC §4): parsing, type checks, text, compilation."""
+"""Tests for the spec expression grammar (contract §4): parsing, type checks, text, compilation."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ BIG = (
     "fwd in {prefill, decode} and has_cache and ndim == 3 and dtype == bfloat16"
     " and head_dim in {32, 64, 128, 256}"
 )
-#: The examples of SPEC §4 with a call each accepts and a call each refuses.
-SPEC_EXAMPLES: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = [
+#: The examples of contract §4 with a call each accepts and a call each refuses.
+CONTRACT_EXAMPLES: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = [
     ("always", {}, None),
     (
         BIG,
@@ -246,9 +246,9 @@ def evaluate(node: Expr, ctx: CallContext) -> bool:
 
 
 class TestParseExpression:
-    @pytest.mark.parametrize("text", [example for example, _, _ in SPEC_EXAMPLES])
+    @pytest.mark.parametrize("text", [example for example, _, _ in CONTRACT_EXAMPLES])
     def test_spec_examples_parse(self, text: str) -> None:
-        """Every example of SPEC §4 parses and prints back as itself."""
+        """Every example of contract §4 parses and prints back as itself."""
         assert parse_spec(text).description == text
 
     def test_builds_typed_combinators(self) -> None:
@@ -636,11 +636,11 @@ class TestDescription:
 
 
 class TestMatches:
-    @pytest.mark.parametrize(("text", "accepted", "refused"), SPEC_EXAMPLES)
+    @pytest.mark.parametrize(("text", "accepted", "refused"), CONTRACT_EXAMPLES)
     def test_spec_examples_evaluate(
         self, text: str, accepted: dict[str, Any], refused: dict[str, Any] | None
     ) -> None:
-        """Each SPEC §4 example accepts the call it should and refuses the other."""
+        """Each contract §4 example accepts the call it should and refuses the other."""
         spec = parse_spec(text)
         assert spec.matches(call(**accepted))
         if refused is not None:

@@ -1,5 +1,5 @@
-"""Hostile and unlucky inputs (issue 16): nothing in a table or a call ends the process or
-corrupts state. This file grows with that issue; the items covered so far are below."""
+"""Hostile and unlucky inputs: nothing in a table or a call ends the process or
+corrupts state."""
 
 from __future__ import annotations
 

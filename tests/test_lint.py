@@ -1,4 +1,4 @@
-"""Tests for table lint (SPEC §10): shadowed and unsatisfiable rows, and the coverage matrix."""
+"""Tests for table lint (contract §10): shadowed and unsatisfiable rows, and the coverage matrix."""
 
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ class TestLintAll:
 
 
 class TestAxisComparisons:
-    """``head_dim == ndim``-style comparisons of two axes (issue 13's grammar step)."""
+    """``head_dim == ndim``-style comparisons of two axes."""
 
     def test_equal_then_unequal_are_both_reachable(self) -> None:
         """Rows split on whether two axes are equal: neither is shadowed or unsatisfiable,
@@ -285,7 +285,7 @@ class TestAxisComparisons:
 
 
 class TestShapeAxes:
-    """Lint over the shape and hardware axes (issue 13): each interval between the
+    """Lint over the shape and hardware axes: each interval between the
     constants a length is compared with is analysed, so a row that loses every interval
     is flagged and one that wins a single interval is not."""
 

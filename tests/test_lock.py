@@ -1,4 +1,4 @@
-"""Decision locks (issue 14 §3): ``lock``, ``lock --check``, ``ASTR_LOCK`` in each mode."""
+"""Decision locks: ``lock``, ``lock --check``, ``ASTR_LOCK`` in each mode."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.cli import main
 from astrai.dispatch import FileFormatError, LockDriftError, record
-from astrai.dispatch.distributed import differences, fingerprint
-from astrai.dispatch.lock import check_lock, lock_workload
-from astrai.dispatch.lockfile import Lock
-from astrai.dispatch.workload import Workload
+from astrai.distributed.comparison import differences
+from astrai.distributed.fingerprint import fingerprint
+from astrai.lock.make import check_lock, lock_workload
+from astrai.lock.model import Lock
+from astrai.record.workload import Workload
 
 SHIPPED = dispatch.shipped_tables_dir()
 Q = torch.randn(1, 4, 2, 8)

@@ -1,4 +1,5 @@
-"""Scoped overrides (SPEC §3, §6): ``op_backend``, ``set/get/reset_override``, ``use_profile``."""
+"""Scoped overrides (contract §3, §6): ``op_backend``, ``set/get/reset_override``,
+``use_profile``."""
 
 from __future__ import annotations
 

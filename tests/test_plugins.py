@@ -1,4 +1,4 @@
-"""Kernel packages that extend astrai by being installed (issue 15): ``astrai.tables``
+"""Kernel packages that extend astrai by being installed: ``astrai.tables``
 entry points, row overlays (``extends:``), ``ASTR_PLUGINS``, a broken plugin reported
 with its distribution and left out, and who provided each row in explain, list,
 fingerprints and lockfiles.
@@ -28,11 +28,13 @@ import torch
 import astrai.dispatch as d
 import astrai.ops as ops
 from astrai.cli import main
-from astrai.dispatch import distributed, registry
+from astrai.dispatch import registry
+from astrai.dispatch.explain import explanation
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.plugins import BROKEN, DISABLED, LOADED, Plugin
-from astrai.dispatch.resolution import explanation
 from astrai.dispatch.tables import artifact, load
+from astrai.dispatch.tables.model import table_revision
+from astrai.distributed import comparison, fingerprint
 from astrai.errors import TableError
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -355,35 +357,35 @@ class TestProvenance:
 
     def test_fingerprints_tell_plugin_versions_apart(self, install: Install) -> None:
         ctx = ops.context("rms_norm", torch.randn(2, 8), torch.ones(8))
-        plain = distributed.fingerprint([ctx])
+        plain = fingerprint.fingerprint([ctx])
         assert plain.plugins == ()
         install("fastnorm", {"rms.yaml": overlay(row("mine"))}, version="1.0")
-        one = distributed.fingerprint([ctx])
+        one = fingerprint.fingerprint([ctx])
         assert one.plugins == (("fastnorm", "1.0"),)
-        assert distributed.Fingerprint.from_wire(json.loads(json.dumps(one.to_wire()))) == one
+        assert fingerprint.Fingerprint.from_wire(json.loads(json.dumps(one.to_wire()))) == one
         # the same rows from version 2.0: the family's revision differs, and the cause is named
-        two = distributed.Fingerprint(**{**one.__dict__, "plugins": (("fastnorm", "2.0"),),
+        two = fingerprint.Fingerprint(**{**one.__dict__, "plugins": (("fastnorm", "2.0"),),
                                          "tables": (("rms_norm", "other"),)})
-        diffs = distributed.differences([one, two], [0, 1])
+        diffs = comparison.differences([one, two], [0, 1])
         assert [x.kind for x in diffs] == ["plugins", "table"]
         assert str(diffs[0]) == ("plugins (astrai.tables entry points) in the checked "
                                  "families: rank 0 -> fastnorm 1.0; rank 1 -> fastnorm 2.0")
         # a plugin whose rows the checked families do not hold does not count
-        assert distributed.fingerprint([d.CallContext("linear", ndim=2)]).plugins == ()
+        assert fingerprint.fingerprint([d.CallContext("linear", ndim=2)]).plugins == ()
 
     def test_revision_follows_the_plugin_version(self, install: Install, tmp_path: Path
                                                  ) -> None:
-        base = distributed.table_revision(d.current().family("rms_norm"))
+        base = table_revision(d.current().family("rms_norm"))
         install("fastnorm", {"rms.yaml": overlay(row("mine"))}, version="1.0")
-        one = distributed.table_revision(d.current().family("rms_norm"))
+        one = table_revision(d.current().family("rms_norm"))
         info = next((tmp_path / "site").glob("fastnorm-*.dist-info"))
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fastnorm\nVersion: 1.1\n")
         d.reload_tables()
-        assert len({base, one, distributed.table_revision(d.current().family("rms_norm"))}) == 3
+        assert len({base, one, table_revision(d.current().family("rms_norm"))}) == 3
 
     def test_lockfiles_record_plugin_versions(self, install: Install, tmp_path: Path) -> None:
-        from astrai.dispatch.lock import check_lock, lock_workload
-        from astrai.dispatch.recording import record
+        from astrai.lock.make import check_lock, lock_workload
+        from astrai.record.recording import record
 
         install("fastnorm", {"rms.yaml": overlay(row("mine"))})
         with record() as wl:
@@ -592,7 +594,7 @@ class TestEdges:
     def test_revision_is_the_rows_not_their_path(self, install: Install, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
         install("fastnorm", {"rms.yaml": overlay(row("mine"))})
-        here = distributed.table_revision(d.current().family("rms_norm"))
+        here = table_revision(d.current().family("rms_norm"))
         elsewhere = tmp_path / "elsewhere"
         shutil.copytree(tmp_path / "site", elsewhere)
         shutil.rmtree(tmp_path / "site")
@@ -603,11 +605,11 @@ class TestEdges:
         d.reload_tables()
         assert d.current().family("rms_norm").row("mine").source.startswith(  # type: ignore[union-attr]
             str(elsewhere))
-        assert distributed.table_revision(d.current().family("rms_norm")) == here
+        assert table_revision(d.current().family("rms_norm")) == here
         d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm, Spec.dtype_in(F32)))
-        one = distributed.table_revision(d.current().family("rms_norm"))
+        one = table_revision(d.current().family("rms_norm"))
         d.register_impl(d.ImplRecord("rms_norm", "py", ops.rms_norm, Spec.dtype_in(BF16)))
-        assert distributed.table_revision(d.current().family("rms_norm")) != one
+        assert table_revision(d.current().family("rms_norm")) != one
 
     def test_a_broken_plugin_takes_no_other_down(self, install: Install) -> None:
         install("alpha", {"a.yaml": overlay(row("fast")),

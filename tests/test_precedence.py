@@ -1,4 +1,4 @@
-"""Resolution order end to end (SPEC §3): the one file that covers precedence.
+"""Resolution order end to end (contract §3): the one file that covers precedence.
 
 The ``toy`` family (see ``conftest.TOY_TABLE``) has one row per source, so every source
 picks a row of its own and the winner shows which source decided.

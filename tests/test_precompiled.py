@@ -1,7 +1,7 @@
 """The precompiled shipped tables: same result as the full path, no pydantic at load.
 
 ``tables/precompiled.json`` lets the shipped tables load without YAML or pydantic
-(SPEC §11: importing astrai and loading every shipped table costs little beyond
+(contract §11: importing astrai and loading every shipped table costs little beyond
 ``import torch``). These tests check that the fast path builds exactly what the full
 path builds, that anything edited or broken takes the full path, and that the file
 is current.
@@ -178,7 +178,7 @@ class TestArtifact:
 
 def test_load_imports_no_pydantic_or_yaml() -> None:
     """Importing astrai and loading the shipped tables imports neither pydantic, PyYAML,
-    the expression parser nor the file models (the import-time budget of SPEC §11)."""
+    the expression parser nor the file models (the import-time budget of contract §11)."""
     code = ("import sys, astrai.dispatch as d, astrai.ops; d.current(); "
             "print(sorted(m for m in ('pydantic', 'yaml', 'astrai.dispatch.expr._parser', "
             "'astrai.dispatch.tables.format', 'astrai.dispatch.tables._yaml') "

@@ -1,4 +1,4 @@
-"""Recording a workload (issue 14 §1): ``record()``, the workload file, ``ASTR_RECORD``."""
+"""Recording a workload: ``record()``, the workload file, ``ASTR_RECORD``."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.dispatch import FileFormatError, op_backend, record, use_profile
-from astrai.dispatch.workload import ObjectArg, PagedArg, RecordedCall, TensorArg, Workload
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
+from astrai.record.workload import ObjectArg, PagedArg, RecordedCall, TensorArg, Workload
 
 SMALL = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""``register_impl`` / ``unregister_impl`` (issue 15 §2): a package joins a row to an
+"""``register_impl`` / ``unregister_impl``: a package joins a row to an
 existing family in Python, placed where it asks, kept across reloads, and the seed's
 contract (priority, faithful, availability) holds for it."""
 
@@ -13,8 +13,7 @@ import torch
 import astrai.dispatch as d
 import astrai.ops as ops
 from astrai.backends.rms_norm import reference_rms_norm
-from astrai.dispatch.distributed import table_revision
-from astrai.dispatch.tables.model import Unavailable
+from astrai.dispatch.tables.model import Unavailable, table_revision
 
 
 def doubled(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

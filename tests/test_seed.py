@@ -1,4 +1,4 @@
-"""Seed fidelity (SPEC §2-§3): code written against the seed's ``dispatch.py`` runs unchanged
+"""Seed fidelity (contract §2-§3): code written against the seed's ``dispatch.py`` runs unchanged
 on astrai and gets the same rows and origins.
 
 The seed itself is the oracle: the same family is registered, the seed's way, in both, and

@@ -1,4 +1,4 @@
-"""Shape and hardware axes (issue 13 §1-2): what each facade reads, and cut-point caching.
+"""Shape and hardware axes: what each facade reads, and cut-point caching.
 
 The lazy axes (``device``, ``sm``, ``batch``, ``q_len``, ``kv_len``, ``heads``,
 ``kv_heads``, ``tokens``, ``in_features``, ``out_features``) are read off a call only

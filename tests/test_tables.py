@@ -1,4 +1,5 @@
-"""Decision tables and profiles as files (SPEC §5, §6): loading, errors, availability, registry."""
+"""Decision tables and profiles as files (contract §5, §6): loading, errors, availability,
+registry."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nothing silent (issue 11): no wrong results, no quiet fall-throughs, users own their tables,
+"""Nothing silent: no wrong results, no quiet fall-throughs, users own their tables,
 and any family is callable through ``astrai.ops.call``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``astrai-ops tune`` (issue 14 §2): measure, bucket, write a verified profile with
+"""``astrai-ops tune``: measure, bucket, write a verified profile with
 provenance; a wrong row is excluded; a profile tuned elsewhere warns."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.cli import main
 from astrai.dispatch import record
+from astrai.dispatch.explain import explain
 from astrai.dispatch.machine import this_machine
-from astrai.dispatch.resolution import explain
-from astrai.dispatch.tuning import tune_workload
-from astrai.dispatch.workload import Workload
+from astrai.record.workload import Workload
+from astrai.tune.run import tune_workload
 
 TABLE = """\
 version: 1
@@ -132,7 +132,7 @@ def test_fingerprint_mismatch_warns(workload: Workload, tmp_path: Path,
 def test_verify_fails_loudly(workload: Workload, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A profile that would not give a call its winner is an error, not a quiet file."""
-    from astrai.dispatch import tuned_profile
+    from astrai.tune import profile as tuned_profile
 
     def no_when(*args: object, **kwargs: object) -> dict[str, object]:
         return {"order": ["large", "small"], "enable": ["large"]}

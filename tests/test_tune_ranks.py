@@ -1,4 +1,4 @@
-"""``astrai-ops tune`` under ``torch.distributed`` (issue 14 §4): every rank measures, the
+"""``astrai-ops tune`` under ``torch.distributed``: every rank measures, the
 timings are combined (median across ranks), every rank writes the same profile, byte for
 byte, and ``check_agreement`` confirms the plan.
 
@@ -28,11 +28,11 @@ import yaml
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.dispatch import check_agreement, record, use_profile
-from astrai.dispatch.tune import CallTiming, Timing
-from astrai.dispatch.tune_ranks import combine, init_from_environment
-from astrai.dispatch.tuned_profile import TuneError
-from astrai.dispatch.tuning import tune_workload
-from astrai.dispatch.workload import Workload
+from astrai.record.workload import Workload
+from astrai.tune.measure import CallTiming, Timing
+from astrai.tune.profile import TuneError
+from astrai.tune.ranks import combine, init_from_environment
+from astrai.tune.run import tune_workload
 from tests.test_distributed import REPO, _run_ranks
 
 TABLE = """\

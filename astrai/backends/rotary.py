@@ -1,6 +1,6 @@
 """Rotary position embedding: rows ``complex``, ``torch``, ``inductor`` and ``reference``.
 
-Layout (SPEC §9): ``x`` is ``[batch, seq, heads, head_dim]`` or packed
+Layout (contract §9): ``x`` is ``[batch, seq, heads, head_dim]`` or packed
 ``[tokens, heads, head_dim]``; ``freqs_cis`` is ``[batch or 1, seq, head_dim/2, 2]``
 (a ``[seq, head_dim/2, 2]`` table is also accepted for dense ``x``) or, packed,
 ``[tokens, head_dim/2, 2]``, holding ``(cos, sin)`` of each pair's angle. Pairs

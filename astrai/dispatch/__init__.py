@@ -1,18 +1,20 @@
 """The dispatch engine: call contexts, specs, decision tables, resolution and explain.
 
-Resolution order (SPEC §3) is ``PRECEDENCE``: explicit argument, ``op_backend``
+Resolution order (contract §3) is ``PRECEDENCE``: explicit argument, ``op_backend``
 scope, ``ASTR_OPS`` (or a legacy alias), profile forcing, the table's chain, the
 fallback row.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.env import OPS_ENV, TABLES_ENV
+from astrai.dispatch.explain import explain, explain_plan
 from astrai.dispatch.expr.spec import Spec, parse_spec
+from astrai.dispatch.precedence import PRECEDENCE, Source
 from astrai.dispatch.registry import (
-    TABLES_ENV,
     current,
     list_families,
     list_profiles,
@@ -25,18 +27,8 @@ from astrai.dispatch.registry import (
     shipped_tables_dir,
     unregister_impl,
 )
-from astrai.dispatch.resolution import (
-    NoImplementationError,
-    Resolution,
-    explain,
-    explain_plan,
-    resolve,
-    resolve_plan,
-)
+from astrai.dispatch.resolution import NoImplementationError, Resolution, resolve, resolve_plan
 from astrai.dispatch.sources import (
-    OPS_ENV,
-    PRECEDENCE,
-    Source,
     current_overrides,
     current_profiles,
     env_overrides,
@@ -124,20 +116,14 @@ __all__ = [
     "use_profile",
 ]
 
-if TYPE_CHECKING:
-    from astrai.dispatch.distributed import AgreedPlan, check_agreement
-    from astrai.dispatch.lock import LockCheck, check_lock, lock_workload
-    from astrai.dispatch.lockfile import Lock
-    from astrai.dispatch.recording import Recording, record
-    from astrai.dispatch.workload import RecordedCall, Workload
-
-#: What loads on first use, and from where: most processes never need it (import time).
+#: What loads on first use, and from where: the workflows sit above the engine (it never
+#: imports them), and most processes never need them (import time).
 _ON_FIRST_USE = {
-    "AgreedPlan": "distributed", "check_agreement": "distributed",
-    "LockCheck": "lock", "check_lock": "lock", "lock_workload": "lock",
-    "Lock": "lockfile",
-    "Recording": "recording", "record": "recording",
-    "RecordedCall": "workload", "Workload": "workload",
+    "AgreedPlan": "distributed.agreement", "check_agreement": "distributed.agreement",
+    "LockCheck": "lock.make", "check_lock": "lock.make", "lock_workload": "lock.make",
+    "Lock": "lock.model",
+    "Recording": "record.recording", "record": "record.recording",
+    "RecordedCall": "record.workload", "Workload": "record.workload",
 }
 
 
@@ -147,5 +133,5 @@ def __getattr__(name: str) -> Any:
     if module is not None:
         import importlib
 
-        return getattr(importlib.import_module(f"astrai.dispatch.{module}"), name)
+        return getattr(importlib.import_module(f"astrai.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Lint: static analysis of decision tables over their finite axes (SPEC §10).
+"""Lint: static analysis of decision tables over their finite axes (contract §10).
 
 A family's rows are checked against every distinguishable call: the axes some row
 tests, each narrowed to the values the expressions mention (plus one

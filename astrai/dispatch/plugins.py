@@ -30,7 +30,7 @@ the entry point's or the distribution's (``-``/``_``/``.`` and case are not told
 
 from __future__ import annotations
 
-__all__ = ["GROUP", "PLUGINS_ENV", "Plugin", "discover", "in_use", "plugin_problems"]
+__all__ = ["GROUP", "Plugin", "discover", "in_use", "plugin_problems"]
 
 import importlib.metadata
 import importlib.resources
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.env import PLUGINS_ENV
 from astrai.dispatch.log import logger, warn_once
 from astrai.dispatch.tables.artifact import ARTIFACT, Entry, read_entries
 from astrai.dispatch.tables.load import MAX_TABLE_BYTES, parse_bytes, read_table_bytes
@@ -51,7 +52,6 @@ from astrai.errors import TableProblem
 
 #: The entry point group a kernel package declares its tables under.
 GROUP = "astrai.tables"
-PLUGINS_ENV = "ASTR_PLUGINS"
 _SUFFIXES = (".yaml", ".yml")
 LOADED, DISABLED, BROKEN = "loaded", "disabled", "broken"
 

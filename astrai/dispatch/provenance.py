@@ -1,6 +1,6 @@
 """Where a tuned profile's order comes from: its ``provenance:`` mapping.
 
-``astrai-ops tune`` (``astrai.dispatch.tune``) writes, in the profile it makes, the
+``astrai-ops tune`` (``astrai.tune.measure``) writes, in the profile it makes, the
 fingerprint of the machine it measured on (``machine.this_machine()``), the torch and
 astrai versions (part of the fingerprint), the date, the workload file, and the measured
 table: each row's median microseconds (and spread) on each shape bucket. Which row is

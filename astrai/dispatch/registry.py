@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "Registry",
     "current",
+    "env_table_paths",
     "list_families",
     "list_profiles",
     "load_tables",
@@ -23,6 +24,7 @@ __all__ = [
     "unplugged_families",
     "unregister_impl",
     "validate",
+    "yaml_files",
 ]
 
 import os
@@ -36,9 +38,9 @@ from typing import Any, TypeVar
 
 from astrai import __version__
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import encoded
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, PREDICATES
+from astrai.dispatch.env import TABLES_ENV, encoded
 from astrai.dispatch.expr.spec import Spec, named_parts
 from astrai.dispatch.joined import EMPTY as JOINED_NONE
 from astrai.dispatch.joined import Joined, join_rows
@@ -62,7 +64,6 @@ from astrai.dispatch.tables.model import (
 from astrai.dispatch.tables.parsed import ParsedFile
 from astrai.errors import TableError, TableProblem, UnknownFamilyError
 
-TABLES_ENV = "ASTR_TABLES"
 _YAML_SUFFIXES = (".yaml", ".yml")
 
 
@@ -152,7 +153,7 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
                                                           f"{exc.strerror or exc}"))
             continue
         if is_dir:
-            found, errors = _yaml_files(path)
+            found, errors = yaml_files(path)
             problems.extend(TableProblem(e.filename or str(path), 1, 1, f"cannot list "
                                          f"directory: {e.strerror or e}") for e in errors)
             files.extend((index, f) for f in found)
@@ -163,7 +164,7 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
     return files, problems
 
 
-def _yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
+def yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
     """Every ``.yaml``/``.yml`` file under ``directory`` (symlinked directories are not
     entered), and the errors met: an unreadable directory is an error, not an empty one."""
     errors: list[OSError] = []
@@ -174,7 +175,7 @@ def _yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
     return [str(q) for q in sorted(Path(f) for f in found)], errors
 
 
-def _env_table_paths() -> list[str]:
+def env_table_paths() -> list[str]:
     raw = os.environ.get(TABLES_ENV, "")
     return [p for p in raw.split(os.pathsep) if p.strip()]
 
@@ -182,7 +183,7 @@ def _env_table_paths() -> list[str]:
 def _table_sources() -> list[tuple[str, str]]:
     """The shipped tables and each ``ASTR_TABLES`` entry, with who provided them."""
     return [(str(shipped_tables_dir()), SHIPPED),
-            *((p, TABLES_ENV) for p in _env_table_paths())]
+            *((p, TABLES_ENV) for p in env_table_paths())]
 
 
 #: Who provided the shipped tables' rows (``ImplRecord.provided_by``).
@@ -500,7 +501,7 @@ def _swap(new: Registry) -> None:
 
 def current() -> Registry:
     """The snapshot in force, loading the shipped tables (plus ``ASTR_TABLES``) on first use."""
-    got = process.snapshot
+    got: Registry | None = process.snapshot
     if got is None:
         # Read outside the lock (concurrent first callers may each read; one result wins).
         got = _commit(lambda base: base or _build(

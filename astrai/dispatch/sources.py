@@ -1,9 +1,5 @@
-"""Where a decision can come from, besides the table: the precedence sources (SPEC §3).
-
-``PRECEDENCE`` states the order once, as objects: the explicit argument, the
-``op_backend`` scope, the environment (``ASTR_OPS`` or a family's legacy alias),
-profile forcing, the table's chain, the fallback row. This module owns the state
-behind the first three and the profiles in force:
+"""What a call asks for besides the table: the state behind the selecting precedence
+sources (``precedence``) and the profiles in force.
 
 - ``op_backend(...)`` / ``use_profile(...)`` scopes live in a ``ContextVar`` holding
   immutable ``Scope``s, so they are per thread and per asyncio task. String names are
@@ -23,18 +19,16 @@ behind the first three and the profiles in force:
 from __future__ import annotations
 
 __all__ = [
-    "OPS_ENV",
-    "PRECEDENCE",
     "PROFILE_KEY",
     "EnvSettings",
     "Scope",
-    "Source",
     "active_profiles",
     "active_view",
     "check_handle",
     "current_overrides",
     "current_profiles",
     "current_scope",
+    "env_for",
     "env_now",
     "env_overrides",
     "env_selection",
@@ -57,56 +51,15 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import encoded, environ_get, raw_get
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.env import OPS_ENV, OPS_KEY, decoded, encoded, environ_get, raw_get
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import View
 from astrai.errors import ScopeError
 
-
-@dataclass(frozen=True)
-class Source:
-    """One place a decision can come from. ``strict`` sources raise instead of falling
-    through; a source that ``selects`` names a row (or object) itself, the others select
-    through the table."""
-
-    origin: str
-    strict: bool
-    label: str
-    selects: bool = False
-
-    def handle(self, family: str, explicit: Any, env: EnvSettings) -> Any:
-        """The row name or object this source selects for ``family``, or ``None``
-        (profile forcing, the chain and the fallback select through the table)."""
-        if self.origin == "explicit":
-            return explicit
-        if self.origin == "context":
-            return _scope.get().handles.get(family)
-        if self.origin == "env":
-            return env.backends.get(family)
-        return None
-
-    def where(self, family: str, env: EnvSettings) -> str:
-        """Where the selection came from, in words (the variable, for the environment)."""
-        if self.origin == "env":
-            return f"{env.source_of(family)} ({family}={env.backends.get(family)})"
-        return self.label
-
-
-#: Resolution order, highest precedence first (SPEC §3).
-PRECEDENCE: tuple[Source, ...] = (
-    Source("explicit", strict=True, label="the explicit argument", selects=True),
-    Source("context", strict=True, label="an op_backend scope", selects=True),
-    Source("env", strict=False, label="the environment", selects=True),
-    Source("profile", strict=False, label="an active profile"),
-    Source("chain", strict=False, label="the table order"),
-    Source("fallback", strict=False, label="the fallback row"),
-)
-
 # -- the environment: ASTR_OPS and legacy aliases -----------------------------
 
-OPS_ENV = "ASTR_OPS"
 PROFILE_KEY = "profile"
 
 
@@ -190,7 +143,6 @@ def env_settings(
     return got
 
 
-OPS_KEY = encoded(OPS_ENV)
 
 
 # -- scopes: op_backend and use_profile ------------------------------------------
@@ -404,6 +356,27 @@ def env_now(state: Registry) -> EnvSettings:
     return got
 
 
+def env_for(state: Registry, ops: Any, family: str, alias: Any) -> EnvSettings:
+    """What the environment asks of ``family`` on ``state``, given the raw values of
+    ``ASTR_OPS`` (``ops``) and of the family's legacy alias (``alias``) as one decision's
+    world read them: parsed from those values, never from the environment again (cached
+    per distinct values and table epoch)."""
+    key = (ops, family, alias, state.epoch)
+    got: EnvSettings | None = process.env_parsed.get(key)
+    if got is not None:
+        return got
+    got = parse_ops(decoded(ops) or "", state.families, state.profiles)
+    var = state.aliases.get(family)
+    value = decoded(alias)
+    if var is not None and value is not None and value.strip() and family not in got.backends:
+        got = EnvSettings(MappingProxyType({**got.backends, family: value.strip()}),
+                          got.profiles, MappingProxyType({family: var}))
+    if len(process.env_parsed) >= _MAX_PARSED:
+        process.env_parsed.clear()
+    process.env_parsed[key] = got
+    return got
+
+
 def env_overrides() -> dict[str, str]:
     """The parsed environment, as the seed returns it: ``{family: row}`` from ``ASTR_OPS``
     and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
@@ -422,9 +395,11 @@ def env_selection(family: str) -> str | None:
     return got
 
 
-def active_profiles(state: Registry, env: EnvSettings) -> tuple[str, ...]:
-    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes."""
-    scoped = _scope.get().profiles
+def active_profiles(state: Registry, env: EnvSettings, scope: Scope | None = None
+                    ) -> tuple[str, ...]:
+    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes (of
+    ``scope``, or the scope in force)."""
+    scoped = (scope or _scope.get()).profiles
     if not scoped and not env.profiles:
         return ()
     names = (*env.profiles, *scoped) if scoped else env.profiles

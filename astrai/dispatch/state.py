@@ -21,13 +21,12 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from astrai.dispatch.registry import Registry
-
-#: The tables in force: one immutable snapshot, swapped whole (``registry``).
-snapshot: Registry | None = None
+#: The tables in force: one immutable snapshot (a ``registry.Registry``), swapped whole.
+#: Typed loosely here so that this module imports nothing of the engine's; readers go
+#: through ``registry.current()``, which returns it typed.
+snapshot: Any = None
 #: Guards swaps of ``snapshot`` only: nothing is read or imported under it.
 swap_lock = threading.RLock()
 #: Serialises the first run of each availability probe.
@@ -55,7 +54,7 @@ UNCACHED: itertools.count[int] = itertools.count()
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
 
-# -- recording and decision locks (``record``, ``lockfile``) -----------------------
+# -- recording and decision locks (``astrai.record``, ``astrai.lock``) ---------------------
 #: The recordings in force (``record()``, ``ASTR_RECORD``): each facade call is added to
 #: every one of them. A tuple, replaced whole (never changed in place).
 recordings: tuple[Any, ...] = ()
@@ -66,9 +65,9 @@ record_switches: list[Callable[[bool], None]] = []
 #: Serialises starting and ending recordings (never taken on the call path).
 record_lock = threading.Lock()
 #: Decision locks read for ``ASTR_LOCK``: (raw path, raw mode) -> the lock in force, or
-#: the error reading it gave (``lockfile.lock_in_force``).
+#: the error reading it gave (``astrai.lock.enforce``).
 locks: dict[tuple[Any, Any], Any] = {}
-#: Per lock in force and table snapshot: its decisions by decision key (``lockfile``).
+#: Per lock in force and table snapshot: its decisions by decision key (``astrai.lock.enforce``).
 lock_indexes: dict[tuple[int, int], Any] = {}
 
 # -- torch.compile support (see ``torch_compile``) ---------------------------------

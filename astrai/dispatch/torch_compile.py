@@ -8,7 +8,7 @@ naming the table epoch and the scope (``op_backend`` / ``use_profile``) most
 recently entered or left. Dynamo installs a value guard on a global read, so a
 reload, a ``refresh()``, or a different scope recompiles.
 
-Limits (documented in the README): ``ASTR_OPS`` is read when the graph is
+Limits (documented in docs/compile.md): ``ASTR_OPS`` is read when the graph is
 traced (a changed value takes effect after ``torch.compiler.reset()`` or a
 table reload), and the key follows the most recent scope change in any thread,
 so give a compiled model one scope per process.

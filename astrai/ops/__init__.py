@@ -3,7 +3,7 @@
 Each facade is its family's signature and call line; everything between - input
 validation, the decision (baked in at trace time under ``torch.compile``, else
 cached), the usage count - is the one hot path ``astrai.ops._facade.route`` builds.
-``backend=`` is the explicit selection of SPEC §3 (a row name or an implementation
+``backend=`` is the explicit selection of contract §3 (a row name or an implementation
 object): strict, it raises rather than fall back.
 """
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.env import RECORD_ENV
 from astrai.dispatch.keying import signature_key
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
@@ -212,7 +213,7 @@ def _switch_routes(recording_now: bool) -> None:
     """Point the facades at their recording routes (``True``) or plain ones."""
     global _attention, _rotary, _rotary_half, _rms_norm, _linear
     if recording_now and not _RECORDING:
-        from astrai.dispatch.recording import note_call  # loaded by whoever started recording
+        from astrai.record.recording import note_call  # loaded by whoever started recording
 
         _RECORDING.update({name: recording(fc, _PLAIN[name], note_call)
                            for name, fc in _CALLS.items()})
@@ -233,10 +234,10 @@ def _facade_name(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 
 process.record_switches.append(_switch_routes)
-if os.environ.get("ASTR_RECORD", "").strip():  # record this whole process, written at exit
-    from astrai.dispatch.recording import record_process
+if os.environ.get(RECORD_ENV, "").strip():  # record this whole process, written at exit
+    from astrai.record.recording import record_process
 
-    record_process(os.environ["ASTR_RECORD"])
+    record_process(os.environ[RECORD_ENV])
 elif process.recordings:
     _switch_routes(True)
 
@@ -277,7 +278,7 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,), state)
     next(d.counter)
     if process.recordings:
-        from astrai.dispatch.recording import note_call  # loaded by whoever started recording
+        from astrai.record.recording import note_call  # loaded by whoever started recording
 
         note_call(ctx, backend)
     return d.call(*args, **kwargs)

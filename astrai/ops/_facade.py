@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import environ_get
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
-from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.resolution import Decision, decide
-from astrai.dispatch.sources import OPS_KEY, current_scope
+from astrai.dispatch.registry import current
+from astrai.dispatch.resolution import decide
+from astrai.dispatch.sources import current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
+from astrai.dispatch.world import World, world_now
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
 #: ``note(ctx, backend, incidental)``: adds a call to the recordings in force (``record``).
@@ -108,8 +109,11 @@ class FamilyCall:
 
     def context(self, *args: Any) -> CallContext:
         """The ``CallContext`` of a call given as the full argument tuple."""
+        return self.context_of(self.describe(*args), args)
+
+    def context_of(self, values: tuple[Any, ...], args: tuple[Any, ...]) -> CallContext:
+        """The ``CallContext`` of a call whose base values ``describe`` gave already."""
         cut, n = self.positional, len(self.params)
-        values = self.describe(*args)
         raw_kwargs = dict(zip(self.params[cut:], args[cut:n], strict=True))
         if self.check is not None:
             raw_kwargs.update(args[n])
@@ -121,7 +125,7 @@ class FamilyCall:
 _UNSET: Any = object()
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+def _same(a: World, b: World) -> bool:
     """Whether two worlds are the same objects, element by element (equal is not enough:
     the last world is checked by identity)."""
     return all(x is y for x, y in zip(a, b, strict=True))
@@ -130,18 +134,18 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 def route(fc: FamilyCall) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
-    In front of the decision cache sits this family's *last world*: the snapshot it was
-    taken in, the scope, and the raw ``ASTR_OPS`` and alias values - everything
-    ``decide``'s key holds besides the call's values and the (absent) ``backend=`` - with
+    In front of the decision cache sits this family's *last world* (``world.World``:
+    the snapshot, the scope, the raw ``ASTR_OPS`` and alias values - everything
+    ``decide``'s key holds besides the call's values and the absent ``backend=``), with
     the decisions already taken in it, by the call's values. A call in the same world
-    (nearly every call) is looked up there by its values alone; any change of world misses
-    it, and ``decide`` answers as always.
+    (nearly every call) is looked up there by its values alone; any change of world
+    misses it, and ``decide`` answers in the world read once for that call.
     """
-    family, reads, describe, context = fc.family, fc.reads, fc.describe, fc.context
+    family, reads, describe, context_of = fc.family, fc.reads, fc.describe, fc.context_of
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
-    # (snapshot, scope, ASTR_OPS, alias name, alias value, {values: Decision},
-    #  what the lazy axes add to the values in that snapshot or None)
-    last: list[tuple[Any, ...]] = [(None, None, None, None, None, {}, None)]
+    # (the world, {values: Decision}, what the lazy axes add to the values in that
+    #  world's snapshot or None)
+    last: list[tuple[Any, ...]] = [(None, {}, None)]
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         values = describe(*args)
@@ -150,12 +154,13 @@ def route(fc: FamilyCall) -> Route:
             values = representatives(family, every, (*values, *shape(*args)))
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
-        world = last[0]
-        if (backend is None and world[0] is process.snapshot and world[1] is current_scope()
-                and world[2] is environ_get(OPS_KEY)
+        seen = last[0]
+        world = seen[0]
+        if (backend is None and world is not None and world[0] is process.snapshot
+                and world[1] is current_scope() and world[2] is environ_get(OPS_KEY)
                 and (world[3] is None or world[4] is environ_get(world[3]))):
-            extend = world[6]
-            d = world[5].get(values if extend is None else values + extend(values, args))
+            extend = seen[2]
+            d = seen[1].get(values if extend is None else values + extend(values, args))
             if d is not None:
                 next(d.counter)
                 return d.call  # type: ignore[no-any-return]
@@ -163,38 +168,26 @@ def route(fc: FamilyCall) -> Route:
         lazy_key = state.facade_keys.get(family, _UNSET)
         if lazy_key is _UNSET:
             lazy_key = state.facade_keys[family] = key_plan(state, family).reader(reads, readers)
+        base = values
         if lazy_key is not None:  # a loaded table compares a lazy axis
             values += lazy_key(values, args)
-        before = _world(state) if backend is None else None
-        d = decide(family, values, backend, context, args, state)
-        if before is not None:
-            _remember(before, values, d, lazy_key)
+        now = world_now(state, family)
+        d = decide(family, values, backend, context_of, (base, args), now)
+        if backend is None and family not in now.scope.uncacheable:
+            # Kept in the world it was decided in (a new last world if this call's is
+            # another), so it serves only calls made in that world.
+            if world is None or not _same(world, now) or len(seen[1]) >= process.max_decisions:
+                last[0] = seen = (now, {}, lazy_key)
+            seen[1][values] = d
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
-
-    def _world(state: Registry) -> tuple[Any, ...]:
-        alias_key = state.alias_keys.get(family)
-        return (state, current_scope(), environ_get(OPS_KEY), alias_key, environ_get(alias_key))
-
-    def _remember(before: tuple[Any, ...], values: tuple[Any, ...], d: Decision,
-                  extend: Any) -> None:
-        """Keep ``d`` for ``values`` in this family's last world (a new world if this
-        call's is another) - provided the world did not change while ``d`` was decided,
-        and the scope does not leave the family uncached."""
-        state, scope = before[0], before[1]
-        if family in scope.uncacheable or not _same(before, _world(state)):
-            return
-        seen = last[0]
-        if not _same(seen[:5], before) or len(seen[5]) >= process.max_decisions:
-            last[0] = seen = (*before, {}, extend)
-        seen[5][values] = d
 
     return pick
 
 
 def recording(fc: FamilyCall, plain: Route, note: Note) -> Route:
     """``plain`` (``fc``'s route) that also hands each call it served to ``note``: the
-    route a facade takes while a recording is in force (``astrai.dispatch.recording``)."""
+    route a facade takes while a recording is in force (``astrai.record.recording``)."""
     context, incidental = fc.context, fc.incidental
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:

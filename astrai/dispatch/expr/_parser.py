@@ -1,4 +1,4 @@
-"""Recursive-descent parser for spec expressions (SPEC §4): text -> ``Spec``, type-checked.
+"""Recursive-descent parser for spec expressions (contract §4): text -> ``Spec``, type-checked.
 
 The grammar (each ``_parse_*`` method's docstring is its rule)::
 

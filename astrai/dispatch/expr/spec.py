@@ -276,12 +276,12 @@ class Spec:
 
     @staticmethod
     def parse(text: str, vocabulary: Vocabulary | None = None) -> Spec:
-        """Parse a spec expression (SPEC §4)."""
+        """Parse a spec expression (contract §4)."""
         return parse_spec(text, vocabulary)
 
 
 def parse_spec(text: str, vocabulary: Vocabulary | None = None) -> Spec:
-    """Parse and type-check a spec expression (SPEC §4) against ``vocabulary`` (default:
+    """Parse and type-check a spec expression (contract §4) against ``vocabulary`` (default:
     the core axes and predicates); cached per text and vocabulary. Raises
     ``SpecSyntaxError``."""
     if vocabulary is None or vocabulary is CORE_VOCABULARY:

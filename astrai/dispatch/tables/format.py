@@ -6,7 +6,7 @@ design's "pydantic-validated grammar"; see ``When``). What a valid file yields i
 the model's ``model_dump(mode="json")``: ``load`` builds the engine objects from
 that dump, and the precompiled artifact (``artifact``) stores that same dump, so the
 fast path reads this one format without importing pydantic. The JSON Schemas under
-``schemas/`` are generated from these models (``astrai.dispatch.schemas``; ``astrai-ops
+``schemas/`` are generated from these models (``astrai.formats.schemas``; ``astrai-ops
 schema --check`` fails when the checked-in files drift).
 """
 
@@ -32,7 +32,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     ConfigDict,
     Field,
     StrictBool,
@@ -46,6 +45,7 @@ from astrai.dispatch.axes import AXES, FEATURE_AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 from astrai.dispatch.tables.artifact import schemas_dir
+from astrai.formats.common import FileModel, MachineModel
 
 SUPPORTED_VERSION = 1
 
@@ -91,7 +91,7 @@ def _parse_when(text: str, info: ValidationInfo) -> str:
 def _expression_help() -> str:
     base = [f"{n} ({a.kind})" for n, a in AXES.items() if not a.lazy]
     lazy = [f"{n} ({a.kind})" for n, a in AXES.items() if a.lazy]
-    return ("a spec expression (SPEC §4): axes compared with constants (or an int axis with "
+    return ("a spec expression (contract §4): axes compared with constants (or an int axis with "
             "another), joined by and / or / not. Built-in axes: " + ", ".join(base) +
             "; shape and hardware axes, read off a call only when some table compares them, "
             "a length keyed by its interval between the constants it is compared with: "
@@ -112,11 +112,9 @@ Definitions = dict[DefinitionName, Expression]
 Feature = Literal[FEATURE_AXES]  # type: ignore[valid-type]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class AxisModel(_Model):
+class AxisModel(FileModel):
     """An extra axis a family declares; its value travels in ``CallContext.extra``."""
 
     name: Name
@@ -126,7 +124,7 @@ class AxisModel(_Model):
     description: StrictStr = ""
 
 
-class RowModel(_Model):
+class RowModel(FileModel):
     """One implementation row."""
 
     name: Name
@@ -157,7 +155,7 @@ class RowModel(_Model):
     )
 
 
-class TableFile(_Model):
+class TableFile(FileModel):
     """A family's decision table: rows in priority order."""
 
     model_config = ConfigDict(
@@ -199,7 +197,7 @@ class OverlayRowModel(RowModel):
         return self
 
 
-class OverlayFile(_Model):
+class OverlayFile(FileModel):
     """A row overlay: rows that join an existing family (a plugin's, usually), each
     placed ``before:``/``after:`` a named row, by default before the family's first
     faithful row (rows of one file keep their order)."""
@@ -213,7 +211,7 @@ class OverlayFile(_Model):
     rows: list[OverlayRowModel] = Field(min_length=1)
 
 
-class FamilyOverlayModel(_Model):
+class FamilyOverlayModel(FileModel):
     """What a profile changes in one family (or in every family, under ``"*"``)."""
 
     force: Name | None = Field(
@@ -239,18 +237,7 @@ class FamilyOverlayModel(_Model):
     add: list[RowModel] = Field(default_factory=list, description="new rows, placed first")
 
 
-class MachineModel(_Model):
-    """A machine's fingerprint (``astrai.dispatch.machine.Machine``)."""
-
-    cpu: StrictStr
-    cores: StrictInt
-    gpu: StrictStr | None
-    sm: StrictInt | None
-    torch: StrictStr
-    astrai: StrictStr
-
-
-class MeasuredModel(_Model):
+class MeasuredModel(FileModel):
     """One cell of a tuned profile's measured table: a row timed on a shape bucket."""
 
     family: StrictStr
@@ -261,7 +248,7 @@ class MeasuredModel(_Model):
     winner: StrictBool = False
 
 
-class ProvenanceModel(_Model):
+class ProvenanceModel(FileModel):
     """Where a tuned profile's order comes from (``astrai-ops tune``)."""
 
     machine: MachineModel = Field(description="the fingerprint of the machine it was tuned on")
@@ -274,7 +261,7 @@ class ProvenanceModel(_Model):
                                           description="row x bucket -> median microseconds")
 
 
-class ProfileFile(_Model):
+class ProfileFile(FileModel):
     """A profile: an overlay applied on top of the tables when active."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, title="astrai profile (version 1)")

@@ -5,7 +5,7 @@ precompiled artifact or ``register_family``):
 
 - ``ImplRecord``, one row, and ``FamilyTable``, a family's rows in priority order
   with its fallback;
-- ``Profile`` and ``FamilyOverlay``, what a profile (SPEC §6) changes per family
+- ``Profile`` and ``FamilyOverlay``, what a profile (contract §6) changes per family
   (or ``"*"`` for all): ``force`` a row or the fallback, ``order`` rows, ``disable``
   rows, ``enable`` non-faithful or explicit-only rows for the implicit chain, replace a row's
   ``when``, narrow where the implicit chain tries a row (``chain_when``: selection by name

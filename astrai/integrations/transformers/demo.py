@@ -9,8 +9,8 @@ import copy
 import torch
 
 from astrai.dispatch import explain, reset_stats, stats
-from astrai.dispatch.recording import record
 from astrai.integrations.transformers.routing import FAMILIES, dispatch_model
+from astrai.record.recording import record
 
 
 def run_transformers_demo(seed: int = 0, max_new_tokens: int = 8) -> str:

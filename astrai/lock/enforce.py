@@ -1,10 +1,10 @@
-"""Decision locks: the row each recorded call signature resolved to, and the live check.
+"""Enforcing a decision lock: the live check of every decision against the lock in force.
 
-A ``Lock`` (written by ``astrai-ops lock WORKLOAD``, see ``astrai.dispatch.lock``) holds
-one ``LockedDecision`` per recorded call signature: the call's axes, its selection
+A ``Lock`` (``astrai.lock.model``, made by ``astrai-ops lock WORKLOAD``) holds one
+``LockedDecision`` per recorded call signature: the call's axes, its selection
 (``backend=``, ``op_backend`` row, ``use_profile`` profiles), the row and origin it
 resolved to, and the revisions of the family's table and of the profiles in force; with
-the machine's fingerprint. File format: ``schemas/lock.schema.json``.
+the machine's fingerprint.
 
 ``ASTR_LOCK=astrai.lock`` puts a lock in force for the process. Each decision the
 engine takes - on a decision-cache miss, so a cached call costs nothing more - is
@@ -26,172 +26,27 @@ re-checked when they change (``refresh()`` drops the cache).
 
 from __future__ import annotations
 
-__all__ = [
-    "LOCK_ENV",
-    "LOCK_MODE_ENV",
-    "MODES",
-    "ActiveLock",
-    "Drift",
-    "Lock",
-    "LockedDecision",
-    "drift_reason",
-    "lock_in_force",
-    "selection_of",
-]
+__all__ = ["MODES", "ActiveLock", "Drift", "drift_reason", "lock_in_force"]
 
-import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._environ import LOCK_ENV, LOCK_KEY, encoded, environ_get
-from astrai.dispatch._saved import Saved
-from astrai.dispatch.axes import EMPTY, CallContext, call_key, context_from_fields
+from astrai.dispatch.axes import CallContext, call_key
+from astrai.dispatch.env import LOCK_ENV, LOCK_KEY, LOCK_MODE_ENV, LOCK_MODE_KEY, environ_get
 from astrai.dispatch.keying import signature_key
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.machine import Machine, cuda_initialized, this_machine
+from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.sources import active_profiles, current_scope, env_now
 from astrai.dispatch.tables.model import ImplRecord, table_revision
-from astrai.dispatch.workload import ObjectArg, now_utc, value_from_plain
 from astrai.errors import FileFormatError, LockDriftError
+from astrai.lock.model import Lock, LockedDecision
+from astrai.record.workload import ObjectArg, selection_of
 
-LOCK_MODE_ENV = "ASTR_LOCK_MODE"
 MODES = ("warn", "strict", "pin")
-_MODE_KEY = encoded(LOCK_MODE_ENV)
-
-Selection = str | ObjectArg | None
-
-
-def selection_of(state: Registry, family: str, handle: Any) -> Selection:
-    """How a selection handle is written down: a row name as it is, an implementation
-    object as its row's name (or its type, ``ObjectArg``, when it is no row's)."""
-    if handle is None or isinstance(handle, str):
-        return handle
-    table = state.families.get(family)
-    for rec in table.rows if table is not None else ():
-        if rec.obj is handle:
-            return rec.name
-    target = handle if hasattr(handle, "__qualname__") else type(handle)
-    return ObjectArg(f"{getattr(target, '__module__', '?')}:"
-                     f"{getattr(target, '__qualname__', '?')}")
-
-
-def _plain(value: Selection) -> Any:
-    return value.plain() if isinstance(value, ObjectArg) else value
-
-
-@dataclass(frozen=True)
-class LockedDecision:
-    """One recorded call signature and the decision taken for it when locked.
-
-    ``row`` and ``origin`` are ``None`` (and ``error`` says why) when no row could serve
-    the call then. ``table`` is the family's table revision and ``profiles`` the
-    profiles in force with theirs; ``calls`` counts the recorded calls it stands for.
-    """
-
-    family: str
-    signature: str
-    axes: Mapping[str, Any]
-    row: str | None
-    origin: str | None
-    table: str
-    profiles: Mapping[str, str] = field(default_factory=lambda: EMPTY)
-    backend: Selection = None
-    scope_backend: Selection = None
-    scope_profiles: tuple[str, ...] = ()
-    error: str | None = None
-    calls: int = 1
-
-    def context(self) -> CallContext:
-        """The call's context (its recorded axes)."""
-        return context_from_fields(self.family, self.axes)
-
-    def plain(self) -> dict[str, Any]:
-        """The file's form of the decision."""
-        out: dict[str, Any] = {"family": self.family, "signature": self.signature,
-                               "row": self.row, "origin": self.origin}
-        if self.error is not None:
-            out["error"] = self.error
-        out["calls"] = self.calls
-        out["table"] = self.table
-        out["profiles"] = dict(self.profiles)
-        if self.backend is not None:
-            out["backend"] = _plain(self.backend)
-        if self.scope_backend is not None or self.scope_profiles:
-            scope: dict[str, Any] = {"profiles": list(self.scope_profiles)}
-            if self.scope_backend is not None:
-                scope["backend"] = _plain(self.scope_backend)
-            out["scope"] = scope
-        out["axes"] = dict(self.axes)
-        return out
-
-    @classmethod
-    def from_plain(cls, data: Mapping[str, Any]) -> LockedDecision:
-        """A decision from its file form (already validated)."""
-        scope = data.get("scope") or {}
-        return cls(data["family"], data["signature"], dict(data["axes"]), data["row"],
-                   data["origin"], data["table"], dict(data["profiles"]),
-                   value_from_plain(data.get("backend")), value_from_plain(scope.get("backend")),
-                   tuple(scope.get("profiles", ())), data.get("error"), data["calls"])
-
-    def identity(self) -> tuple[Any, ...]:
-        """What tells this decision's call apart, besides its axes: its selection."""
-        return (self.backend, self.scope_backend, self.scope_profiles)
-
-
-@dataclass(frozen=True)
-class Lock(Saved):
-    """A decision lock (see the module docstring). ``tables`` maps each family to its
-    ``(revision, source)`` when the lock was made; ``environment`` holds the astrai
-    variables then in force; ``source`` is the file it was read from; ``plugins`` the
-    plugins whose rows the locked families held (distribution -> version)."""
-
-    KIND: ClassVar[str] = "lock"
-
-    decisions: tuple[LockedDecision, ...]
-    machine: Machine
-    tables: Mapping[str, tuple[str, str]] = field(default_factory=lambda: EMPTY)
-    environment: Mapping[str, str | None] = field(default_factory=lambda: EMPTY)
-    created: str = ""
-    workload: str = ""
-    source: str = ""
-    plugins: Mapping[str, str] = field(default_factory=lambda: EMPTY)
-
-    @property
-    def digest(self) -> str:
-        """A short hash of the decisions (calls and rows), equal for equal locks wherever
-        they are read: ``check_agreement`` compares it across ranks."""
-        text = json.dumps([[d.family, sorted(d.axes.items()), _plain(d.backend),
-                            _plain(d.scope_backend), list(d.scope_profiles), d.row]
-                           for d in self.decisions], sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-    def plain(self) -> dict[str, Any]:
-        """The file's form of the lock."""
-        return {"version": 1, "kind": "lock", "created": self.created or now_utc(),
-                "workload": self.workload, "machine": self.machine.as_dict(),
-                "environment": dict(self.environment),
-                "tables": {f: {"revision": rev, "source": src}
-                           for f, (rev, src) in self.tables.items()},
-                "plugins": dict(self.plugins),
-                "decisions": [d.plain() for d in self.decisions]}
-
-    def headline(self) -> str:
-        """The comment that opens the file."""
-        return f"astrai decision lock: {len(self.decisions)} decisions, digest {self.digest}"
-
-    @classmethod
-    def from_plain(cls, data: Mapping[str, Any], source: str = "") -> Lock:
-        """The lock of a validated file form (read from ``source``)."""
-        return cls(tuple(LockedDecision.from_plain(d) for d in data["decisions"]),
-                   Machine.from_dict(data["machine"]),
-                   {f: (t["revision"], t["source"]) for f, t in data["tables"].items()},
-                   dict(data["environment"]), data["created"], data["workload"], source,
-                   dict(data.get("plugins", {})))
 
 
 @dataclass(frozen=True)
@@ -320,7 +175,7 @@ def lock_in_force() -> ActiveLock | None:
     raw = environ_get(LOCK_KEY)
     if raw is None:
         return None
-    mode_raw = environ_get(_MODE_KEY)
+    mode_raw = environ_get(LOCK_MODE_KEY)
     got: ActiveLock | None = process.locks.get((raw, mode_raw))
     if got is None:
         got = _read(os.environ.get(LOCK_ENV, ""), os.environ.get(LOCK_MODE_ENV, ""))

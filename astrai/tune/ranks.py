@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from astrai.dispatch.distributed import all_gather_bytes, describe_failure
-from astrai.dispatch.tune import CallTiming, Timing
-from astrai.dispatch.tuned_profile import TuneError
-from astrai.dispatch.workload import RecordedCall
+from astrai.distributed.collective import all_gather_bytes, describe_failure
+from astrai.record.workload import RecordedCall
+from astrai.tune.measure import CallTiming, Timing
+from astrai.tune.profile import TuneError
 
 #: torchrun's variables; all present (and ``WORLD_SIZE`` > 1) means "start a group".
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -22,19 +22,26 @@ the winners.
 
 from __future__ import annotations
 
-__all__ = ["TIE", "Bucket", "buckets_of", "chain_row", "profile_document", "verify"]
+__all__ = ["TIE", "Bucket", "buckets_of", "chain_row", "profile_document", "profile_text", "verify",
+           "write_profile"]
 
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from astrai.dispatch.axes import AXES, format_value
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.resolution import MATCH, evaluate, row_verdict
+from astrai.dispatch.resolution import evaluate
 from astrai.dispatch.sources import use_profile
-from astrai.dispatch.tune import CallTiming, Timing
+from astrai.dispatch.tables.format import schemas_dir
+from astrai.dispatch.verdicts import MATCH, row_verdict
 from astrai.errors import AstraiError
+from astrai.formats.common import atomic_write
+from astrai.tune.measure import CallTiming, Timing
 
 TIE = 0.05  # the shipped row within 5% of the fastest keeps its calls
 PRICE = 0.05  # an extra bucket must save 5% of the class's time
@@ -233,3 +240,18 @@ def verify(name: str, buckets: Sequence[Bucket]) -> list[str]:
         raise TuneError(f"the tuned profile {name!r} does not give {len(wrong)} recorded "
                         f"calls their measured winner:\n  " + "\n  ".join(wrong))
     return [b.winner for b in buckets]
+
+
+def profile_text(path: Path, doc: dict[str, Any]) -> str:
+    """A profile document as the file's text: a head of comments (the families, how to
+    activate it, the schema for editors), then the YAML."""
+    text = yaml.safe_dump(doc, sort_keys=False, width=100)
+    head = (f"# astrai tuned profile: {sum(1 for _ in doc['families'])} families\n"
+            f"# activate: ASTR_TABLES={path} ASTR_OPS=profile={doc['profile']}\n"
+            f"# yaml-language-server: $schema={schemas_dir() / 'profile.schema.json'}\n")
+    return head + text
+
+
+def write_profile(path: Path, doc: dict[str, Any]) -> None:
+    """Write a profile document as YAML, with a schema line for editors."""
+    atomic_write(path, profile_text(path, doc))  # ranks sharing a directory read it whole

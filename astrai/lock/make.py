@@ -23,14 +23,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from astrai.dispatch.axes import call_key, context_from_fields
-from astrai.dispatch.lockfile import Lock, LockedDecision, drift_reason
+from astrai.dispatch.env import OPS_ENV, PLUGINS_ENV, TABLES_ENV
 from astrai.dispatch.machine import this_machine
-from astrai.dispatch.plugins import PLUGINS_ENV, in_use
-from astrai.dispatch.registry import TABLES_ENV, Registry, current
-from astrai.dispatch.resolution import evaluate, serve_problem
-from astrai.dispatch.sources import OPS_ENV, active_profiles, env_now, op_backend, use_profile
+from astrai.dispatch.plugins import in_use
+from astrai.dispatch.registry import Registry, current
+from astrai.dispatch.resolution import evaluate
+from astrai.dispatch.sources import active_profiles, env_now, op_backend, use_profile
 from astrai.dispatch.tables.model import ImplRecord, table_revision
-from astrai.dispatch.workload import ObjectArg, RecordedCall, Workload, now_utc
+from astrai.dispatch.verdicts import serve_problem
+from astrai.lock.enforce import drift_reason
+from astrai.lock.model import Lock, LockedDecision
+from astrai.record.workload import ObjectArg, RecordedCall, Workload, now_utc
 
 _NOT_LOADED = "(not loaded)"
 

@@ -36,13 +36,13 @@ class Saved:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the value as YAML to ``path`` (with a schema line for editors)."""
-        from astrai.dispatch.documents import write_document
+        from astrai.formats.documents import write_document
 
         return write_document(path, self.plain(), self.KIND, self.headline())
 
     @classmethod
     def load(cls: type[T], path: str | os.PathLike[str]) -> T:
         """Read the file at ``path``; ``FileFormatError`` lists every problem, located."""
-        from astrai.dispatch.documents import read_document
+        from astrai.formats.documents import read_document
 
         return cls.from_plain(read_document(path, cls.KIND), os.fspath(path))

@@ -23,8 +23,8 @@ an ``op_backend`` row was not theirs to decide, and is left out):
    A row's time is the median of its samples,
    its spread their interquartile range.
 
-``tuned_profile`` turns the result into a profile; ``tune_ranks.combine`` takes the median
-across ranks under ``torch.distributed``.
+``astrai.tune.profile`` turns the result into a profile; ``astrai.tune.ranks.combine``
+takes the median across ranks under ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.resolution import MATCH, row_verdict
 from astrai.dispatch.sources import use_profile
 from astrai.dispatch.tables.model import ImplRecord
-from astrai.dispatch.workload import RecordedCall, Workload
+from astrai.dispatch.verdicts import MATCH, row_verdict
+from astrai.record.workload import RecordedCall, Workload
 
 SAMPLE_S = 0.002  # each timed sample repeats the call this long, at least
 WARMUP = 2  # untimed calls per row before the rounds (a compiled row compiles on the first)

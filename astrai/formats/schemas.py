@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from astrai.dispatch.documents import document_schemas
 from astrai.dispatch.tables.format import json_schemas as table_schemas
 from astrai.dispatch.tables.format import schemas_dir
+from astrai.formats.documents import document_schemas
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:

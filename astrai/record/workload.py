@@ -1,6 +1,6 @@
 """A recorded workload: the distinct calls a process made, enough to rebuild them.
 
-``record()`` (``astrai.dispatch.recording``) collects a ``Workload``; ``save`` writes it as
+``record()`` (``astrai.record.recording``) collects a ``Workload``; ``save`` writes it as
 YAML (``schemas/workload.schema.json``) and ``Workload.load`` reads one back, every
 problem located (``file:line:col``) as for tables. Each ``RecordedCall`` holds:
 
@@ -33,10 +33,13 @@ __all__ = [
     "ObjectArg",
     "PagedArg",
     "RecordedCall",
+    "Selection",
     "SeqArg",
     "TensorArg",
     "Workload",
     "describe_value",
+    "selection_of",
+    "selection_plain",
     "value_from_plain",
 ]
 
@@ -45,15 +48,18 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from astrai.dispatch._saved import Saved
 from astrai.dispatch.axes import DTYPES, EMPTY, CallContext, context_from_fields, dtype_name
 from astrai.dispatch.machine import Machine
 from astrai.dispatch.sources import op_backend, use_profile
+from astrai.formats.saved import Saved
 from astrai.kv_cache import KVPool, PagedBatch, extend_batch
+
+if TYPE_CHECKING:
+    from astrai.dispatch.registry import Registry
 
 WORKLOAD_VERSION = 1
 
@@ -219,6 +225,29 @@ class ObjectArg:
         """Always ``ValueError``: an object of a type astrai does not know is not rebuilt."""
         raise ValueError(f"cannot rebuild an argument of type {self.type} (only its type was "
                          f"recorded)")
+
+
+#: How a call's selection (``backend=`` or an ``op_backend`` handle) is written down.
+Selection = str | ObjectArg | None
+
+
+def selection_of(state: Registry, family: str, handle: Any) -> Selection:
+    """How a selection handle is written down: a row name as it is, an implementation
+    object as its row's name (or its type, ``ObjectArg``, when it is no row's)."""
+    if handle is None or isinstance(handle, str):
+        return handle
+    table = state.families.get(family)
+    for rec in table.rows if table is not None else ():
+        if rec.obj is handle:
+            return rec.name
+    target = handle if hasattr(handle, "__qualname__") else type(handle)
+    return ObjectArg(f"{getattr(target, '__module__', '?')}:"
+                     f"{getattr(target, '__qualname__', '?')}")
+
+
+def selection_plain(value: Selection) -> Any:
+    """The file's form of a selection."""
+    return value.plain() if isinstance(value, ObjectArg) else value
 
 
 _SCALARS = (type(None), bool, int, float, str)

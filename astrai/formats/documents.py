@@ -5,8 +5,9 @@ holds their JSON Schemas (``astrai-ops schema``), and ``read_document`` validate
 file against them, reporting every problem at once as ``file:line:col: message``
 (``FileFormatError``), as tables are reported. ``write_document`` writes YAML with a
 ``# yaml-language-server: $schema=`` line so that editors validate the file too.
-The values in them are described in ``workload`` (calls, arguments) and ``lockfile``
-(decisions). Imported only to read or write such a file (pydantic is slow to import).
+The values in them are described in ``astrai.record.workload`` (calls, arguments)
+and ``astrai.lock.model`` (decisions). Imported only to read or write such a file
+(pydantic is slow to import).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ __all__ = [
 ]
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -41,10 +41,18 @@ from pydantic import (
 )
 
 from astrai.dispatch.axes import AXES, DTYPES, FWD_MODES, format_value
-from astrai.dispatch.names import NAME_PATTERN, family_name_problem
+from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.tables._yaml import Located, YamlProblem, load_located
 from astrai.dispatch.tables.format import schemas_dir
 from astrai.errors import FileFormatError, TableProblem
+from astrai.formats.common import (
+    Count,
+    FileModel,
+    MachineModel,
+    Name,
+    Positive,
+    atomic_write,
+)
 
 DOCUMENT_VERSION = 1
 #: The largest workload or lock file read, and the most values in one.
@@ -53,9 +61,6 @@ MAX_DOCUMENT_VALUES = 20_000_000
 #: The origins a locked decision may have (resolution's, and ``lock`` for a pinned one).
 ORIGINS = ("explicit", "context", "lock", "env", "profile", "chain", "fallback")
 
-Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN, description="a row or profile name")]
-Count = Annotated[StrictInt, Field(ge=0)]
-Positive = Annotated[StrictInt, Field(ge=1)]
 Scalar = StrictBool | StrictInt | StrictFloat | StrictStr | None
 
 
@@ -78,11 +83,9 @@ DtypeName = Annotated[StrictStr, AfterValidator(_dtype_name),
 FamilyName = Annotated[StrictStr, AfterValidator(_family), Field(description="a family name")]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TensorSpec(_Model):
+class TensorSpec(FileModel):
     """A tensor: its contents are not recorded (a rebuilt one is random)."""
 
     shape: list[Count]
@@ -100,7 +103,7 @@ class TensorSpec(_Model):
         return self
 
 
-class PoolSpec(_Model):
+class PoolSpec(FileModel):
     """The sizes of a paged KV pool (``astrai.kv_cache.KVPool``)."""
 
     layers: Positive
@@ -114,7 +117,7 @@ class PoolSpec(_Model):
     padding_slot: StrictBool = True
 
 
-class PagedSpec(_Model):
+class PagedSpec(FileModel):
     """A paged batch: per request, tokens already cached and new tokens."""
 
     fwd: Literal[FWD_MODES]  # type: ignore[valid-type]
@@ -130,23 +133,23 @@ class PagedSpec(_Model):
         return self
 
 
-class TensorValue(_Model):
+class TensorValue(FileModel):
     tensor: TensorSpec
 
 
-class PagedValue(_Model):
+class PagedValue(FileModel):
     paged: PagedSpec
 
 
-class DtypeValue(_Model):
+class DtypeValue(FileModel):
     dtype: DtypeName
 
 
-class ObjectValue(_Model):
+class ObjectValue(FileModel):
     object: StrictStr = Field(description="the type of an argument that is not rebuilt")
 
 
-class SeqValue(_Model):
+class SeqValue(FileModel):
     seq: list[Value]
 
 
@@ -178,18 +181,7 @@ SeqValue.model_rebuild()
 Selection = Name | ObjectValue
 
 
-class MachineModel(_Model):
-    """A machine's fingerprint (``astrai.dispatch.machine.Machine``)."""
-
-    cpu: StrictStr
-    cores: Positive
-    gpu: StrictStr | None
-    sm: Count | None
-    torch: StrictStr
-    astrai: StrictStr
-
-
-class ScopeModel(_Model):
+class ScopeModel(FileModel):
     """The ``op_backend`` row and ``use_profile`` profiles in force for a call."""
 
     backend: Selection | None = None
@@ -201,7 +193,7 @@ Axes = Annotated[dict[StrictStr, Scalar],
                                    "a dtype by its name")]
 
 
-class CallModel(_Model):
+class CallModel(FileModel):
     """One distinct recorded call."""
 
     family: FamilyName
@@ -213,7 +205,7 @@ class CallModel(_Model):
     kwargs: dict[StrictStr, Value] = Field(default_factory=dict)
 
 
-class _FileModel(_Model):
+class _FileModel(FileModel):
     """What every workload and lock file starts with."""
 
     version: StrictInt = Field(description="the format's version: 1")
@@ -231,14 +223,14 @@ class WorkloadFile(_FileModel):
     calls: list[CallModel]
 
 
-class TableRevisionModel(_Model):
+class TableRevisionModel(FileModel):
     """A family's table when the lock was made."""
 
     revision: StrictStr
     source: StrictStr = ""
 
 
-class DecisionModel(_Model):
+class DecisionModel(FileModel):
     """One locked decision: a recorded call signature and the row that served it."""
 
     family: FamilyName
@@ -274,7 +266,7 @@ class LockFile(_FileModel):
     decisions: list[DecisionModel]
 
 
-_MODELS: dict[str, type[_Model]] = {"workload": WorkloadFile, "lock": LockFile}
+_MODELS: dict[str, type[FileModel]] = {"workload": WorkloadFile, "lock": LockFile}
 
 
 def document_schemas() -> dict[str, dict[str, Any]]:
@@ -312,16 +304,7 @@ def write_document(path: str | os.PathLike[str], data: dict[str, Any], kind: str
     body = yaml.dump(data, Dumper=Dumper, sort_keys=False, default_flow_style=None,
                      width=4096, allow_unicode=True)
     text = (f"# {headline}\n# yaml-language-server: $schema={_schema_ref(kind)}\n{body}")
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or Path("."))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write(path, text)
 
 
 # -- reading -------------------------------------------------------------------------

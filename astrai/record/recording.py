@@ -6,7 +6,7 @@
 
 A recording collects, per distinct call, the family, every axis of the call (raw), its
 arguments described well enough to rebuild inputs of the same shapes, dtypes and devices
-(``astrai.dispatch.workload``), its selection (``backend=``, the ``op_backend`` row and
+(``astrai.record.workload``), its selection (``backend=``, the ``op_backend`` row and
 ``use_profile`` profiles in force) and how many calls were alike. A call that is
 refused (malformed, or no row can serve it) is not recorded. Arguments that do not change
 what a call is (an attention call's ``layer_id``) do not make calls distinct: the first
@@ -29,7 +29,7 @@ cached), so record a representative run, not production traffic. Calls traced by
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_CALLS", "RECORD_ENV", "Recording", "note_call", "record",
+__all__ = ["DEFAULT_MAX_CALLS", "Recording", "note_call", "record",
            "record_process"]
 
 import atexit
@@ -44,14 +44,13 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext, context_fields
-from astrai.dispatch.lockfile import selection_of
+from astrai.dispatch.env import RECORD_ENV
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import current
 from astrai.dispatch.sources import current_scope
-from astrai.dispatch.workload import RecordedCall, Workload, describe_value
+from astrai.record.workload import RecordedCall, Workload, describe_value, selection_of
 
-RECORD_ENV = "ASTR_RECORD"
 #: The most distinct calls a recording keeps (later new ones are counted as dropped).
 DEFAULT_MAX_CALLS = 100_000
 

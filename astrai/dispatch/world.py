@@ -1,0 +1,49 @@
+"""The decision's world: everything a decision depends on besides the call, as one value.
+
+A decision of a family depends on the call's axis values and explicit handle, and on
+its *world*: the table snapshot in force, the ``op_backend`` / ``use_profile`` scope,
+and the raw values of ``ASTR_OPS`` and of the family's legacy alias variable. The world
+is read once per decision (``world_now``) and then only passed on: the decision-cache
+key is made from it, the evaluator parses the environment from it (never from
+``os.environ`` again), and the facades' last world and ``resolve``'s memo are checked
+against it. A variable changed by another thread while a decision is taken therefore
+cannot put a decision made under one value into the cache under another.
+"""
+
+from __future__ import annotations
+
+__all__ = ["World", "in_force", "world_now"]
+
+from typing import Any, NamedTuple
+
+from astrai.dispatch import state as process
+from astrai.dispatch.env import OPS_KEY, environ_get
+from astrai.dispatch.registry import Registry
+from astrai.dispatch.sources import Scope, current_scope
+
+
+class World(NamedTuple):
+    """One decision's world (module docstring). ``ops`` and ``alias`` are the raw values
+    as ``os.environ`` stores them (``None`` when unset); ``alias_key`` is the family's
+    legacy variable, pre-encoded (``None`` when the family has none)."""
+
+    snapshot: Registry
+    scope: Scope
+    ops: Any
+    alias_key: Any
+    alias: Any
+
+
+def world_now(state: Registry, family: str) -> World:
+    """The world of a decision of ``family`` taken now on ``state``."""
+    alias_key = state.alias_keys.get(family)
+    return World(state, current_scope(), environ_get(OPS_KEY), alias_key,
+                 None if alias_key is None else environ_get(alias_key))
+
+
+def in_force(world: World) -> bool:
+    """Whether ``world`` is still the world now, by identity alone (the hot-path check:
+    an unchanged variable reads back as the very same object)."""
+    return (world[0] is process.snapshot and world[1] is current_scope()
+            and world[2] is environ_get(OPS_KEY)
+            and (world[3] is None or world[4] is environ_get(world[3])))
