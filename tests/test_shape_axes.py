@@ -133,16 +133,22 @@ class TestNothingReadUnlessCompared:
             pick(None, (q, q, q, None, 0, None, False, None, {}))
         # once each, to build the context of the first (missed) call
         assert calls == dict.fromkeys(FAMILY_CALLS["attention"].readers, 1)
-        assert current().facade_keys["attention"] is None
+        keyers = [k for (fam, _), k in current().facade_keys.items() if fam == "attention"]
+        assert keyers and all(k is None for k in keyers)
 
     def test_a_table_comparing_one_reads_only_it_on_every_call(self, tmp_path: Path) -> None:
         _attention_table(tmp_path, LENGTH_ROWS)
         pick, calls = self._counting("attention")
         q = torch.zeros(1, 4, 2, 8)
+        astrai.ops.attention(q, q, q)  # another route of the family, on the same snapshot
         for _ in range(3):
             pick(None, (q, q, q, None, 0, None, False, None, {}))
-        # q_len for each call's key, plus the first call's context; the rest for the context
-        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 1), "q_len": 4}
+        # q_len for each call's key, read by this route's own reader; the decision was
+        # taken by the other route's call, so no context is built here
+        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 0), "q_len": 3}
+        q2 = torch.zeros(1, 2000, 2, 8)  # a length in another interval: a miss, a context
+        pick(None, (q2, q2, q2, None, 0, None, False, None, {}))
+        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 1), "q_len": 5}
 
 
 class TestCutPoints:

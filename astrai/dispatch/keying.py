@@ -109,6 +109,21 @@ class KeyPlan:
 
         return interval
 
+    def interval(self, names: tuple[str, ...], readers: Mapping[str, Callable[..., Any]]
+                 ) -> tuple[Callable[..., Any], tuple[int, ...]] | None:
+        """The common case of ``reader``, as data: when the specs compare exactly one of
+        ``readers``' axes, an int axis compared with constants only, its reader and cut
+        points (a call adds the index of its value's interval, or ``None`` for no value);
+        else ``None``."""
+        needed = tuple(n for n in readers if n in self.compared)
+        if len(needed) != 1 or self.found.opaque or self.extend(names, needed) is None:
+            return None
+        steps, pairs = self._plan(names, needed)
+        points = steps[0][1]
+        if pairs or points is None:
+            return None
+        return readers[needed[0]], points
+
     def _plan(self, names: tuple[str, ...], lazy: tuple[str, ...]
               ) -> tuple[list[tuple[int, tuple[int, ...] | None]],
                          list[tuple[tuple[bool, int], tuple[bool, int]]]]:

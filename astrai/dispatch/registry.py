@@ -87,8 +87,9 @@ class Registry:
     decisions: dict[Any, Any] = field(init=False, default_factory=dict)
     made: dict[Any, Any] = field(init=False, default_factory=dict)  # (row id, origin) -> Decision
     keys: dict[str, Any] = field(init=False, default_factory=dict)  # family -> keying.KeyPlan
-    # family -> what a facade call's lazy axes add to its key (keying.Extend, or None)
-    facade_keys: dict[str, Any] = field(init=False, default_factory=dict)
+    # (family, route token) -> how that facade route reads a call into its key
+    # (ops._families.Keyer, or None)
+    facade_keys: dict[tuple[str, object], Any] = field(init=False, default_factory=dict)
     # family -> how a whole CallContext becomes its key (keying.signature_key)
     signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)

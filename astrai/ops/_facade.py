@@ -23,11 +23,12 @@ from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
-from astrai.dispatch.registry import current
+from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.sources import current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import World, world_now
+from astrai.ops._families import Keyer, extended_keyer, interval_keyer
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
 #: ``note(ctx, backend, incidental)``: adds a call to the recordings in force (``record``).
@@ -146,41 +147,62 @@ def route(fc: FamilyCall) -> Route:
     # (the world, {values: Decision}, what the lazy axes add to the values in that
     #  world's snapshot or None)
     last: list[tuple[Any, ...]] = [(None, {}, None)]
+    # This route's entry in each snapshot's ``facade_keys``: its keyer reads the call with
+    # this route's own ``describe`` and readers (a token that lives as long as the route).
+    slot = (family, object())
 
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
-        values = describe(*args)
         if compiling():  # before anything dynamo cannot trace (ContextVar.get)
+            values = describe(*args)
             every = (*names(values), *lazy)
             values = representatives(family, every, (*values, *shape(*args)))
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         seen = last[0]
         world = seen[0]
-        if (backend is None and world is not None and world[0] is process.snapshot
-                and world[1] is current_scope() and world[2] is environ_get(OPS_KEY)
-                and (world[3] is None or world[4] is environ_get(world[3]))):
-            extend = seen[2]
-            d = seen[1].get(values if extend is None else values + extend(values, args))
-            if d is not None:
-                next(d.counter)
-                return d.call  # type: ignore[no-any-return]
-        state = process.snapshot or current()
-        lazy_key = state.facade_keys.get(family, _UNSET)
-        if lazy_key is _UNSET:
-            lazy_key = state.facade_keys[family] = key_plan(state, family).reader(reads, readers)
-        base = values
-        if lazy_key is not None:  # a loaded table compares a lazy axis
-            values += lazy_key(values, args)
+        state = process.snapshot
+        if world is not None and world[0] is state:
+            keyer = seen[2]  # the last world's snapshot: its key plan
+            if keyer is None:
+                key = values = describe(*args)
+            else:
+                key, values = keyer(*args)
+            if (backend is None and world[1] is current_scope()
+                    and world[2] is environ_get(OPS_KEY)
+                    and (world[3] is None or world[4] is environ_get(world[3]))):
+                d = seen[1].get(key)
+                if d is not None:
+                    next(d.counter)
+                    return d.call  # type: ignore[no-any-return]
+        else:
+            state = state or current()
+            keyer = state.facade_keys.get(slot, _UNSET)
+            if keyer is _UNSET:
+                keyer = state.facade_keys[slot] = _keyer(state)
+            if keyer is None:
+                key = values = describe(*args)
+            else:
+                key, values = keyer(*args)
         now = world_now(state, family)
-        d = decide(family, values, backend, context_of, (base, args), now)
+        d = decide(family, key, backend, context_of, (values, args), now)
         if backend is None and family not in now.scope.uncacheable:
             # Kept in the world it was decided in (a new last world if this call's is
             # another), so it serves only calls made in that world.
             if world is None or not _same(world, now) or len(seen[1]) >= process.max_decisions:
-                last[0] = seen = (now, {}, lazy_key)
-            seen[1][values] = d
+                last[0] = seen = (now, {}, keyer)
+            seen[1][key] = d
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
+
+    def _keyer(state: Registry) -> Keyer | None:
+        """How this family's calls are read into their key on ``state``: ``None`` when
+        its specs compare no lazy axis (the base values are the key)."""
+        plan = key_plan(state, family)
+        single = plan.interval(reads, readers)
+        if single is not None:
+            return interval_keyer(describe, *single)
+        lazy_key = plan.reader(reads, readers)
+        return None if lazy_key is None else extended_keyer(describe, lazy_key)
 
     return pick
 

@@ -30,6 +30,7 @@ __all__ = [
     "ROTARY_HALF_SHAPE",
     "ROTARY_READS",
     "ROTARY_SHAPE",
+    "Keyer",
     "attention_features",
     "describe_attention",
     "describe_linear",
@@ -37,10 +38,13 @@ __all__ = [
     "describe_rotary",
     "describe_rotary_half",
     "device_axes",
+    "extended_keyer",
+    "interval_keyer",
     "rms_norm_features",
 ]
 
 import math as _math
+from bisect import bisect_right
 from collections.abc import Callable
 from math import prod
 from typing import Any
@@ -394,3 +398,35 @@ LINEAR_SHAPE: dict[str, Callable[..., Any]] = {
     "device": _device, "sm": _sm, "tokens": lambda x, weight, bias: _rows(x.shape, 1),
     "in_features": lambda x, weight, bias: weight.shape[1],
     "out_features": lambda x, weight, bias: weight.shape[0]}
+
+
+# -- a call's key in one step ------------------------------------------------------
+
+#: ``keyer(*args) -> (key, base_values)``: what the facade looks a call up by, and the
+#: base axis values ``describe`` gave (for the decision's context on a miss).
+Keyer = Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]
+
+
+def interval_keyer(describe: Callable[..., tuple[Any, ...]], read: Callable[..., Any],
+                   points: tuple[int, ...]) -> Keyer:
+    """``describe`` and the interval of one lazy axis between its cut points, in one call:
+    the key of a family whose tables compare one int axis with constants."""
+
+    def keyer(*args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        values = describe(*args)
+        value = read(*args)
+        return (*values, None if value is None else bisect_right(points, value)), values
+
+    return keyer
+
+
+def extended_keyer(describe: Callable[..., tuple[Any, ...]],
+                   lazy_key: Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]
+                   ) -> Keyer:
+    """``describe``, then what the lazy axes add to the key (``keying``'s ``lazy_key``)."""
+
+    def keyer(*args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        values = describe(*args)
+        return (*values, *lazy_key(values, args)), values
+
+    return keyer
