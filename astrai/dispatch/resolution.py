@@ -146,7 +146,7 @@ class Decision:
 
 
 def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContext],
-           args: tuple[Any, ...], world: World | Registry | None = None) -> Decision:
+           args: tuple[Any, ...], world: World | None = None) -> Decision:
     """The decision for a call of ``family`` whose axis values are ``sig``: the one hot
     path behind every facade, ``ops.call`` and ``resolve``.
 
@@ -157,10 +157,10 @@ def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContex
     world the key was made from. Calls under a handle whose verdict depends on the raw
     call (an object with ``supports_call``) are never cached. A caller that does not
     then count a served call bumps ``stats.QUIET``. ``world`` is the decision's world
-    (read now on the given snapshot, or on the one in force, when not a ``World``).
+    (read now, on the snapshot in force, when not given).
     """
-    if world is None or world.__class__ is not World:
-        world = world_now(world or process.snapshot or current(), family)  # type: ignore[arg-type]
+    if world is None:
+        world = world_now(process.snapshot or current(), family)
     state, scope = world[0], world[1]
     if explicit is None or explicit.__class__ is str:
         ekey = explicit

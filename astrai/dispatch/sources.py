@@ -116,6 +116,14 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) ->
 _MAX_PARSED = 64
 
 
+def _parsed(key: Any, got: EnvSettings) -> EnvSettings:
+    """Remember ``got`` as the parse of the raw values ``key`` (bounded), and return it."""
+    if len(process.env_parsed) >= _MAX_PARSED:
+        process.env_parsed.clear()
+    process.env_parsed[key] = got
+    return got
+
+
 def env_settings(
     families: Collection[str], profiles: Collection[str], aliases: Mapping[str, str], epoch: int
 ) -> EnvSettings:
@@ -137,10 +145,7 @@ def env_settings(
             backends[family] = value.strip()
             sources[family] = var
         got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
-    if len(process.env_parsed) >= _MAX_PARSED:
-        process.env_parsed.clear()
-    process.env_parsed[key] = got
-    return got
+    return _parsed(key, got)
 
 
 
@@ -371,10 +376,7 @@ def env_for(state: Registry, ops: Any, family: str, alias: Any) -> EnvSettings:
     if var is not None and value is not None and value.strip() and family not in got.backends:
         got = EnvSettings(MappingProxyType({**got.backends, family: value.strip()}),
                           got.profiles, MappingProxyType({family: var}))
-    if len(process.env_parsed) >= _MAX_PARSED:
-        process.env_parsed.clear()
-    process.env_parsed[key] = got
-    return got
+    return _parsed(key, got)
 
 
 def env_overrides() -> dict[str, str]:

@@ -28,6 +28,7 @@ from astrai.dispatch.keying import signature_key
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
+from astrai.dispatch.world import world_now
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, Route, recording, route
 from astrai.ops._families import (
@@ -275,7 +276,8 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         return process.impls[decision_name(family, names, values, backend,
                                            process.compile_key)](*args, **kwargs)
     state = process.snapshot or current()
-    d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,), state)
+    d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,),
+               world_now(state, family))
     next(d.counter)
     if process.recordings:
         from astrai.record.recording import note_call  # loaded by whoever started recording

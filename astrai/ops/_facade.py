@@ -161,28 +161,26 @@ def route(fc: FamilyCall) -> Route:
         seen = last[0]
         world = seen[0]
         state = process.snapshot
-        if world is not None and world[0] is state:
+        same_snapshot = world is not None and world[0] is state
+        if same_snapshot:
             keyer = seen[2]  # the last world's snapshot: its key plan
-            if keyer is None:
-                key = values = describe(*args)
-            else:
-                key, values = keyer(*args)
-            if (backend is None and world[1] is current_scope()
-                    and world[2] is environ_get(OPS_KEY)
-                    and (world[3] is None or world[4] is environ_get(world[3]))):
-                d = seen[1].get(key)
-                if d is not None:
-                    next(d.counter)
-                    return d.call  # type: ignore[no-any-return]
         else:
             state = state or current()
             keyer = state.facade_keys.get(slot, _UNSET)
             if keyer is _UNSET:
                 keyer = state.facade_keys[slot] = _keyer(state)
-            if keyer is None:
-                key = values = describe(*args)
-            else:
-                key, values = keyer(*args)
+        if keyer is None:
+            key = values = describe(*args)
+        else:
+            key, values = keyer(*args)
+        # ``world.in_force(world)``, inlined: the hot path of every call.
+        if (same_snapshot and backend is None and world[1] is current_scope()
+                and world[2] is environ_get(OPS_KEY)
+                and (world[3] is None or world[4] is environ_get(world[3]))):
+            d = seen[1].get(key)
+            if d is not None:
+                next(d.counter)
+                return d.call  # type: ignore[no-any-return]
         now = world_now(state, family)
         d = decide(family, key, backend, context_of, (values, args), now)
         if backend is None and family not in now.scope.uncacheable:
