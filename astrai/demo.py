@@ -16,7 +16,7 @@ import torch
 
 from astrai.dispatch import stats
 from astrai.dispatch.registry import current
-from astrai.dispatch.sources import active_view
+from astrai.dispatch.scopes import active_view
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
 
 PROMPT_LENS = (5, 11, 17)

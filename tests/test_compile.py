@@ -21,7 +21,7 @@ from torch import nn
 import astrai.ops
 from astrai.backends.rotary import rotary_freqs
 from astrai.dispatch import load_tables, op_backend, refresh, state
-from astrai.dispatch.sources import EMPTY_SCOPE
+from astrai.dispatch.scopes import EMPTY_SCOPE
 
 #: An ``rms_norm`` table whose first row is ``_marked_rms_norm`` (output: all 3.0).
 MARKED_TABLE = """\

@@ -124,3 +124,28 @@ def test_flipping_threads_never_serve_bf16_unasked(no_ops_env: None) -> None:
     for x in xs:
         assert torch.equal(ops.linear(x, w), F.linear(x, w))
         assert dispatch.resolve("linear", linear_context(x, w)).name == "torch"
+
+
+def test_the_view_a_world_remembers_serves_only_that_world(no_ops_env: None) -> None:
+    """The environment's selections and the family's view, remembered on the snapshot
+    for the next miss in the same world, are never reused in another: a profile named by
+    ``ASTR_OPS`` or by a scope, set after a decision was taken without it, decides the
+    next call, and the plain world's view serves again once it is gone."""
+    x, w = torch.randn(1, 3, 16), torch.ones(16)
+    plain = process.snapshot or dispatch.current()
+    fallback = plain.families["rms_norm"].fallback
+
+    def row_of(t: torch.Tensor) -> str:
+        return dispatch.resolve("rms_norm", ops_context("rms_norm", t, w, 1e-6)).name
+
+    first = row_of(x)
+    assert first != fallback  # the table's chain serves a plain call
+    os.environ["ASTR_OPS"] = "profile=reference"
+    assert row_of(torch.randn(1, 5, 16)) == fallback  # a new signature, a new world
+    assert row_of(x) == fallback  # a signature decided before, in another world
+    del os.environ["ASTR_OPS"]
+    assert row_of(torch.randn(1, 7, 16)) == first
+    with dispatch.use_profile("reference"):
+        assert row_of(torch.randn(1, 9, 16)) == fallback
+    assert row_of(torch.randn(1, 11, 16)) == first
+    assert dispatch.current() is plain  # all of it on one snapshot

@@ -121,7 +121,7 @@ def _source(table: FamilyTable) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from astrai.dispatch.sources import active_view
+    from astrai.dispatch.scopes import active_view
 
     state = registry.current()
     if args.json:
@@ -204,7 +204,8 @@ def _describes_call(args: argparse.Namespace) -> bool:
 
 def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[str, ...]) -> int:
     """``explain FAMILY`` with no call: the table as resolution sees it, and no verdict."""
-    from astrai.dispatch.sources import active_view, env_settings, use_profile
+    from astrai.dispatch.environment import env_settings
+    from astrai.dispatch.scopes import active_view, use_profile
 
     if args.backend is not None:
         raise UsageError(f"--backend needs a described call; give at least one of "
@@ -234,7 +235,7 @@ def _explain_table(args: argparse.Namespace, state: Registry, profiles: tuple[st
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from astrai.dispatch.explain import explanation
-    from astrai.dispatch.sources import use_profile
+    from astrai.dispatch.scopes import use_profile
 
     state = registry.current()
     _check_family(args.family, state)

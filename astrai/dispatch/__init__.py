@@ -11,6 +11,7 @@ from typing import Any
 
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import OPS_ENV, TABLES_ENV
+from astrai.dispatch.environment import env_overrides, env_selection
 from astrai.dispatch.explain import explain, explain_plan
 from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.dispatch.precedence import PRECEDENCE, Source
@@ -28,11 +29,9 @@ from astrai.dispatch.registry import (
     unregister_impl,
 )
 from astrai.dispatch.resolution import NoImplementationError, Resolution, resolve, resolve_plan
-from astrai.dispatch.sources import (
+from astrai.dispatch.scopes import (
     current_overrides,
     current_profiles,
-    env_overrides,
-    env_selection,
     get_override,
     op_backend,
     reset_override,

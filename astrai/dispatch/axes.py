@@ -20,9 +20,11 @@ __all__ = [
     "DEVICE_TYPES",
     "DTYPES",
     "EMPTY",
+    "FEATURES_OFF",
     "FEATURE_AXES",
     "FWD_MODES",
     "LAZY_AXES",
+    "NO_FEATURES",
     "PREDICATES",
     "ROTARY_LAYOUTS",
     "Axis",
@@ -36,6 +38,7 @@ __all__ = [
     "dtype_name",
     "format_context",
     "format_value",
+    "read_features",
     "unremarkable",
 ]
 
@@ -354,19 +357,19 @@ _read_lazy = operator.attrgetter(*LAZY_AXES)
 _UNFILLED = (None,) * len(LAZY_AXES)
 #: The feature axes (see ``Axis.feature``), in declaration order.
 FEATURE_AXES: tuple[str, ...] = tuple(name for name, axis in AXES.items() if axis.feature)
-_read_features = operator.attrgetter(*FEATURE_AXES)
-
-
-_FEATURES_OFF = tuple(AXES[name].default for name in FEATURE_AXES)
-_NO_FEATURES: frozenset[str] = frozenset()
+#: A call's feature axis values, in that order (one C call: the hot walk's first check).
+read_features = operator.attrgetter(*FEATURE_AXES)
+#: The feature axes' defaults: what ``read_features`` gives for a call asking for none.
+FEATURES_OFF = tuple(AXES[name].default for name in FEATURE_AXES)
+NO_FEATURES: frozenset[str] = frozenset()
 
 
 def asked_features(ctx: CallContext) -> frozenset[str]:
     """The features ``ctx`` asks for (its feature axes not at their default)."""
-    values = _read_features(ctx)
-    if values == _FEATURES_OFF:
-        return _NO_FEATURES
-    return frozenset(name for name, value, off in zip(FEATURE_AXES, values, _FEATURES_OFF,
+    values = read_features(ctx)
+    if values == FEATURES_OFF:
+        return NO_FEATURES
+    return frozenset(name for name, value, off in zip(FEATURE_AXES, values, FEATURES_OFF,
                                                        strict=True) if value != off)
 _read_core = operator.attrgetter(*CORE_AXES)
 

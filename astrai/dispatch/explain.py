@@ -20,7 +20,7 @@ from astrai.dispatch.plugins import in_use
 from astrai.dispatch.provenance import describe
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import evaluate, settle
-from astrai.dispatch.sources import active_view
+from astrai.dispatch.scopes import active_view
 from astrai.dispatch.verdicts import (
     BY_NAME,
     DISABLED,

@@ -6,8 +6,8 @@ chain, the fallback row. Each source answers for itself (``Source.answer``): the
 decides for the call, or ``None`` to let the next one decide. The first three *select*
 a row (or an implementation object) by name; a strict one raises when its row cannot
 serve the call, a soft one warns once and falls through. The evaluator
-(``resolution.evaluate``) only walks the tuple, so adding a source is one class here
-and one place in the tuple.
+(``resolution.evaluate``) hands each call to ``answer``, which walks the tuple, so
+adding a source is one class here and one place in the tuple.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "ScopeSource",
     "SelectingSource",
     "Source",
+    "answer",
 ]
 
 from dataclasses import dataclass
@@ -31,14 +32,15 @@ from typing import Any
 
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext
+from astrai.dispatch.environment import EnvSettings
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry
-from astrai.dispatch.sources import EnvSettings, Scope
+from astrai.dispatch.scopes import Scope
 from astrai.dispatch.tables.model import View
 from astrai.dispatch.verdicts import (
     MATCH,
     Resolution,
-    first_in_chain,
+    chain_resolution,
     lookup,
     no_row_error,
     resolved,
@@ -179,8 +181,7 @@ class ChainSource(Source):
     """The table's order: the first row of the chain that serves the call."""
 
     def answer(self, ask: Ask) -> Resolution | None:
-        rec = first_in_chain(ask.state, ask.view, ask.ctx)
-        return None if rec is None else resolved(ask.state, rec, self.origin)
+        return chain_resolution(ask.state, ask.view, ask.ctx, self.origin)
 
 
 class FallbackSource(Source):
@@ -207,3 +208,20 @@ PRECEDENCE: tuple[Source, ...] = (
 #: The sources that decide through the table alone: what is left when nothing names a row.
 TABLE_ORDER: tuple[Source, ...] = tuple(s for s in PRECEDENCE
                                         if isinstance(s, ChainSource | FallbackSource))
+
+
+def answer(state: Registry, view: View, family: str, ctx: CallContext, explicit: Any,
+           env: EnvSettings, scope: Scope, notes: list[str] | None = None) -> Resolution:
+    """The first answer of the sources, in precedence order, for one call (``Ask``'s
+    fields). When nothing names a row for the call (no explicit handle, no scope, no
+    environment selection, no profile forcing), only the table's sources are asked."""
+    sources = PRECEDENCE
+    if (explicit is None and view.forced is None and family not in env.backends
+            and family not in scope.handles):
+        sources = TABLE_ORDER
+    ask = Ask(state, view, family, ctx, explicit, env, scope, notes)
+    for source in sources:
+        got = source.answer(ask)
+        if got is not None:
+            return got
+    raise AssertionError("unreachable: the fallback answers or raises")  # pragma: no cover

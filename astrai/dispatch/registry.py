@@ -90,10 +90,14 @@ class Registry:
     # (family, route token) -> how that facade route reads a call into its key
     # (ops._families.Keyer, or None)
     facade_keys: dict[tuple[str, object], Any] = field(init=False, default_factory=dict)
+    # (family, raw ASTR_OPS, raw alias, scope token) -> (environment.EnvSettings, View): what
+    # the environment asks of the family in one world, and its view under the profiles
+    # in force there (resolution.evaluate; bounded)
+    worlds: dict[Any, Any] = field(init=False, default_factory=dict)
     # family -> how a whole CallContext becomes its key (keying.signature_key)
     signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
-    #: ``alias_keys``' values, in order (what ``sources.env_now`` reads).
+    #: ``alias_keys``' values, in order (what ``environment.env_now`` reads).
     alias_names: tuple[Any, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:

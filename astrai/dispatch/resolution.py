@@ -1,7 +1,7 @@
 """Resolution: the one evaluator, the decision cache in front of it, and ``resolve``.
 
-``evaluate`` walks ``precedence.PRECEDENCE`` for one call in one world
-(``world.World``: snapshot, scope, environment, read once); ``decide`` is the hot path
+``evaluate`` hands one call, in one world (``world.World``: snapshot, scope,
+environment, read once), to the sources of ``precedence.PRECEDENCE``; ``decide`` is the hot path
 behind every facade, ``ops.call`` and ``resolve``: it keys the snapshot's decision cache
 on the call's values and the world, and evaluates on a miss. ``explain`` (module
 ``explain``) runs the same evaluator. The lock in force (``ASTR_LOCK``) has its say
@@ -35,13 +35,14 @@ from typing import Any, Protocol
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import LOCK_KEY, environ_get
+from astrai.dispatch.environment import EnvSettings, env_for
 from astrai.dispatch.keying import PLAIN, identity_or_base, signature_key
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.precedence import PRECEDENCE, TABLE_ORDER, Ask
+from astrai.dispatch.precedence import answer
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.sources import UNCACHEABLE, active_profiles, active_view, env_for, handle_key
+from astrai.dispatch.scopes import UNCACHEABLE, active_profiles, active_view, handle_key
 from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
-from astrai.dispatch.tables.model import ImplRecord
+from astrai.dispatch.tables.model import ImplRecord, View
 from astrai.dispatch.verdicts import Resolution, resolved, serve_problem
 from astrai.dispatch.world import World, in_force, world_now
 from astrai.errors import NoImplementationError
@@ -91,7 +92,8 @@ def _lock_in_force() -> LockInForce | None:
 def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
              state: Registry | None = None, notes: list[str] | None = None,
              world: World | None = None) -> Resolution:
-    """Decide which row serves ``ctx``, walking ``PRECEDENCE``. The single evaluator.
+    """Decide which row serves ``ctx``: the sources of ``PRECEDENCE``, in order
+    (``precedence.answer``). The single evaluator.
 
     ``world`` is the decision's world (read now, on ``state`` or the snapshot in force,
     when not given); ``notes`` (when given) collects what explain prints besides the row
@@ -99,20 +101,29 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     """
     if world is None:
         world = world_now(state or current(), family)
+    state, scope = world[0], world[1]
+    seen = state.worlds.get((family, world[2], world[4], scope.cache_token))
+    if seen is None:
+        seen = _world_view(world, family)
+    return answer(state, seen[1], family, ctx, explicit, seen[0], scope, notes)
+
+
+_MAX_WORLDS = 256
+
+
+def _world_view(world: World, family: str) -> tuple[EnvSettings, View]:
+    """What the environment of ``world`` asks of ``family`` and the family's view under
+    the profiles in force there, remembered on the snapshot (bounded) for the next
+    decision in the same world."""
     state, scope = world.snapshot, world.scope
     env = env_for(state, world.ops, family, world.alias)
     # (a family not loaded: UnknownFamilyError, a KeyError naming the known families)
-    view = state.view(family, active_profiles(state, env, scope))
-    sources = PRECEDENCE
-    if (explicit is None and view.forced is None and family not in env.backends
-            and family not in scope.handles):
-        sources = TABLE_ORDER  # nothing names a row for this call: the table decides
-    ask = Ask(state, view, family, ctx, explicit, env, scope, notes)
-    for source in sources:
-        got = source.answer(ask)
-        if got is not None:
-            return got
-    raise AssertionError("unreachable: the fallback answers or raises")  # pragma: no cover
+    got = env, state.view(family, active_profiles(state, env, scope))
+    worlds = state.worlds
+    if len(worlds) >= _MAX_WORLDS:
+        worlds.clear()
+    worlds[(family, world.ops, world.alias, scope.cache_token)] = got
+    return got
 
 
 # -- resolve, with its decision cache -----------------------------------------

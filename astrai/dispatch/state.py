@@ -8,7 +8,7 @@ restore themselves); ``os.register_at_fork`` runs ``_after_fork_in_child`` once,
 so a forked child starts with fresh locks and no cached decisions or counts.
 
 Per-context state (``op_backend`` / ``use_profile`` scopes) lives in a
-``ContextVar`` in ``sources``; the torch.compile guard key in ``torch_compile``
+``ContextVar`` in ``scopes``; the torch.compile guard key in ``torch_compile``
 is a plain global on purpose (dynamo guards on reading it).
 """
 
@@ -41,7 +41,7 @@ epochs = itertools.count(1)
 max_decisions = 1 << 16
 #: The precompiled artifact of the shipped tables, read once (``tables.artifact``).
 artifact_entries: dict[str, Any] | None = None
-#: Parsed ``ASTR_OPS`` / alias values, per distinct raw values and epoch (``sources``).
+#: Parsed ``ASTR_OPS`` / alias values, per distinct raw values and epoch (``environment``).
 env_parsed: dict[tuple[object, ...], Any] = {}
 #: Messages already logged by ``warn_once``.
 warned: set[str] = set()

@@ -16,6 +16,7 @@ __all__ = [
     "UNAVAILABLE",
     "UNFAITHFUL",
     "Resolution",
+    "chain_resolution",
     "first_in_chain",
     "lookup",
     "no_row_error",
@@ -31,10 +32,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch.axes import CallContext, asked_features, format_context
+from astrai.dispatch.axes import (
+    FEATURES_OFF,
+    NO_FEATURES,
+    CallContext,
+    asked_features,
+    format_context,
+    read_features,
+)
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import Registry
-from astrai.dispatch.sources import check_handle
+from astrai.dispatch.scopes import check_handle
 from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 from astrai.errors import NoImplementationError
 
@@ -171,7 +179,7 @@ def first_in_chain(state: Registry, view: View, ctx: CallContext) -> ImplRecord 
     """The first row of ``view``'s chain that serves ``ctx``: ``serves`` row by row,
     inlined (the hot walk of every decision)."""
     probed = process.probed
-    asked = asked_features(ctx)
+    asked = NO_FEATURES if read_features(ctx) == FEATURES_OFF else asked_features(ctx)
     for rec in view.chain:
         if rec.available is not ALWAYS_AVAILABLE:
             probe = rec.available
@@ -183,6 +191,13 @@ def first_in_chain(state: Registry, view: View, ctx: CallContext) -> ImplRecord 
         if (not asked or asked <= rec.features) and (spec._m or spec.matcher())(ctx):
             return rec
     return None
+
+
+def chain_resolution(state: Registry, view: View, ctx: CallContext,
+                     origin: str) -> Resolution | None:
+    """``first_in_chain``'s row as a resolution of ``origin``, or ``None``."""
+    rec = first_in_chain(state, view, ctx)
+    return None if rec is None else resolved(state, rec, origin)
 
 
 def resolved(state: Registry, rec: ImplRecord, origin: str) -> Resolution:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from astrai.dispatch import state as process
 from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.registry import Registry
-from astrai.dispatch.sources import Scope, current_scope
+from astrai.dispatch.scopes import Scope, current_scope
 
 
 class World(NamedTuple):

@@ -38,7 +38,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from astrai.dispatch.sources import op_backend
+from astrai.dispatch.scopes import op_backend
 from astrai.distributed.collective import failed_payload, failed_text, gather_payloads, seconds_of
 from astrai.distributed.comparison import (
     PlanDifference,

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from astrai import __version__
 from astrai.dispatch.axes import CallContext, call_key
 from astrai.dispatch.env import LOCK_KEY, environ_get
+from astrai.dispatch.environment import env_settings
 from astrai.dispatch.plugins import in_use
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import evaluate, settle
-from astrai.dispatch.sources import active_profiles, env_settings
+from astrai.dispatch.scopes import active_profiles
 from astrai.dispatch.tables.model import table_revision
 from astrai.dispatch.verdicts import MATCH, row_verdict
 

@@ -24,11 +24,12 @@ from typing import Any
 
 from astrai.dispatch.axes import call_key, context_from_fields
 from astrai.dispatch.env import OPS_ENV, PLUGINS_ENV, TABLES_ENV
+from astrai.dispatch.environment import env_now
 from astrai.dispatch.machine import this_machine
 from astrai.dispatch.plugins import in_use
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import evaluate
-from astrai.dispatch.sources import active_profiles, env_now, op_backend, use_profile
+from astrai.dispatch.scopes import active_profiles, op_backend, use_profile
 from astrai.dispatch.tables.model import ImplRecord, table_revision
 from astrai.dispatch.verdicts import serve_problem
 from astrai.lock.enforce import drift_reason

@@ -16,7 +16,7 @@ __all__ = ["FamilyCall", "Note", "recording", "route"]
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.dispatch import state as process
@@ -25,10 +25,10 @@ from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import decide
-from astrai.dispatch.sources import current_scope
+from astrai.dispatch.scopes import current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import World, world_now
-from astrai.ops._families import Keyer, extended_keyer, interval_keyer
+from astrai.ops._families import Keyer, extended_keyer, interval_keyer, shape_reader
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
 #: ``note(ctx, backend, incidental)``: adds a call to the recordings in force (``record``).
@@ -56,6 +56,11 @@ class FamilyCall:
     check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
     # Parameters that do not make recorded calls distinct (an attention layer's index).
     incidental: tuple[str, ...] = ()
+    #: Every lazy axis of a call given as the full argument tuple, in order.
+    shape: Callable[..., tuple[Any, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", shape_reader(self.readers))
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
@@ -79,10 +84,6 @@ class FamilyCall:
     def lazy(self) -> tuple[str, ...]:
         """The lazy axes, in order."""
         return tuple(self.readers)
-
-    def shape(self, *args: Any) -> tuple[Any, ...]:
-        """Every lazy axis of a call given as the full argument tuple, in order."""
-        return tuple([read(*args) for read in self.readers.values()])
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The facade's full argument tuple for ``facade(*args, **kwargs)``."""

@@ -41,11 +41,12 @@ __all__ = [
     "extended_keyer",
     "interval_keyer",
     "rms_norm_features",
+    "shape_reader",
 ]
 
 import math as _math
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from math import prod
 from typing import Any
 
@@ -398,6 +399,18 @@ LINEAR_SHAPE: dict[str, Callable[..., Any]] = {
     "device": _device, "sm": _sm, "tokens": lambda x, weight, bias: _rows(x.shape, 1),
     "in_features": lambda x, weight, bias: weight.shape[1],
     "out_features": lambda x, weight, bias: weight.shape[0]}
+
+
+def shape_reader(readers: Mapping[str, Callable[..., Any]]) -> Callable[..., tuple[Any, ...]]:
+    """Every lazy axis of a call (given as the facade's full argument tuple), in the
+    order of ``readers``, read in one call: the readers run here, beside their
+    definitions, so building a call's full context passes through this module once."""
+    reads = tuple(readers.values())
+
+    def shape(*args: Any) -> tuple[Any, ...]:
+        return tuple([read(*args) for read in reads])
+
+    return shape
 
 
 # -- a call's key in one step ------------------------------------------------------

@@ -48,7 +48,7 @@ from astrai.dispatch.env import RECORD_ENV
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import current
-from astrai.dispatch.sources import current_scope
+from astrai.dispatch.scopes import current_scope
 from astrai.record.workload import RecordedCall, Workload, describe_value, selection_of
 
 #: The most distinct calls a recording keeps (later new ones are counted as dropped).

@@ -54,7 +54,7 @@ import torch
 
 from astrai.dispatch.axes import DTYPES, EMPTY, CallContext, context_from_fields, dtype_name
 from astrai.dispatch.machine import Machine
-from astrai.dispatch.sources import op_backend, use_profile
+from astrai.dispatch.scopes import op_backend, use_profile
 from astrai.formats.saved import Saved
 from astrai.kv_cache import KVPool, PagedBatch, extend_batch
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.sources import use_profile
+from astrai.dispatch.scopes import use_profile
 from astrai.dispatch.tables.model import ImplRecord
 from astrai.dispatch.verdicts import MATCH, row_verdict
 from astrai.record.workload import RecordedCall, Workload

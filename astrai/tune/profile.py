@@ -36,7 +36,7 @@ import yaml
 from astrai.dispatch.axes import AXES, format_value
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import evaluate
-from astrai.dispatch.sources import use_profile
+from astrai.dispatch.scopes import use_profile
 from astrai.dispatch.tables.format import schemas_dir
 from astrai.dispatch.verdicts import MATCH, row_verdict
 from astrai.errors import AstraiError

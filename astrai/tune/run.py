@@ -25,7 +25,7 @@ import yaml
 from astrai.dispatch.machine import this_machine
 from astrai.dispatch.names import NAME_PATTERN
 from astrai.dispatch.registry import Registry, current, load_tables
-from astrai.dispatch.sources import use_profile
+from astrai.dispatch.scopes import use_profile
 from astrai.distributed.agreement import AgreedPlan, check_agreement
 from astrai.formats.common import atomic_write
 from astrai.record.workload import Workload, now_utc

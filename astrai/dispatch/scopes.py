@@ -1,26 +1,21 @@
-"""What a call asks for besides the table: the state behind the selecting precedence
-sources (``precedence``) and the profiles in force.
+"""The ``op_backend(...)`` / ``use_profile(...)`` scopes, and what is in force for a call.
 
-- ``op_backend(...)`` / ``use_profile(...)`` scopes live in a ``ContextVar`` holding
-  immutable ``Scope``s, so they are per thread and per asyncio task. String names are
-  validated eagerly (``ValueError`` before the body runs); implementation objects pass
-  through. A scope must end where it began and in order (innermost first): a
-  generator that yields inside ``with op_backend(...)`` leaves its scope in force in
-  the caller while suspended, and closing it later (or from another thread) ends a
-  scope that is not the innermost one - that raises ``ScopeError`` instead of silently
-  restoring the wrong scope; enter the scope around the loop that drives the generator.
-- ``ASTR_OPS="attention=flash,rotary=torch,profile=reference+low-precision"``:
-  comma-separated ``key=value``; keys are family names or ``profile``. Malformed
-  entries, unknown families and unknown profiles warn once each through the ``astrai``
-  logger and are dropped, never fatal. Parsing is cached per distinct raw value (and
-  table epoch), so a changed value takes effect on the next call.
+Scopes live in a ``ContextVar`` holding immutable ``Scope``s, so they are per thread and
+per asyncio task. String names are validated eagerly (``ValueError`` before the body
+runs); implementation objects pass through. A scope must end where it began and in order
+(innermost first): a generator that yields inside ``with op_backend(...)`` leaves its
+scope in force in the caller while suspended, and closing it later (or from another
+thread) ends a scope that is not the innermost one - that raises ``ScopeError`` instead
+of silently restoring the wrong scope; enter the scope around the loop that drives the
+generator. The profiles in force for a call are the environment's (``environment``)
+first, then the scopes'.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "PROFILE_KEY",
-    "EnvSettings",
+    "EMPTY_SCOPE",
+    "UNCACHEABLE",
     "Scope",
     "active_profiles",
     "active_view",
@@ -28,129 +23,26 @@ __all__ = [
     "current_overrides",
     "current_profiles",
     "current_scope",
-    "env_for",
-    "env_now",
-    "env_overrides",
-    "env_selection",
-    "env_settings",
     "get_override",
     "handle_key",
     "op_backend",
-    "parse_ops",
     "reset_override",
     "set_override",
     "use_profile",
 ]
 
-import os
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.env import OPS_ENV, OPS_KEY, decoded, encoded, environ_get, raw_get
-from astrai.dispatch.log import warn_once
+from astrai.dispatch.environment import EnvSettings, env_now
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import View
 from astrai.errors import ScopeError
-
-# -- the environment: ASTR_OPS and legacy aliases -----------------------------
-
-PROFILE_KEY = "profile"
-
-
-@dataclass(frozen=True)
-class EnvSettings:
-    """What the environment asks for: a row per family, and profiles in order."""
-
-    backends: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    profiles: tuple[str, ...] = ()
-    sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-
-    def source_of(self, family: str) -> str:
-        """Which variable named ``family``'s row (``ASTR_OPS`` or the legacy alias)."""
-        return self.sources.get(family, OPS_ENV)
-
-
-def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) -> EnvSettings:
-    """Parse an ``ASTR_OPS`` value, warning once per problem and dropping bad entries."""
-    backends: dict[str, str] = {}
-    chosen: list[str] = []
-    for entry in raw.split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        key, sep, value = entry.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key or not value:
-            warn_once(f"{OPS_ENV}: ignoring malformed entry {entry!r}; expected "
-                      f"'family=row' or 'profile=name[+name...]'")
-            continue
-        if key == PROFILE_KEY:
-            for name in value.split("+"):
-                name = name.strip()
-                if not name:
-                    warn_once(f"{OPS_ENV}: ignoring an empty profile name in {entry!r}")
-                elif name in profiles:
-                    chosen.append(name)
-                else:
-                    warn_once(f"{OPS_ENV}: ignoring unknown profile {name!r}"
-                              f"{did_you_mean(name, profiles)}; known profiles: "
-                              f"{', '.join(sorted(profiles)) or '(none)'}")
-            continue
-        if key not in families:
-            warn_once(f"{OPS_ENV}: ignoring unknown family {key!r}"
-                      f"{did_you_mean(key, families)}; known families: "
-                      f"{', '.join(sorted(families))}, or 'profile'")
-            continue
-        if key in backends and backends[key] != value:
-            warn_once(f"{OPS_ENV}: {key!r} is given twice; using {value!r}")
-        backends[key] = value
-    return EnvSettings(MappingProxyType(backends), tuple(chosen))
-
-
-_MAX_PARSED = 64
-
-
-def _parsed(key: Any, got: EnvSettings) -> EnvSettings:
-    """Remember ``got`` as the parse of the raw values ``key`` (bounded), and return it."""
-    if len(process.env_parsed) >= _MAX_PARSED:
-        process.env_parsed.clear()
-    process.env_parsed[key] = got
-    return got
-
-
-def env_settings(
-    families: Collection[str], profiles: Collection[str], aliases: Mapping[str, str], epoch: int
-) -> EnvSettings:
-    """The settings for the environment as it is now (cached per distinct raw values,
-    read without decoding them)."""
-    key = (raw_get(OPS_KEY), tuple([raw_get(encoded(v)) for v in aliases.values()]), epoch)
-    got: EnvSettings | None = process.env_parsed.get(key)
-    if got is not None:
-        return got
-    environ = os.environ
-    alias_values = tuple(environ.get(var) for var in aliases.values())
-    got = parse_ops(environ.get(OPS_ENV, ""), families, profiles)
-    if aliases:
-        backends = dict(got.backends)
-        sources: dict[str, str] = {}
-        for (family, var), value in zip(aliases.items(), alias_values, strict=True):
-            if value is None or not value.strip() or family in backends:
-                continue
-            backends[family] = value.strip()
-            sources[family] = var
-        got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
-    return _parsed(key, got)
-
-
-
-
-# -- scopes: op_backend and use_profile ------------------------------------------
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -253,6 +145,9 @@ def _object_name(family: str, obj: Any) -> str:
                 return rec.name
     return str(getattr(obj, "name", None) or getattr(obj, "__name__", None)
                or type(obj).__name__)
+
+
+#: The scope in force where no ``op_backend`` / ``use_profile`` block is.
 EMPTY_SCOPE = Scope(_EMPTY, ())
 _scope: ContextVar[Scope] = ContextVar("astrai_scope", default=EMPTY_SCOPE)
 
@@ -347,55 +242,8 @@ def use_profile(*names: str) -> Iterator[None]:
         _leave(token, inner)
 
 
+
 # -- what is in force for a call ---------------------------------------------------
-
-def env_now(state: Registry) -> EnvSettings:
-    """What the environment asks of the tables in ``state``, now (``env_settings``, with
-    the lookup of an already parsed value done here, on the pre-encoded names)."""
-    keys = state.alias_names
-    n = len(keys)  # commonly one (the shipped tables' ASTR_BACKEND): no loop then
-    raw = () if not n else (environ_get(keys[0]),) if n == 1 else tuple(map(environ_get, keys))
-    got: EnvSettings | None = process.env_parsed.get((environ_get(OPS_KEY), raw, state.epoch))
-    if got is None:
-        got = env_settings(state.families, state.profiles, state.aliases, state.epoch)
-    return got
-
-
-def env_for(state: Registry, ops: Any, family: str, alias: Any) -> EnvSettings:
-    """What the environment asks of ``family`` on ``state``, given the raw values of
-    ``ASTR_OPS`` (``ops``) and of the family's legacy alias (``alias``) as one decision's
-    world read them: parsed from those values, never from the environment again (cached
-    per distinct values and table epoch)."""
-    key = (ops, family, alias, state.epoch)
-    got: EnvSettings | None = process.env_parsed.get(key)
-    if got is not None:
-        return got
-    got = parse_ops(decoded(ops) or "", state.families, state.profiles)
-    var = state.aliases.get(family)
-    value = decoded(alias)
-    if var is not None and value is not None and value.strip() and family not in got.backends:
-        got = EnvSettings(MappingProxyType({**got.backends, family: value.strip()}),
-                          got.profiles, MappingProxyType({family: var}))
-    return _parsed(key, got)
-
-
-def env_overrides() -> dict[str, str]:
-    """The parsed environment, as the seed returns it: ``{family: row}`` from ``ASTR_OPS``
-    and the legacy aliases (``ASTR_OPS`` wins), plus ``"profile"`` (names joined by ``+``)
-    when profiles are active. Malformed entries and unknown names warn once and are
-    dropped, as everywhere."""
-    env = env_now(current())
-    out = dict(env.backends)
-    if env.profiles:
-        out[PROFILE_KEY] = "+".join(env.profiles)
-    return out
-
-
-def env_selection(family: str) -> str | None:
-    """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
-    got: str | None = env_now(current()).backends.get(family)
-    return got
-
 
 def active_profiles(state: Registry, env: EnvSettings, scope: Scope | None = None
                     ) -> tuple[str, ...]:
