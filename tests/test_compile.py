@@ -319,7 +319,7 @@ def test_cut_points() -> None:
     """Each constant an int axis is compared with gives it two points; a Python spec gives
     none at all."""
     from astrai.dispatch import Spec, parse_spec
-    from astrai.dispatch.expr.spec import cut_points
+    from astrai.dispatch.expr.analysis import cut_points
 
     specs = [parse_spec("head_dim <= 256 and ndim == 4"), parse_spec("head_dim in {64, 128}"),
              parse_spec("dtype == float16 and has_cache")]

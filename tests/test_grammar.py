@@ -911,7 +911,7 @@ class TestAxisComparisons:
             f"axes compared with each other must be of one type", text, caret)
 
     def test_no_cut_points_for_int_axes_compared_with_each_other(self) -> None:
-        from astrai.dispatch.expr.spec import cut_points
+        from astrai.dispatch.expr.analysis import cut_points
 
         assert cut_points([parse_spec("head_dim == ndim")]) is None
         assert cut_points([parse_spec("fwd == fwd and ndim < 3")]) == {"ndim": (3,)}

@@ -31,7 +31,7 @@ from astrai.dispatch import (
     stats,
     use_profile,
 )
-from astrai.dispatch.expr.spec import comparisons
+from astrai.dispatch.expr.analysis import comparisons
 from astrai.dispatch.keying import key_plan
 from astrai.dispatch.registry import current
 from astrai.kv_cache import KVPool, decode_batch, prefill_batch

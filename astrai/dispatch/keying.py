@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from astrai.dispatch.axes import AXES, BASE_AXES, LAZY_AXES, CallContext
-from astrai.dispatch.expr.spec import Comparisons, Spec, comparisons
+from astrai.dispatch.expr.analysis import Comparisons, comparisons
+from astrai.dispatch.expr.spec import Spec
 
 if TYPE_CHECKING:
     from astrai.dispatch.registry import Registry

@@ -30,467 +30,29 @@ __all__ = [
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
+from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, TypeVar
 
-from astrai import __version__
 from astrai.dispatch import state as process
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import AXES, PREDICATES
-from astrai.dispatch.env import TABLES_ENV, encoded
-from astrai.dispatch.expr.spec import Spec, named_parts
-from astrai.dispatch.joined import EMPTY as JOINED_NONE
+from astrai.dispatch.assembly import (
+    build_snapshot,
+    env_table_paths,
+    programmatic_table,
+    table_sources,
+    yaml_files,
+)
 from astrai.dispatch.joined import Joined, join_rows
-from astrai.dispatch.log import warn_once
 from astrai.dispatch.names import family_name_problem
-from astrai.dispatch.plugins import BROKEN, LOADED, Plugin, discover, plugin_problems
-from astrai.dispatch.provenance import warn_if_elsewhere
+from astrai.dispatch.plugins import discover, plugin_problems
+from astrai.dispatch.snapshot import Registry
 from astrai.dispatch.tables.artifact import shipped_tables_dir
-from astrai.dispatch.tables.build import build_extension, build_profile
-from astrai.dispatch.tables.load import parse_file, parse_text
 from astrai.dispatch.tables.model import (
-    ALWAYS_AVAILABLE,
     FamilyTable,
     ImplRecord,
-    Profile,
-    View,
-    check,
-    make_view,
     table_revision,
 )
-from astrai.dispatch.tables.parsed import ParsedFile
-from astrai.errors import TableError, TableProblem, UnknownFamilyError
-
-_YAML_SUFFIXES = (".yaml", ".yml")
-
-
-@dataclass(frozen=True, eq=False)
-class Registry:
-    """One consistent snapshot of everything resolution reads."""
-
-    families: Mapping[str, FamilyTable]
-    profiles: Mapping[str, Profile]
-    aliases: Mapping[str, str]  # family -> legacy env var (tables' and registered)
-    epoch: int
-    programmatic: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
-    registered_aliases: Mapping[str, str] = field(default_factory=dict)  # register_env_alias
-    joined: Mapping[str, tuple[Joined, ...]] = field(default_factory=lambda: JOINED_NONE)
-    #: The installed plugins (``plugins.discover``), loaded, disabled or broken.
-    plugins: tuple[Plugin, ...] = ()
-    #: family -> the rows the loaded plugins' row overlays join to it, in order.
-    extended: Mapping[str, tuple[Joined, ...]] = field(default_factory=lambda: JOINED_NONE)
-    # Caches that belong to this snapshot; a new snapshot starts with empty ones.
-    _views: dict[tuple[str, tuple[str, ...]], View] = field(init=False, default_factory=dict)
-    decisions: dict[Any, Any] = field(init=False, default_factory=dict)
-    made: dict[Any, Any] = field(init=False, default_factory=dict)  # (row id, origin) -> Decision
-    keys: dict[str, Any] = field(init=False, default_factory=dict)  # family -> keying.KeyPlan
-    # (family, route token) -> how that facade route reads a call into its key
-    # (ops._families.Keyer, or None)
-    facade_keys: dict[tuple[str, object], Any] = field(init=False, default_factory=dict)
-    # (family, raw ASTR_OPS, raw alias, scope token) -> (environment.EnvSettings, View): what
-    # the environment asks of the family in one world, and its view under the profiles
-    # in force there (resolution.evaluate; bounded)
-    worlds: dict[Any, Any] = field(init=False, default_factory=dict)
-    # family -> how a whole CallContext becomes its key (keying.signature_key)
-    signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
-    alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)
-    #: ``alias_keys``' values, in order (what ``environment.env_now`` reads).
-    alias_names: tuple[Any, ...] = field(init=False, default=())
-
-    def __post_init__(self) -> None:
-        # Per family, its legacy variable's name as os.environ stores it (hot path).
-        keys = {f: encoded(v) for f, v in self.aliases.items()}
-        object.__setattr__(self, "alias_keys", keys)
-        object.__setattr__(self, "alias_names", tuple(keys.values()))
-
-    def family(self, name: str) -> FamilyTable:
-        """The family ``name``; ``UnknownFamilyError`` (a ``KeyError``) lists the known ones."""
-        try:
-            return self.families[name]
-        except KeyError:
-            raise UnknownFamilyError(name, list(self.families)) from None
-
-    def view(self, family: str, profiles: tuple[str, ...]) -> View:
-        """``family`` under the named active profiles (cached per snapshot)."""
-        key = (family, profiles)
-        got = self._views.get(key)
-        if got is None:
-            table = self.family(family)
-            got = make_view(table, tuple(self.profiles[p] for p in profiles))
-            self._views[key] = got
-        return got
-
-    def availability(self, record: ImplRecord) -> tuple[bool, str]:
-        """``(available, reason)`` for a row, probed once per snapshot/refresh."""
-        if record.available is ALWAYS_AVAILABLE:
-            return True, ""
-        # Per process (not per snapshot): a load of another family must not re-probe.
-        probe = record.available  # keyed by the probe: a row's copies share its answer
-        got = process.probed.get(id(probe))
-        if got is None or got[0] is not probe:
-            with process.probe_lock:  # concurrent first callers: one runs the probe, all share it
-                got = process.probed.get(id(probe))
-                if got is None or got[0] is not probe:
-                    # Stored with its probe, so the id cannot be reused meanwhile.
-                    got = process.probed[id(probe)] = (probe, *check(probe))
-        return got[1], got[2]
-
-
-def _expand(paths: Iterable[str | os.PathLike[str]]
-            ) -> tuple[list[tuple[int, str]], list[TableProblem]]:
-    """The table files under ``paths``, each with the index of the path it came from (its
-    *source*: a later source replaces an earlier one's families and profiles)."""
-    files: list[tuple[int, str]] = []
-    problems: list[TableProblem] = []
-    for index, p in enumerate(paths):
-        if not os.fspath(p).strip():  # Path("") would be the current directory
-            problems.append(TableProblem(repr(os.fspath(p)), 1, 1,
-                                         "an empty path names no table file or directory"))
-            continue
-        path = Path(p)
-        try:
-            is_dir, exists = path.is_dir(), path.exists()
-        except OSError as exc:  # a name too long, a parent that cannot be entered, ...
-            problems.append(TableProblem(str(path), 1, 1, f"cannot access: "
-                                                          f"{exc.strerror or exc}"))
-            continue
-        if is_dir:
-            found, errors = yaml_files(path)
-            problems.extend(TableProblem(e.filename or str(path), 1, 1, f"cannot list "
-                                         f"directory: {e.strerror or e}") for e in errors)
-            files.extend((index, f) for f in found)
-        elif exists:
-            files.append((index, str(path)))
-        else:
-            problems.append(TableProblem(str(path), 1, 1, "no such file or directory"))
-    return files, problems
-
-
-def yaml_files(directory: Path) -> tuple[list[str], list[OSError]]:
-    """Every ``.yaml``/``.yml`` file under ``directory`` (symlinked directories are not
-    entered), and the errors met: an unreadable directory is an error, not an empty one."""
-    errors: list[OSError] = []
-    # A directory named like a table file is listed too: reading it is then an error.
-    found = [os.path.join(root, name)
-             for root, dirs, names in os.walk(directory, onerror=errors.append)
-             for name in (*names, *dirs) if os.path.splitext(name)[1] in _YAML_SUFFIXES]
-    return [str(q) for q in sorted(Path(f) for f in found)], errors
-
-
-def env_table_paths() -> list[str]:
-    raw = os.environ.get(TABLES_ENV, "")
-    return [p for p in raw.split(os.pathsep) if p.strip()]
-
-
-def _table_sources() -> list[tuple[str, str]]:
-    """The shipped tables and each ``ASTR_TABLES`` entry, with who provided them."""
-    return [(str(shipped_tables_dir()), SHIPPED),
-            *((p, TABLES_ENV) for p in env_table_paths())]
-
-
-#: Who provided the shipped tables' rows (``ImplRecord.provided_by``).
-SHIPPED = f"shipped with astrai {__version__}"
-
-
-@dataclass
-class _Assembled:
-    """What one assembly of the sources gave: the parts of a snapshot, the problems of
-    the user's files (fatal) and those of each plugin (which leave that plugin out)."""
-
-    families: dict[str, FamilyTable]
-    profiles: dict[str, Profile]
-    aliases: dict[str, str]
-    programmatic: dict[str, tuple[Any, Any]]
-    extended: dict[str, tuple[Joined, ...]]
-    problems: list[TableProblem]
-    failed: dict[int, list[TableProblem]]  # plugin index -> its problems
-
-
-def _build(base: Registry | None, paths: list[tuple[str, str]], *, replace_all: bool,
-           plugins: list[Plugin] | None = None, quiet: bool = False
-           ) -> tuple[Registry, list[str]]:
-    """A new snapshot: ``base`` with the tables under ``paths`` (each with who provided
-    it; read and bound here, with no lock held), and the files read. On a full build
-    (``replace_all``) the first path is the shipped tables and ``plugins`` (found by
-    ``plugins.discover``) come right after it; otherwise ``base``'s plugins stay, their
-    row overlays placed again on the families as they now are. Raises ``TableError``
-    listing every problem of the given files; a plugin with a problem is left out, with
-    a warning (unless ``quiet``: ``validate`` returns the problems instead), and the
-    snapshot lists it as broken."""
-    files, problems = _expand([p for p, _ in paths])
-    parsed: list[ParsedFile] = [parse_file(f, paths[index][1]) for index, f in files]
-    layers: list[list[ParsedFile]] = [[] for _ in paths]
-    for (index, _), pf in zip(files, parsed, strict=True):
-        layers[index].append(pf)
-        problems.extend(pf.problems)
-    found = list(plugins if plugins is not None else (base.plugins if base else ()))
-    while True:
-        got = _assemble(base, layers, found, replace_all=replace_all, problems=problems)
-        if got.problems or not got.failed:
-            break
-        # Leave out the first failing plugin only, and assemble again: a later plugin's
-        # problem may come from the rows of one left out (it is then reported again).
-        first = min(got.failed)
-        found[first] = found[first].broken(got.failed[first])
-    if got.problems:
-        raise TableError(sorted(got.problems, key=lambda p: (p.file, p.line, p.column)))
-    for plugin in () if quiet else found:
-        if plugin.status == BROKEN:
-            warn_once(f"{plugin.provided_by} (entry point {plugin.name}) is left out: "
-                      f"{plugin.reason}:\n" + "\n".join(f"  {p}" for p in plugin.problems))
-    for name, prof in got.profiles.items():
-        if prof.provenance is not None and (base is None or base.profiles.get(name) is not prof):
-            warn_if_elsewhere(name, prof.source, prof.provenance)
-    registered = dict(base.registered_aliases) if base is not None else {}
-    got.aliases.update({f: v for f, v in registered.items() if f in got.families})
-    joined = base.joined if base is not None else JOINED_NONE
-    extended = MappingProxyType(got.extended)
-    return Registry(MappingProxyType(got.families), MappingProxyType(got.profiles),
-                    MappingProxyType(got.aliases), next(process.epochs),
-                    MappingProxyType(got.programmatic), MappingProxyType(registered), joined,
-                    tuple(found), extended), [f for _, f in files]
-
-
-def _assemble(base: Registry | None, layers: list[list[ParsedFile]], plugins: list[Plugin],
-              *, replace_all: bool, problems: list[TableProblem]) -> _Assembled:
-    """Families, profiles and row overlays from ``base`` and the sources, in order (on a
-    full build: the shipped tables, each loaded plugin, each ``ASTR_TABLES`` entry)."""
-    got = _Assembled({}, {}, {}, {}, {}, list(problems), {})
-    if base is not None:
-        got.programmatic = dict(base.programmatic)
-        if not replace_all:
-            got.aliases, got.families = dict(base.aliases), dict(base.families)
-            got.profiles = dict(base.profiles)
-            # A plugin left out now takes its tables and profiles along (its rows go below).
-            gone = {p.provided_by for p in plugins if p.status != LOADED}
-            for name in [n for n, t in got.families.items() if t.provided_by in gone]:
-                del got.families[name]
-            for name in [n for n, p in got.profiles.items() if p.provided_by in gone]:
-                del got.profiles[name]
-            for fam, joins in base.joined.items():  # placed again below, after the overlays
-                if fam in got.families:
-                    got.families[fam] = _without(got.families[fam], joins)
-            for fam, joins in base.extended.items():
-                if fam in got.families:
-                    got.families[fam] = _without(got.families[fam], joins)
-        else:
-            for name, (provider, fallback) in got.programmatic.items():
-                got.families[name] = _programmatic_table(name, provider, fallback)
-    live = [(i, p) for i, p in enumerate(plugins) if p.status == LOADED]
-    # (files, plugin index or None): a plugin's tables and profiles only on a full build
-    sources: list[tuple[list[ParsedFile], int | None]] = [(layer, None) for layer in layers]
-    if replace_all:
-        sources[1:1] = [(list(p.files), i) for i, p in live]
-
-    def report(owner: int | None, problem: TableProblem) -> None:
-        (got.problems if owner is None else got.failed.setdefault(owner, [])).append(problem)
-
-    # A family or profile defined twice within one source is an error; a later source
-    # (shipped, then each plugin, each ASTR_TABLES entry, each load_tables path) replaces
-    # it, except that a plugin adds families and never replaces one (it joins rows to an
-    # existing family with a row overlay instead).
-    seen: dict[str, tuple[str, int]] = {}
-    for index, (files, owner) in enumerate(sources):
-        for pf in files:
-            if pf.overlay is not None and owner is None:
-                report(None, TableProblem(pf.file, *pf.where(("extends",), key=True), (
-                    "a row overlay (extends:) is read from a plugin package only; to add "
-                    "rows to a family from your own files, use a profile's add: (or a copy "
-                    "of the family's table: astrai-ops init). A plugin's files are checked "
-                    "with astrai-ops precompile DIR")))
-            if pf.table is None:
-                continue
-            name = pf.table.name
-            if name in seen and seen[name][0] != pf.file and seen[name][1] == index:
-                report(owner, TableProblem(pf.file, *pf.where(("family",)),
-                                           f"family {name!r} is also defined in "
-                                           f"{seen[name][0]}"))
-            if owner is not None and name in got.families:
-                other = got.families[name]
-                report(owner, TableProblem(pf.file, *pf.where(("family",)), (
-                    f"family {name!r} already exists ({other.provided_by or other.source}); "
-                    f"a plugin adds rows to it with a row overlay (extends: {name})")))
-                continue
-            seen[name] = (pf.file, index)
-            got.families[name] = pf.table
-            got.programmatic.pop(name, None)
-            got.aliases.pop(name, None)  # a replaced table brings its own alias, or none
-            if pf.table.env_alias:
-                got.aliases[name] = pf.table.env_alias
-    for i, plugin in live:  # row overlays join the families as they now are
-        mine: dict[str, tuple[Joined, ...]] = {}
-        for pf in plugin.files:
-            if pf.overlay is None:
-                continue
-            family = pf.overlay["extends"]
-            taken = {j.record.name: f"{j.record.provided_by}, {j.record.source}"
-                     for j in (*got.extended.get(family, ()),
-                               *(base.joined.get(family, ()) if base is not None else ()))}
-            table = got.families.get(family)
-            replaced = table is not None and not (table.provided_by == SHIPPED or
-                                                  table.provided_by.startswith("plugin "))
-            taken.update({j.record.name: f"{j.record.provided_by}, {j.record.source}"
-                          for j in mine.get(family, ())})
-            fresh, built = _built(pf, partial(build_extension, families=got.families,
-                                              taken=taken, replaced=replaced))
-            for problem in fresh.problems:
-                report(i, problem)
-            if built:
-                mine[family] = (*mine.get(family, ()), *built)
-        if i not in got.failed:  # a plugin with a problem joins no row (others still may)
-            for family, rows in mine.items():
-                got.extended[family] = (*got.extended.get(family, ()), *rows)
-    got.families = families = join_rows(got.families, got.extended,
-                                        base.joined if base is not None else JOINED_NONE)
-    # profiles may name rows joined by overlays and in Python
-    seen_profiles: dict[str, tuple[str, int]] = {}
-    for index, (files, owner) in enumerate(sources):
-        for pf in files:
-            if pf.profile is None:
-                continue
-            name = pf.profile["profile"]
-            if owner is not None and (name in seen_profiles or name in got.profiles):
-                where = seen_profiles[name][0] if name in seen_profiles else \
-                    got.profiles[name].source
-                report(owner, TableProblem(pf.file, *pf.where(("profile",)), (
-                    f"profile {name!r} already exists ({where}); a plugin adds profiles "
-                    f"and never replaces one: choose another name")))
-                continue
-            if (name in seen_profiles and seen_profiles[name][0] != pf.file
-                    and seen_profiles[name][1] == index):
-                report(owner, TableProblem(pf.file, *pf.where(("profile",)),
-                                           f"profile {name!r} is also defined in "
-                                           f"{seen_profiles[name][0]}"))
-            seen_profiles[name] = (pf.file, index)
-    for files, owner in sources:
-        for pf in files:
-            if (pf.profile is None or pf.profile["profile"] not in seen_profiles
-                    or seen_profiles[pf.profile["profile"]][0] != pf.file):
-                continue  # replaced by a later source (not built against the final tables),
-                # or a plugin's that would replace one
-            fresh, prof = _built(pf, partial(build_profile, families=families))
-            for problem in fresh.problems:
-                report(owner, problem)
-            if prof is not None:
-                got.profiles[prof.name] = prof
-    # Profiles loaded earlier must still make sense against replaced tables.
-    if not replace_all and base is not None:
-        for name, prof in list(got.profiles.items()):
-            if name in seen_profiles:
-                continue
-            stale = _stale_profile(prof, families)
-            if stale:
-                got.problems.append(TableProblem(prof.source or "<profile>", 1, 1,
-                                                 f"loaded profile {name!r} {stale}"))
-    return got
-
-
-_T = TypeVar("_T")
-
-
-def _built(pf: ParsedFile, make: Callable[[ParsedFile], _T]) -> tuple[ParsedFile, _T | None]:
-    """``make`` run on a copy of ``pf`` with no problems yet (so a file built again per
-    snapshot reports its problems once each time). A file read from a precompiled entry
-    whose data does not build (a plugin's artifact edited by hand, or from an astrai
-    that wrote something else) is read again the full way, which reports it properly."""
-    fresh = replace(pf, problems=[])
-    try:
-        return fresh, make(fresh)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-        if pf.dump is not None or pf.text is None:
-            raise  # validated the full way: a bug, not a bad entry
-    full = parse_text(pf.text, pf.file, pf.provided_by)
-    return full, (None if full.problems else make(full))
-
-
-def _without(table: FamilyTable, joins: tuple[Joined, ...]) -> FamilyTable:
-    """``table`` without the rows ``joins`` placed in it (and their revision suffix)."""
-    gone = {j.record.name for j in joins}
-    return replace(table, rows=tuple(r for r in table.rows if r.name not in gone),
-                   revision=table_revision(table).split("+joined-")[0])
-
-
-def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
-    for fam, ov in prof.overlays.items():
-        if fam == "*":
-            continue
-        table = families.get(fam)
-        if table is None:
-            return f"names family {fam!r}, which no longer exists"
-        names = set(table.row_names()) | {a.name for a in ov.add}
-        for n in (*ov.order, *ov.disable, *ov.enable, *ov.when, *ov.chain_when,
-                  *(x for x in (ov.force, ov.fallback) if x and x != "fallback")):
-            if n not in names:
-                return f"names row {n!r} of family {fam!r}, which no longer exists"
-        for spec in (*ov.when.values(), *ov.chain_when.values(), *(a.spec for a in ov.add)):
-            stale = _stale_definition(spec, table)
-            if stale:
-                return stale
-            gone = sorted(spec.axes() - set(AXES) - set(table.axes))
-            if gone:
-                return (f"compares axis {gone[0]!r}, which family {fam!r} no longer "
-                        f"declares; load the profile again with it")
-    return ""
-
-
-def _stale_definition(spec: Spec, table: FamilyTable) -> str:
-    """Why ``spec`` (a profile's, built with ``table``'s family's definitions when it was
-    loaded) no longer fits ``table``: a definition it uses is gone or changed."""
-    for part in named_parts(spec):
-        name = part.description
-        now = table.definitions.get(name)
-        if now is None and name not in PREDICATES:
-            return (f"uses definition {name!r} of family {table.name!r}, which no longer "
-                    f"exists")
-        if now is not None and now != part:
-            return (f"uses definition {name!r} of family {table.name!r}, which the new table "
-                    f"defines differently; load the profile again with it")
-    return ""
-
-
-def _programmatic_table(name: str, provider: Any, fallback: Any) -> FamilyTable:
-    """A ``register_family`` family: rows by ascending ``priority`` (the seed's order).
-
-    ``fallback`` is, as in the seed, a zero-argument callable returning the fallback
-    ``ImplRecord``; a record or a row name is accepted too. A fallback record that the
-    provider does not list stays outside the chain, as in the seed: it serves only
-    calls that no row of the chain matched (origin ``fallback``).
-    """
-    records = list(provider() if callable(provider) else provider)
-    for r in records:
-        if not isinstance(r, ImplRecord):
-            raise TypeError(f"register_family({name!r}): provider gave {r!r}, not an ImplRecord")
-    if callable(fallback) and not isinstance(fallback, (str, ImplRecord)):
-        fallback = fallback()
-        if not isinstance(fallback, ImplRecord):
-            raise TypeError(f"register_family({name!r}): the fallback callable returned "
-                            f"{fallback!r}, not an ImplRecord")
-    ordered = sorted(records, key=lambda r: r.priority)  # stable: ties keep given order
-    names = [r.name for r in ordered]
-    if len(set(names)) != len(names):
-        raise ValueError(f"register_family({name!r}): duplicate row names in {names}")
-    outside: ImplRecord | None = None
-    if isinstance(fallback, ImplRecord):
-        fb_name = fallback.name
-        if fb_name not in names:  # else the provider's row of that name is the fallback
-            outside = fallback if fallback.family == name else replace(fallback, family=name)
-    elif isinstance(fallback, str):
-        fb_name = fallback
-        if fb_name not in names:
-            raise ValueError(f"register_family({name!r}): fallback {fb_name!r} is not one of "
-                             f"the rows {names}")
-    else:
-        raise TypeError(f"register_family({name!r}): fallback must be a zero-argument callable "
-                        f"returning an ImplRecord, an ImplRecord, or a row name; got "
-                        f"{fallback!r}")
-    rows = tuple(r if r.family == name else replace(r, family=name) for r in ordered)
-    revision = ",".join(names) + (f";fallback={fb_name}" if outside is not None else "")
-    return FamilyTable(name, rows, fb_name, source="register_family",
-                       revision="python:" + revision, outside_fallback=outside,
-                       provided_by="register_family")
+from astrai.errors import TableError, TableProblem
 
 
 def _swap(new: Registry) -> None:
@@ -509,8 +71,8 @@ def current() -> Registry:
     got: Registry | None = process.snapshot
     if got is None:
         # Read outside the lock (concurrent first callers may each read; one result wins).
-        got = _commit(lambda base: base or _build(
-            None, _table_sources(), replace_all=True, plugins=discover())[0], first=True)
+        got = _commit(lambda base: base or build_snapshot(
+            None, table_sources(), replace_all=True, plugins=discover())[0], first=True)
     return got
 
 
@@ -537,7 +99,7 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
     read: list[str] = []
 
     def make(base: Registry | None) -> Registry:
-        new, files = _build(base, [(os.fspath(p), "load_tables") for p in paths],
+        new, files = build_snapshot(base, [(os.fspath(p), "load_tables") for p in paths],
                             replace_all=False)
         read[:] = files
         return new
@@ -550,7 +112,7 @@ def load_tables(*paths: str | os.PathLike[str]) -> list[str]:
 def reload_tables() -> list[str]:
     """Re-read the shipped tables, the plugins (``ASTR_PLUGINS`` read again) and
     ``ASTR_TABLES``; programmatic families and ``register_impl`` rows are kept."""
-    new = _commit(lambda base: _build(base, _table_sources(), replace_all=True,
+    new = _commit(lambda base: build_snapshot(base, table_sources(), replace_all=True,
                                       plugins=discover())[0], first=True)
     return sorted(new.families)
 
@@ -560,10 +122,10 @@ def validate(*paths: str | os.PathLike[str]) -> list[TableProblem]:
     a broken plugin's problems included); loads nothing."""
     try:
         if paths:
-            _build(current(), [(os.fspath(p), "load_tables") for p in paths],
+            build_snapshot(current(), [(os.fspath(p), "load_tables") for p in paths],
                    replace_all=False, quiet=True)
             return []
-        new, _ = _build(None, _table_sources(), replace_all=True, plugins=discover(),
+        new, _ = build_snapshot(None, table_sources(), replace_all=True, plugins=discover(),
                         quiet=True)
     except TableError as exc:
         return exc.problems
@@ -574,7 +136,7 @@ def unplugged_families() -> Mapping[str, FamilyTable]:
     """The families as the shipped tables and ``ASTR_TABLES`` give them, without any
     plugin's rows or tables (what a kernel package's files are checked against when it
     is precompiled); loads nothing. Raises ``TableError`` if those tables have problems."""
-    return _build(None, _table_sources(), replace_all=True, plugins=[])[0].families
+    return build_snapshot(None, table_sources(), replace_all=True, plugins=[])[0].families
 
 
 def refresh() -> None:
@@ -605,7 +167,7 @@ def register_family(name: str, provider: Callable[[], Iterable[ImplRecord]]
 
     def make(base: Registry | None) -> Registry:
         assert base is not None
-        table = _programmatic_table(name, provider, fallback)
+        table = programmatic_table(name, provider, fallback)
         families = dict(base.families)
         families[name] = table
         programmatic = dict(base.programmatic)

@@ -13,8 +13,8 @@ The grammar (each ``_parse_*`` method's docstring is its rule)::
     value      := NAME | INT | "none" | "true" | "false"
 
 There is no intermediate tree: as each rule is recognised the parser calls the
-matching constructor of a ``Builder`` - ``spec.py`` passes the ``Spec`` combinators -
-so imports run one way (``spec`` -> ``_parser`` -> ``_tokenizer``). The vocabulary
+matching constructor of a ``Builder`` - ``spec`` passes the forms of ``combinators`` -
+so imports run one way (``spec`` -> ``parsing`` -> ``_parser`` -> ``_tokenizer``). The vocabulary
 decides what a name is (an axis, a predicate or a table's definition) and what values
 an axis takes, so an expression that parses is well-typed; a predicate is built from
 its own expression over the axes, a definition was built with its table
@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 
 class Builder(Protocol[T]):
-    """What the parser calls as it recognises each form (``spec.py`` builds ``Spec``)."""
+    """What the parser calls as it recognises each form (``combinators.Build`` makes specs)."""
 
     def const(self, value: bool) -> T:
         """``always`` (true) or ``never``."""

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from astrai.dispatch.axes import KEYWORDS, Vocabulary
 from astrai.dispatch.expr._parser import MAX_DEPTH
 from astrai.dispatch.expr._tokenizer import RULES
-from astrai.dispatch.expr.spec import Spec, named_parts, parse_spec
+from astrai.dispatch.expr.analysis import named_parts
+from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.errors import SpecSyntaxError
 
 #: How deep a definition's spec may be, counting through the definitions it uses (one
