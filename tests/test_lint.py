@@ -146,7 +146,9 @@ class TestLintView:
         assert winner(report, fwd="decode", dtype="bfloat16", has_cache="true") == "fast"
         assert winner(report, fwd="decode", dtype="bfloat16", has_cache="false") == "mid"
         assert winner(report, fwd="none", dtype="float16", has_cache="true") == "mid"
-        assert winner(report, fwd="prefill", dtype="other", has_cache="true") == "ref"
+        # No row takes it, and the fallback (training only) rejects it too: the call raises.
+        assert winner(report, fwd="prefill", dtype="other", has_cache="true") == lint.NO_ROW
+        assert winner(report, fwd="none", dtype="other", has_cache="true") == "ref"
         assert winner(report, fwd="none", dtype="other", has_cache="false") == "ref"
 
     def test_coverage_regions_are_compact(self) -> None:
@@ -163,11 +165,13 @@ class TestLintView:
         assert "fallback row 'ref' never wins: every call is taken earlier by 'a'" in report.notes
 
     def test_fallback_with_never_is_a_note(self) -> None:
-        """A fallback whose condition matches nothing still serves as the last resort."""
+        """A fallback whose condition matches nothing is a note, not a finding; a call no
+        other row takes then has no row (it raises, as the fallback's ``when`` rules it
+        out)."""
         report = lint_view(make_view(("a", "ndim == 4"), ("ref", "never")))
         assert report.ok
-        assert any("serves only as the last resort" in n for n in report.notes)
-        assert winner(report, ndim="<4") == "ref"
+        assert any("raises NoImplementationError" in n for n in report.notes)
+        assert winner(report, ndim="<4") == lint.NO_ROW
 
     def test_fallback_in_the_middle_shadows_later_rows(self) -> None:
         """Rows after a fallback that accepts every call are shadowed by it."""
@@ -213,7 +217,8 @@ class TestLintReport:
         assert report.render() == "\n".join([
             "fam: row 'b' is unsatisfiable: ndim == 3 and ndim == 4",
             "fam: row 'c' is shadowed by 'a' (every call it accepts is taken earlier)",
-            "fam: coverage (every row assumed available):",
+            "fam: coverage (every row assumed available; '(here: x)' where the winner is not "
+            "available on this machine and x serves):",
             "  dtype    ndim  winner",
             "  float16  *     a",
             "  other    *     ref",
@@ -230,7 +235,8 @@ class TestLintFamily:
     def test_matches_lint_view_of_the_loaded_family(self) -> None:
         """``lint_family`` lints the registry's view of the family."""
         family = sorted(current().families)[0]
-        assert lint_family(family).render() == lint_view(current().view(family, ())).render()
+        state = current()
+        assert lint_family(family).render() == lint_view(state.view(family, ()), state).render()
 
     def test_reference_profile_forces_the_fallback(self) -> None:
         """Under the shipped reference profile every family is clean: forcing is intended."""
@@ -341,3 +347,41 @@ class TestFeatures:
         report = lint_family("attention")
         assert not any("sample" in note for note in report.notes)
         assert report.ok
+
+
+@pytest.mark.parametrize("profiles", [(), ("reference",), ("low-precision",)])
+def test_coverage_names_what_explain_picks(profiles: tuple[str, ...]) -> None:
+    """Every cell of every shipped family's coverage matrix (under each shipped profile)
+    names the row ``resolve`` and ``explain`` pick for a call of that region on this
+    machine, or ``no row`` exactly where they raise ``NoImplementationError``."""
+    import astrai.dispatch as dispatch
+    from astrai.dispatch.explain import explain
+    from astrai.errors import NoImplementationError
+
+    checked = 0
+    with dispatch.use_profile(*profiles):
+        for report in lint_all(profiles):
+            assert len(report.examples) == len(report.coverage)
+            for (cells, label), ctx in zip(report.coverage, report.examples, strict=True):
+                assert ctx.family == report.family
+                here = label.split(" (here: ")[-1].rstrip(")") if "(here: " in label else label
+                said = explain(report.family, ctx)
+                try:
+                    got = dispatch.resolve(report.family, ctx).name
+                except NoImplementationError:
+                    got = lint.NO_ROW
+                    assert f"no {report.family} row can serve this call" in said
+                else:
+                    assert f"=> {got} (origin=" in said.splitlines()[-1]
+                assert got == here, (report.family, cells, label)
+                checked += 1
+    assert checked >= 10  # every family has a few regions
+
+
+def test_no_row_where_the_fallback_rejects() -> None:
+    """A region no row accepts, the fallback included, says ``no row`` (the call raises),
+    not the fallback's name."""
+    report = lint_view(make_view(("fast", "ndim == 4"), ("reference", "ndim >= 3")))
+    assert winner(report, ndim="4") == "fast"
+    assert winner(report, ndim="3") == "reference"
+    assert winner(report, ndim="<3") == lint.NO_ROW

@@ -2,14 +2,17 @@
 
 A family's rows are checked against every distinguishable call: the axes some row
 tests, each narrowed to the values the expressions mention (plus one
-representative of everything else). Lint assumes every row is available —
-availability depends on the machine — but respects what profiles do: disabled
-rows and non-faithful or explicit-only rows nobody enables never win implicitly, and a forced row
+representative of everything else). Lint's findings assume every row is available —
+availability depends on the machine — but respect what profiles do: disabled rows and
+non-faithful or explicit-only rows nobody enables never win implicitly, and a forced row
 takes every call it accepts. It reports:
 
 - *unsatisfiable* rows, whose condition accepts no call at all;
 - *shadowed* rows, which accept calls but lose every one of them to earlier rows;
-- a coverage matrix: which row wins each (compacted) region of the domain;
+- a coverage matrix: which row wins each (compacted) region of the domain, ``no row``
+  where not even the fallback serves (the call raises ``NoImplementationError``), and
+  where the winner is not available on this machine, the row that serves here - the row
+  ``explain`` names for a call of that region;
 - warnings that do not fail lint: a definition (``define:``) that no row uses.
 
 A condition that calls opaque Python (``Spec.of``, ``register_family``) cannot be
@@ -38,7 +41,7 @@ from astrai.dispatch.axes import (
     format_value,
 )
 from astrai.dispatch.expr.spec import Spec
-from astrai.dispatch.registry import current
+from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import ImplRecord, View
 
 #: Above this many combinations, a deterministic sample of this size is analysed.
@@ -67,7 +70,9 @@ class LintReport:
 
     ``coverage`` maps compacted regions of the analysed axes (cells are value labels
     joined by ``,``; ``*`` means any value) to the row that wins them when every row
-    is available; ``maybe x, else y`` where an opaque condition may take the call.
+    is available (``no row`` where not even the fallback serves: the call raises;
+    ``x (here: y)`` where ``x`` is not available on this machine and ``y`` serves);
+    ``maybe x, else y`` where an opaque condition may take the call.
     ``warnings`` (a definition no row uses) are shown but leave the report ``ok``.
     """
 
@@ -78,6 +83,9 @@ class LintReport:
     axes: tuple[str, ...] = ()
     profiles: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
+    #: Per coverage region, in order, one call of it (a representative: every call of
+    #: the region has the same winner).
+    examples: list[CallContext] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -94,7 +102,8 @@ class LintReport:
             under = f" under profile {' + '.join(self.profiles)}" if self.profiles else ""
             lines.append(f"{fam}: ok: no shadowed or unsatisfiable rows{under}")
         if coverage and self.coverage:
-            lines.append(f"{fam}: coverage (every row assumed available):")
+            lines.append(f"{fam}: coverage (every row assumed available; '(here: x)' where "
+                         f"the winner is not available on this machine and x serves):")
             header = [*self.axes, "winner"]
             body = [[cells[a] for a in self.axes] + [winner] for cells, winner in self.coverage]
             widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
@@ -270,6 +279,8 @@ def _compact(entries: list[Region]) -> list[Region]:
     return sorted(entries, key=lambda e: ([min(c) for c in e[0]], e[1]))
 
 
+#: What a coverage cell says where not even the fallback serves the call (explain raises).
+NO_ROW = "no row"
 #: The dimension standing for the feature axes: which features a call asks for.
 FEATURES = "features"
 _NOTHING: frozenset[str] = frozenset()
@@ -302,13 +313,20 @@ def _asked_value(axis: Axis) -> Any:
     return True
 
 
-def lint_view(view: View) -> LintReport:
-    """Lint one family as ``view`` presents it (rows in effective order, profiles applied)."""
+def lint_view(view: View, state: Registry | None = None) -> LintReport:
+    """Lint one family as ``view`` presents it (rows in effective order, profiles applied).
+    With ``state`` (the snapshot ``view`` is of), a coverage cell whose winner is not
+    available on this machine also names the row that serves it here."""
     family = view.table.name
     # A profile's chain_when narrows a row for the chain; a forced row is not narrowed.
     forced_row = view.forced[0] if view.forced is not None else None
     rows = [r if r.name == forced_row else view.in_chain(r) for r in view.rows]
     fallback = view.fallback.name
+    fallback_row = view.fallback
+
+    def available(rec: ImplRecord) -> bool:
+        return state is None or state.availability(rec)[0]
+
     mentions: dict[str, _Mention] = {}
     notes: list[str] = []
     opaque_rows: set[str] = set()
@@ -358,18 +376,26 @@ def lint_view(view: View) -> LintReport:
     core = {a for a in axes if a != FEATURES and mentions[a].axis.core} | set(FEATURE_AXES)
     judges = [(r.name, r.spec, _tri if r.name in opaque_rows else _plain, r.features)
               for r in rows]
+    if all(r.name != fallback for r in rows):  # a fallback outside the rows judges too
+        judges.append((fallback, fallback_row.spec, _tri, fallback_row.features))
     singles = [frozenset({j}) for j in range(max(map(len, domains), default=0))]
-    for combo in combos:
+    def context(combo: tuple[int, ...]) -> CallContext:
+        """The call of one combination of domain values."""
         values = {a: domains[i][j][0] for i, (a, j) in enumerate(zip(axes, combo, strict=True))}
         values.update(_asking(values.pop(FEATURES, _NOTHING)))
-        ctx = CallContext(family, **{a: v for a, v in values.items() if a in core},
-                          extra={a: v for a, v in values.items() if a not in core})
+        return CallContext(family, **{a: v for a, v in values.items() if a in core},
+                           extra={a: v for a, v in values.items() if a not in core})
+
+    for combo in combos:
+        ctx = context(combo)
         asked = asked_features(ctx)
         verdicts = {name: False if asked - features else judge(spec, ctx)
                     for name, spec, judge, features in judges}
         satisfiable.update(n for n, v in verdicts.items() if v is not False)
         maybe: list[str] = []
-        winner, later = fallback, []
+        # No chain row takes the call: the fallback serves it, unless it rejects it too.
+        last = fallback if verdicts[fallback] is not False else NO_ROW
+        winner, later = last, []
         for i, rec in enumerate(chain):
             got = verdicts[rec.name]
             if got:
@@ -377,11 +403,17 @@ def lint_view(view: View) -> LintReport:
                 break
             if got is None and rec.name not in maybe:
                 maybe.append(rec.name)
+        # On this machine: the first available row that takes it, else the fallback.
+        here = next((r.name for r in chain if verdicts[r.name] and available(r)), None)
+        if here is None:
+            here = fallback if last == fallback and available(fallback_row) else NO_ROW
         can_win.update((winner, *maybe))
         for rec in later:
             if verdicts[rec.name] is not False:
                 taken_by[rec.name].add(winner)
         label = f"maybe {', '.join(maybe)}, else {winner}" if maybe else winner
+        if here != winner and not maybe:
+            label = f"{winner} (here: {here})"
         entries.append(([singles[j] for j in combo], label))
 
     problems: list[LintFinding] = []
@@ -391,7 +423,8 @@ def lint_view(view: View) -> LintReport:
         if name not in satisfiable:
             if name == fallback:
                 notes.append(f"fallback row {name!r} has a condition that matches no call "
-                             f"({rec.spec.description}); it serves only as the last resort")
+                             f"({rec.spec.description}): a call no other row takes raises "
+                             f"NoImplementationError")
             else:
                 problems.append(LintFinding("unsatisfiable", name, f"row {name!r} is "
                                             f"unsatisfiable: {rec.spec.description}"))
@@ -412,11 +445,14 @@ def lint_view(view: View) -> LintReport:
     if fallback not in can_win and fallback not in position and fallback in satisfiable:
         notes.append(f"fallback row {fallback!r} never wins: every call is taken earlier")
 
+    regions = _compact(entries)
     coverage = [({a: _cell(d, c) for a, d, c in zip(axes, domains, cells, strict=True)}, w)
-                for cells, w in _compact(entries)]
+                for cells, w in regions]
+    examples = [context(tuple(min(c) for c in cells)) for cells, _ in regions]
     warnings = [f"definition {name!r} is not used by any row"
                 for name in view.table.definitions if name not in named]
-    return LintReport(family, problems, notes, coverage, tuple(axes), view.profiles, warnings)
+    return LintReport(family, problems, notes, coverage, tuple(axes), view.profiles, warnings,
+                      examples)
 
 
 def _cell(domain: Domain, picked: frozenset[int]) -> str:
@@ -433,7 +469,7 @@ def lint_family(family: str, profiles: tuple[str, ...] = ()) -> LintReport:
     if unknown:
         raise ValueError(f"unknown profile {unknown[0]!r}; profiles: "
                          f"{', '.join(sorted(state.profiles)) or '(none)'}")
-    return lint_view(state.view(family, tuple(profiles)))
+    return lint_view(state.view(family, tuple(profiles)), state)
 
 
 def lint_all(profiles: tuple[str, ...] = ()) -> list[LintReport]:
@@ -443,4 +479,4 @@ def lint_all(profiles: tuple[str, ...] = ()) -> list[LintReport]:
     if unknown:
         raise ValueError(f"unknown profile {unknown[0]!r}; profiles: "
                          f"{', '.join(sorted(state.profiles)) or '(none)'}")
-    return [lint_view(state.view(f, tuple(profiles))) for f in sorted(state.families)]
+    return [lint_view(state.view(f, tuple(profiles)), state) for f in sorted(state.families)]
