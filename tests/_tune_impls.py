@@ -59,8 +59,8 @@ def steady(x: torch.Tensor) -> torch.Tensor:
 
 
 def skewed(x: torch.Tensor) -> torch.Tensor:
-    """Right; the fastest on rank 0, slowed down on rank 1 (busy work: tune times CPU
-    time, so a sleep would not count)."""
+    """Right; the fastest on rank 0, slowed down on rank 1 (busy work, so the cost is
+    the CPU's whatever tune's clock)."""
     _busy(20000 if _rank() == 1 else 300)
     return x * 2
 
@@ -68,3 +68,18 @@ def skewed(x: torch.Tensor) -> torch.Tensor:
 def flaky(x: torch.Tensor) -> torch.Tensor:
     """The fastest; right on rank 0, wrong on rank 1."""
     return x * 3 if _rank() == 1 else x * 2
+
+
+# -- rows that misbehave on their inputs (tests/test_tune_trust.py) ----------------------
+
+def scribbler(x: torch.Tensor) -> torch.Tensor:
+    """The fastest; right, then writes into its input: it must be excluded for that, and
+    no other row may be blamed."""
+    out = x * 2
+    x.add_(1.0)
+    return out
+
+
+def broken(x: torch.Tensor) -> torch.Tensor:
+    """A reference row that cannot serve: the call must be skipped, the run go on."""
+    raise RuntimeError("this reference row is broken")

@@ -137,8 +137,11 @@ def test_two_ranks_one_profile(write_yaml: Callable[[str, str], Path], tmp_path:
 
 def _wire(timings: dict[str, tuple[float, float]], excluded: dict[str, str] | None = None,
           skipped: str | None = None) -> dict[str, Any]:
+    """One rank's measurement of a call: per row median and spread, the median's
+    interval a tenth either side, from 7 samples."""
     return {"family": "twice", "skipped": skipped, "excluded": excluded or {},
-            "timings": {r: list(t) for r, t in timings.items()}}
+            "shipped": None,
+            "timings": {r: [m, s, m * 0.9, m * 1.1, 7] for r, (m, s) in timings.items()}}
 
 
 def test_combine_median_and_exclusions(write_yaml: Callable[[str, str], Path]) -> None:
@@ -154,10 +157,10 @@ def test_combine_median_and_exclusions(write_yaml: Callable[[str, str], Path]) -
          _wire({}, skipped="family not loaded")],
         [_wire({"a": (40.0, 5.0), "b": (5.0, 2.0)}), _wire({"a": (2.0, 0.0)})],
     ])
-    assert got[0].timings == {"a": Timing(20.0, 3.0)}
+    assert got[0].timings == {"a": Timing(20.0, 3.0, 18.0, 22.0, 7)}
     assert got[0].excluded == {"b": "rank 1: raised X", "c": "rank 2: not a candidate there"}
     assert got[0].skipped is None and got[0].winner == "a"
-    assert got[1] == CallTiming(call, skipped="rank 1: family not loaded")
+    assert got[1] == CallTiming(call, skipped="rank 1: family not loaded", index=1)
 
 
 def test_one_rank_is_the_plain_path(write_yaml: Callable[[str, str], Path],

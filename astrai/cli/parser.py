@@ -107,6 +107,11 @@ def make_parser() -> argparse.ArgumentParser:
                         "(default: tuned.yaml)")
     t.add_argument("--rounds", type=int, default=7,
                    help="interleaved timing rounds per call (default: 7)")
+    t.add_argument("--budget", type=float, default=20.0, metavar="SECONDS",
+                   help="time for extra rounds, over the whole workload, where the figures "
+                        "cannot yet tell whether a row beats the shipped one (default: 20)")
+    t.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads while timing (default: torch's, as you run)")
     t.add_argument("--allow-nonfaithful", action="store_true",
                    help="time non-faithful rows too (they change numerics)")
     t.add_argument("--report", metavar="REPORT.md",

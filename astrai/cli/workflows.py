@@ -86,11 +86,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise UsageError("--rounds must be at least 1")
+    if args.budget < 0:
+        raise UsageError("--budget must be 0 or more seconds")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
     workload = Workload.load(args.workload)
     started = init_from_environment()  # under torchrun: every rank tunes, one profile
     try:
         tuned = tune_workload(workload, args.output, rounds=args.rounds,
-                              allow_nonfaithful=args.allow_nonfaithful, source=args.workload)
+                              allow_nonfaithful=args.allow_nonfaithful, source=args.workload,
+                              budget=args.budget, threads=args.threads)
     finally:
         if started:
             import torch.distributed as dist

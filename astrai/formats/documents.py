@@ -12,6 +12,8 @@ and ``astrai.lock.model`` (decisions). Imported only to read or write such a fil
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "DOCUMENT_VERSION",
     "LockFile",
@@ -100,7 +102,36 @@ class TensorSpec(FileModel):
         if self.stride is not None and len(self.stride) != len(self.shape):
             raise ValueError(f"stride has {len(self.stride)} entries for a shape of "
                              f"{len(self.shape)}")
+        _buildable(self.shape, self.stride)
+        _known_device(self.device)
         return self
+
+
+#: The most elements a tensor can have (torch indexes storage with int64).
+MAX_ELEMENTS = 2 ** 63 - 1
+
+
+def _buildable(shape: list[int], stride: list[int] | None) -> None:
+    """No machine can build a tensor whose elements (or whose strided storage) exceed
+    ``MAX_ELEMENTS``."""
+    if 0 in shape:
+        return
+    elements = math.prod(shape)
+    reach = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if stride else 0
+    if max(elements, reach) > MAX_ELEMENTS:
+        raise ValueError(f"a tensor of shape {shape} needs {max(elements, reach):.3g} "
+                         f"elements; no machine can build one over 2**63 - 1")
+
+
+def _known_device(text: str) -> None:
+    """The device is one torch can name (whether this machine has it is tune's question)."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{text!r} is not a torch device: "
+                         f"{str(exc).splitlines()[0]}") from None
 
 
 class PoolSpec(FileModel):
@@ -115,6 +146,13 @@ class PoolSpec(FileModel):
     dtype: DtypeName
     device: StrictStr
     padding_slot: StrictBool = True
+
+    @model_validator(mode="after")
+    def _pool_fits(self) -> PoolSpec:
+        _buildable([2, self.layers, self.slots, self.kv_heads, self.head_dim], None)
+        _buildable([self.max_requests, self.max_context], None)
+        _known_device(self.device)
+        return self
 
 
 class PagedSpec(FileModel):

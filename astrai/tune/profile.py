@@ -6,9 +6,10 @@ within a class split into **buckets** along one size axis (q_len, kv_len, tokens
 the one whose split costs least) with boundaries where the winner changes. The split is
 a segmentation that minimises the workload's total time (each call's time weighted by its
 count) plus a small price per extra bucket, so one noisy call does not cut a bucket in
-two. A row within ``TIE`` of the fastest on a call counts as fast as it when it is the
-row the shipped order picks: the tuned order leaves the shipped choice alone unless
-another row is measurably faster.
+two. On each call the row the figures support counts as the fastest
+(``CallTiming.winner``: another row replaces the shipped order's choice only when it is
+faster beyond the noise, ``astrai.tune.statistics``), so the tuned order leaves the
+shipped choice alone unless another row is measurably faster.
 
 The profile expresses the buckets with the overlay keys a profile has: ``order`` puts the
 bucket winners first (the rows that win most calls first), ``chain_when`` narrows where
@@ -22,11 +23,11 @@ the winners.
 
 from __future__ import annotations
 
-__all__ = ["TIE", "Bucket", "buckets_of", "chain_row", "profile_document", "profile_text", "verify",
+__all__ = ["Bucket", "buckets_of", "profile_document", "profile_text", "verify",
            "write_profile"]
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,10 @@ from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import evaluate
 from astrai.dispatch.scopes import use_profile
 from astrai.dispatch.tables.format import schemas_dir
-from astrai.dispatch.verdicts import MATCH, row_verdict
 from astrai.errors import AstraiError
 from astrai.formats.common import atomic_write
 from astrai.tune.measure import CallTiming, Timing
 
-TIE = 0.05  # the shipped row within 5% of the fastest keeps its calls
 PRICE = 0.05  # an extra bucket must save 5% of the class's time
 
 
@@ -61,37 +60,39 @@ class Bucket:
     calls: tuple[CallTiming, ...]
 
     def table(self) -> dict[str, Timing]:
-        """Row -> ``Timing`` over the bucket: medians and spreads of the calls' (median)."""
+        """Row -> ``Timing`` over the bucket (the rows timed on every call of it): each
+        figure the mean of the calls' own, weighted by their counts - the same weights
+        the buckets were chosen by - and likewise its interval and spread."""
         rows = [r for r in self.calls[0].timings if all(r in c.timings for c in self.calls)]
-        return {r: Timing(_median([c.timings[r].median_us for c in self.calls]),
-                          _median([c.timings[r].spread_us for c in self.calls]))
+        weights = [c.call.count for c in self.calls]
+        total = sum(weights)
+
+        def mean(row: str, pick: Callable[[Timing], float]) -> float:
+            return sum(w * pick(c.timings[row]) for w, c in zip(weights, self.calls,
+                                                               strict=True)) / total
+
+        return {r: Timing(mean(r, lambda t: t.median_us), mean(r, lambda t: t.spread_us),
+                          mean(r, lambda t: t.interval.low), mean(r, lambda t: t.interval.high),
+                          min(c.timings[r].samples for c in self.calls))
                 for r in rows}
 
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def chain_row(state: Registry, family: str, timing: CallTiming) -> str | None:
-    """The row the shipped order (no profile) gives the call: the first row of the
-    chain whose verdict is a match."""
-    view = state.view(family, ())
-    ctx = timing.call.context()
-    for rec in view.chain:
-        if row_verdict(state, view, rec, ctx)[0] == MATCH:
-            return rec.name
-    return view.fallback.name
+    @property
+    def verdicts(self) -> tuple[str, ...]:
+        """Why its calls have the winners they have (``statistics.Verdict``), each once,
+        ``unclear`` written as ``cannot tell``."""
+        words = {"unclear": "cannot tell", "busy": "cannot tell (busy)"}
+        said = dict.fromkeys(c.decision()[1] for c in self.calls)
+        return tuple(words.get(v, v) for v in said)
 
 
-def _costs(timing: CallTiming, shipped: str | None) -> dict[str, float]:
-    """Row -> the call's time (weighted by its count), the shipped row's evened to the
-    fastest when within ``TIE`` of it."""
+def _costs(timing: CallTiming) -> dict[str, float]:
+    """Row -> the call's time (weighted by its count), the row the figures support
+    evened to just under the fastest (a shipped row that no row beats beyond the noise
+    keeps the call)."""
     t = {r: v.median_us for r, v in timing.timings.items()}
-    best = min(t.values())
-    if shipped in t and t[shipped] <= best * (1 + TIE):
-        t[shipped] = best * (1 - 1e-9)  # a tie goes to the shipped row
+    winner = timing.winner
+    if winner is not None:
+        t[winner] = min(t.values()) * (1 - 1e-9)
     return {r: v * timing.call.count for r, v in t.items()}
 
 
@@ -178,7 +179,7 @@ def buckets_of(timings: Sequence[CallTiming], state: Registry | None = None) -> 
             classes.setdefault(tuple(t.call.axes.get(a) for a in discrete), []).append(t)
         for key, members in classes.items():
             prefix = [f"{a} == {format_value(v)}" for a, v in zip(discrete, key, strict=True)]
-            costs = [_costs(t, chain_row(state, family, t)) for t in members]
+            costs = [_costs(t) for t in members]
             out += _class_buckets(family, prefix, members, costs)
     return out
 
@@ -217,11 +218,15 @@ def profile_document(name: str, buckets: Sequence[Bucket], provenance: Mapping[s
         families[family] = _overlay(state, family, [b for b in buckets if b.family == family])
     measured = [{"family": b.family, "bucket": b.condition, "row": row,
                  "median_us": round(t.median_us, 2), "spread_us": round(t.spread_us, 2),
-                 "winner": row == b.winner}
+                 "interval_us": [round(t.low_us, 2), round(t.high_us, 2)],
+                 "samples": t.samples, "winner": row == b.winner,
+                 **({"verdict": ", ".join(b.verdicts)} if row == b.winner else {})}
                 for b in buckets for row, t in b.table().items()]
     return {"version": 1, "profile": name,
             "description": description or "measured by astrai-ops tune: per shape bucket, "
-                                          "the fastest row that agreed with the reference",
+                                          "the row that agreed with the reference and that "
+                                          "the figures support (the shipped row unless "
+                                          "another is faster beyond the noise)",
             "families": families, "provenance": {**provenance, "measured": measured}}
 
 

@@ -6,11 +6,11 @@ Every rank measures the workload on its own (``tune.measure_workload``); then:
    ``distributed``'s byte all-gather: no pickle); a rank that failed to measure sends its
    error instead, and every rank raises the same ``TuneError`` naming it;
 2. ``combine``: one ``CallTiming`` per recorded call from all ranks' - a row's time is
-   the **median across ranks** of its per-rank medians (its spread the median of the
-   spreads); a row excluded on any rank (numerics, an exception) or not a candidate on
-   some rank is excluded on all, with the rank named; a call not tuned on some rank is
-   not tuned anywhere. Every rank computes it from the same gathered bytes, in rank order,
-   so every rank gets the same floats;
+   the **median across ranks** of its per-rank medians (its spread and each end of its
+   interval the median of the ranks' own); a row excluded on any rank (numerics, an
+   exception) or not a candidate on some rank is excluded on all, with the rank named; a
+   call not tuned on some rank is not tuned anywhere. Every rank computes it from the
+   same gathered bytes, in rank order, so every rank gets the same floats;
 3. rank 0 alone buckets the combined timings and renders the profile document, and
    ``share_text`` hands its bytes to every rank: each rank writes exactly those bytes
    (the provenance carries rank 0's machine, its clock, and ``ranks: N``);
@@ -94,8 +94,10 @@ def _failed_ranks(gathered: Sequence[Any], what: str) -> None:
 
 def _to_wire(timing: CallTiming) -> dict[str, Any]:
     return {"family": timing.call.family, "skipped": timing.skipped,
-            "excluded": dict(timing.excluded),
-            "timings": {r: [t.median_us, t.spread_us] for r, t in timing.timings.items()}}
+            "excluded": dict(timing.excluded), "shipped": timing.shipped,
+            "busy": timing.busy,
+            "timings": {r: [t.median_us, t.spread_us, t.low_us, t.high_us, t.samples]
+                        for r, t in timing.timings.items()}}
 
 
 def gather_timings(local: Sequence[CallTiming] | BaseException,
@@ -124,9 +126,10 @@ def combine(calls: Sequence[RecordedCall], per_rank: Sequence[Sequence[Mapping[s
         skipped = [(n, r["skipped"]) for n, r in enumerate(ranks) if r["skipped"] is not None]
         if skipped:
             out.append(CallTiming(call, skipped="; ".join(f"rank {n}: {why}"
-                                                          for n, why in skipped)))
+                                                          for n, why in skipped), index=i))
             continue
-        result = CallTiming(call)
+        result = CallTiming(call, index=i, shipped=ranks[0].get("shipped"),
+                            busy=any(r.get("busy", False) for r in ranks))
         rows = list(dict.fromkeys(row for r in ranks
                                   for row in [*r["timings"], *r["excluded"]]))
         for row in rows:
@@ -137,9 +140,11 @@ def combine(calls: Sequence[RecordedCall], per_rank: Sequence[Sequence[Mapping[s
             if why:
                 result.excluded[row] = "; ".join(why)
                 continue
-            result.timings[row] = Timing(
-                statistics.median(float(r["timings"][row][0]) for r in ranks),
-                statistics.median(float(r["timings"][row][1]) for r in ranks))
+            figures = [r["timings"][row] for r in ranks]
+            median, spread, low, high = (statistics.median(float(f[k]) for f in figures)
+                                         for k in range(4))
+            result.timings[row] = Timing(median, spread, low, high,
+                                         min(int(f[4]) for f in figures))
         out.append(result)
     return out
 

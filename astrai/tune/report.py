@@ -14,14 +14,14 @@ from astrai.tune.run import Tuned
 
 def render_table(tuned: Tuned) -> str:
     """The timing table as markdown: one line per bucket, a column per row (median us
-    and spread; the winner in bold)."""
+    and its 95% interval; the winner in bold), the winner and its verdict."""
     out = []
     for family in dict.fromkeys(b.family for b in tuned.buckets):
         buckets = [b for b in tuned.buckets if b.family == family]
         rows = list(dict.fromkeys(r for b in buckets for r in b.table()))
         out += [f"### {family}", "",
-                "| bucket | calls | " + " | ".join(rows) + " | winner |",
-                "|---|---:|" + "---:|" * len(rows) + "---|"]
+                "| bucket | calls | " + " | ".join(rows) + " | winner | verdict |",
+                "|---|---:|" + "---:|" * len(rows) + "---|---|"]
         for b in buckets:
             table = b.table()
             cells = []
@@ -29,11 +29,12 @@ def render_table(tuned: Tuned) -> str:
                 if r not in table:
                     cells.append("-")
                     continue
-                text = f"{table[r].median_us:.1f} ± {table[r].spread_us:.1f}"
+                t = table[r]
+                text = f"{t.median_us:.1f} [{t.low_us:.1f}, {t.high_us:.1f}]"
                 cells.append(f"**{text}**" if r == b.winner else text)
             calls = sum(t.call.count for t in b.calls)
             out.append(f"| `{b.condition}` | {calls} | " + " | ".join(cells)
-                       + f" | {b.winner} |")
+                       + f" | {b.winner} | {', '.join(b.verdicts)} |")
         out.append("")
     return "\n".join(out)
 

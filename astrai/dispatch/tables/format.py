@@ -18,6 +18,7 @@ __all__ = [
     "Definitions",
     "FamilyOverlayModel",
     "MeasuredModel",
+    "NoiseModel",
     "OverlayFile",
     "OverlayRowModel",
     "ProfileFile",
@@ -245,7 +246,26 @@ class MeasuredModel(FileModel):
     row: Name
     median_us: float = Field(description="median microseconds per call")
     spread_us: float = Field(description="interquartile range of the samples (microseconds)")
+    interval_us: list[float] | None = Field(
+        default=None, min_length=2, max_length=2,
+        description="the median's 95% confidence interval [low, high] (microseconds)")
+    samples: StrictInt = Field(default=0, ge=0, description="timed samples per call, at least")
     winner: StrictBool = False
+    verdict: StrictStr = Field(
+        default="", description="for the winner: why it won (faster: beyond the noise; "
+                                "shipped, tie, cannot tell, cannot tell (busy): the shipped "
+                                "row stays; no shipped: the shipped row was excluded)")
+
+
+class NoiseModel(FileModel):
+    """Whether the machine was quiet while tune measured (``astrai.tune.noise``)."""
+
+    quiet: StrictBool
+    cpu_share: float = Field(description="the share of a core tune's thread got while spinning")
+    other_runnable: float | None = Field(
+        default=None, description="other runnable tasks at the median timing round")
+    interval_width: float | None = Field(
+        default=None, description="median relative width of the rows' 95% intervals")
 
 
 class ProvenanceModel(FileModel):
@@ -257,6 +277,13 @@ class ProvenanceModel(FileModel):
     rounds: StrictInt = Field(default=0, description="timed rounds per call")
     ranks: StrictInt = Field(default=1, description="ranks whose timings were combined "
                                                     "(median across ranks)")
+    threads: StrictInt = Field(default=0, ge=0,
+                               description="torch intra-op threads the rows were timed at")
+    timed: StrictStr = Field(default="", description="what a sample times, in words")
+    budget_s: float = Field(default=0.0, ge=0.0,
+                            description="seconds allowed for extra rounds where unclear")
+    noise: NoiseModel | None = Field(default=None,
+                                     description="whether the machine was quiet meanwhile")
     measured: list[MeasuredModel] = Field(default_factory=list,
                                           description="row x bucket -> median microseconds")
 
