@@ -103,7 +103,6 @@ class TensorSpec(FileModel):
             raise ValueError(f"stride has {len(self.stride)} entries for a shape of "
                              f"{len(self.shape)}")
         _buildable(self.shape, self.stride)
-        _known_device(self.device)
         return self
 
 
@@ -123,17 +122,6 @@ def _buildable(shape: list[int], stride: list[int] | None) -> None:
                          f"elements; no machine can build one over 2**63 - 1")
 
 
-def _known_device(text: str) -> None:
-    """The device is one torch can name (whether this machine has it is tune's question)."""
-    import torch
-
-    try:
-        torch.device(text)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"{text!r} is not a torch device: "
-                         f"{str(exc).splitlines()[0]}") from None
-
-
 class PoolSpec(FileModel):
     """The sizes of a paged KV pool (``astrai.kv_cache.KVPool``)."""
 
@@ -151,7 +139,6 @@ class PoolSpec(FileModel):
     def _pool_fits(self) -> PoolSpec:
         _buildable([2, self.layers, self.slots, self.kv_heads, self.head_dim], None)
         _buildable([self.max_requests, self.max_context], None)
-        _known_device(self.device)
         return self
 
 
