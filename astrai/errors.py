@@ -9,6 +9,7 @@ __all__ = [
     "KVCacheFullError",
     "LockDriftError",
     "NoImplementationError",
+    "OutputPathError",
     "PlanMismatchError",
     "ScopeError",
     "SpecSyntaxError",
@@ -292,3 +293,9 @@ class UnsupportedFeatureError(AstraiError, NotImplementedError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (UnsupportedFeatureError, (self.feature, self.value, self.hint))
+
+
+class OutputPathError(AstraiError, OSError):
+    """A file astrai was asked to write cannot be written there without destroying
+    something: the path is not a regular file (a directory, a FIFO, a device, a socket),
+    or it is one of the command's own inputs."""

@@ -10,6 +10,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,14 @@ import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.dispatch import FileFormatError, op_backend, record, use_profile
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
-from astrai.record.workload import ObjectArg, PagedArg, RecordedCall, TensorArg, Workload
+from astrai.record.workload import (
+    ObjectArg,
+    PagedArg,
+    RecordedCall,
+    SeqArg,
+    TensorArg,
+    Workload,
+)
 
 SMALL = LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64)
 REPO = Path(__file__).resolve().parents[1]
@@ -374,3 +382,54 @@ class TestProcess:
         assert f"({workload.total} calls) to {out}" in printed
         assert workload.families()["attention"] == 2 * (1 + 31) + 2
         assert set(workload.families()) == {"attention", "rotary", "rms_norm", "linear"}
+
+
+class TestNeverBreaks:
+    """Recording never makes a call fail, and never loses the calls it could record."""
+
+    def test_a_list_that_holds_itself(self, toy: Path) -> None:
+        loop: list[Any] = [1]
+        loop.append(loop)
+        with record() as wl:
+            ops.call("toy", torch.zeros(2, 3, 4), loop)
+        (call,) = wl.calls
+        assert call.args[1] == SeqArg((1, ObjectArg("builtins:list")))
+
+    def test_a_nested_tensor_is_recorded_by_type(self, toy: Path) -> None:
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])  # strided
+        with record() as wl:
+            ops.call("toy", torch.zeros(2, 3, 4), nested)
+        (call,) = wl.calls
+        assert call.args[1] == ObjectArg("torch:Tensor")
+
+    def test_a_call_no_file_can_hold_is_left_out_with_a_warning(
+            self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        """A jagged nested tensor's row count is symbolic: that call is left out (with a
+        warning), and the file of the others is written and loads."""
+        jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)],
+                                            layout=torch.jagged)
+        with caplog.at_level("WARNING", logger="astrai"), record() as wl:
+            ops.linear(jagged, torch.randn(4, 8))
+            ops.linear(torch.randn(2, 8), torch.randn(4, 8))
+        assert any("is not recorded" in r.getMessage() for r in caplog.records)
+        loaded = Workload.load(wl.save(tmp_path / "wl.yaml"))
+        assert [c.axes["tokens"] for c in loaded.calls] == [2]
+
+
+class TestChildren:
+    def test_processes_it_starts_write_files_of_their_own(self, tmp_path: Path) -> None:
+        """Under ``ASTR_RECORD`` a process it starts inherits the variable: it writes
+        ``<stem>.<pid><suffix>`` beside the parent's file, and the parent's own calls are
+        not overwritten."""
+        out = tmp_path / "wl.yaml"
+        child = ("import torch\nfrom astrai import ops\n"
+                 "ops.rms_norm(torch.randn(5, 8), torch.ones(8))\n")
+        script = ("import subprocess, sys, torch\nfrom astrai import ops\n"
+                  "ops.rms_norm(torch.randn(3, 8), torch.ones(8))\n"
+                  f"subprocess.run([sys.executable, '-c', {child!r}], check=True)\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ASTR_")}
+        env.update(ASTR_RECORD=str(out), PYTHONPATH=str(REPO))
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=240)
+        assert [c.axes["tokens"] for c in Workload.load(out).calls] == [3]
+        (mine,) = [p for p in tmp_path.glob("wl.*.yaml")]
+        assert [c.axes["tokens"] for c in Workload.load(mine).calls] == [5]

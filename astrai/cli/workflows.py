@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from astrai.cli.output import OK, PROBLEMS, UsageError
+from astrai.formats.common import not_an_input
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -52,6 +53,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
         return OK if report.ok else PROBLEMS
     if args.workload is None:
         raise UsageError("give the WORKLOAD to lock (or --check LOCK)")
+    not_an_input(args.output, args.workload)
     lock = lock_workload(Workload.load(args.workload), source=args.workload)
     try:
         path = lock.save(args.output)
@@ -90,6 +92,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--budget must be 0 or more seconds")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
+    not_an_input(args.output, args.workload)
+    if args.report:
+        not_an_input(args.report, args.workload, args.output, what="--report")
     workload = Workload.load(args.workload)
     started = init_from_environment()  # under torchrun: every rank tunes, one profile
     try:

@@ -17,6 +17,7 @@ __all__ = [
     "OPS_KEY",
     "PLUGINS_ENV",
     "RECORD_ENV",
+    "RECORD_OWNER_ENV",
     "TABLES_ENV",
     "decoded",
     "encoded",
@@ -71,6 +72,9 @@ TABLES_ENV = "ASTR_TABLES"
 PLUGINS_ENV = "ASTR_PLUGINS"
 #: Record every call of the process into this workload file, written at exit.
 RECORD_ENV = "ASTR_RECORD"
+#: Set by the process that records under ``ASTR_RECORD`` (its pid), for the processes it
+#: starts: they inherit both, and write files of their own beside it.
+RECORD_OWNER_ENV = "ASTR_RECORD_OWNER"
 #: The decision lock in force (``astrai.lock.enforce``) and what a drift from it does.
 LOCK_ENV = "ASTR_LOCK"
 LOCK_MODE_ENV = "ASTR_LOCK_MODE"

@@ -16,7 +16,8 @@ Recordings are process-wide: calls from every thread are recorded, and several
 recordings (nested, or in several threads) each get every call made while they are in
 force. ``ASTR_RECORD=path`` records a whole process (from the import of ``astrai.ops``)
 and writes the workload to ``path`` when the process exits; a forked child does not
-record (nor write) its parent's recording.
+record (nor write) its parent's recording, and a process it starts (which inherits the
+variable) writes its own calls to ``<stem>.<pid><suffix>`` beside ``path``.
 
 Cost: nothing while nothing records. The facades switch to recording routes when the
 first recording starts and back when the last ends (``state.record_switches``), so
@@ -29,7 +30,7 @@ cached), so record a representative run, not production traffic. Calls traced by
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_CALLS", "Recording", "note_call", "record",
+__all__ = ["DEFAULT_MAX_CALLS", "Recording", "note_call", "process_path", "record",
            "record_process"]
 
 import atexit
@@ -42,9 +43,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from astrai.dispatch import state as process
-from astrai.dispatch.axes import CallContext, context_fields
-from astrai.dispatch.env import RECORD_ENV
+from astrai.dispatch.axes import CORE_AXES, CallContext, context_fields
+from astrai.dispatch.env import RECORD_ENV, RECORD_OWNER_ENV
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import current
@@ -125,6 +128,10 @@ def record(max_calls: int = DEFAULT_MAX_CALLS) -> Recording:
     return Recording(max_calls)
 
 
+#: What an axis value in a workload file can be.
+_PLAIN = (type(None), bool, int, float, str)
+
+
 def note_call(ctx: CallContext, explicit: Any, incidental: tuple[str, ...] = ()) -> None:
     """Add a call, described by its full context (``raw`` / ``raw_kwargs`` holding the
     arguments the row gets), to every recording in force. ``incidental`` names keyword
@@ -135,6 +142,13 @@ def note_call(ctx: CallContext, explicit: Any, incidental: tuple[str, ...] = ())
     state = process.snapshot or current()
     scope = current_scope()
     family = ctx.family
+    odd = [f"{k}={v}" for k, v in (*((a, getattr(ctx, a)) for a in CORE_AXES),
+                                    *ctx.extra.items())
+           if not (v.__class__ in _PLAIN or isinstance(v, torch.dtype))]
+    if odd:  # a value no file can hold (a nested tensor's symbolic size, say)
+        warn_once(f"record: a {family} call is not recorded: its axes {', '.join(odd)} are "
+                  f"not plain values a workload file can hold")
+        return
     axes = context_fields(ctx)
     args = tuple(describe_value(v) for v in ctx.raw)
     kwargs = {k: describe_value(v) for k, v in ctx.raw_kwargs.items()}
@@ -152,11 +166,27 @@ def note_call(ctx: CallContext, explicit: Any, incidental: tuple[str, ...] = ())
 
 
 def record_process(path: str) -> Recording:
-    """Record this whole process and write the workload to ``path`` at exit
-    (``ASTR_RECORD``); a forked child writes nothing."""
+    """Record this whole process and write the workload at exit (``ASTR_RECORD``); a
+    forked child writes nothing. The process that set ``ASTR_RECORD`` writes ``path``;
+    a process it starts (a subprocess or a ``spawn`` worker, which inherit the variable)
+    writes its own file beside it, ``<stem>.<pid><suffix>`` (``process_path``), so no
+    process's calls overwrite another's."""
     recording = Recording().start()
-    atexit.register(_write_at_exit, recording, path, os.getpid())
+    pid = os.getpid()
+    owner = os.environ.get(RECORD_OWNER_ENV)
+    if owner is None:
+        os.environ[RECORD_OWNER_ENV] = str(pid)  # what the processes it starts inherit
+    elif owner != str(pid):
+        path = process_path(path, pid)
+    atexit.register(_write_at_exit, recording, path, pid)
     return recording
+
+
+def process_path(path: str, pid: int) -> str:
+    """Where a process started by the recording one writes its workload: ``wl.yaml`` ->
+    ``wl.<pid>.yaml`` beside it."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{pid}{p.suffix}"))
 
 
 def _write_at_exit(recording: Recording, path: str, pid: int) -> None:

@@ -254,20 +254,46 @@ _SCALARS = (type(None), bool, int, float, str)
 Tagged = TensorArg | PagedArg | DtypeArg | SeqArg | ObjectArg
 
 
-def describe_value(value: Any) -> Any:
-    """An argument as a recorded value: a scalar as it is, else a hashable ``*Arg``."""
+#: How deep lists and tuples are described; deeper (or a list that holds itself) is
+#: recorded by type.
+MAX_DEPTH = 16
+
+
+def describe_value(value: Any, _path: tuple[int, ...] = ()) -> Any:
+    """An argument as a recorded value: a scalar as it is, else a hashable ``*Arg``.
+    Never raises: what cannot be described faithfully (a nested or sparse tensor, a
+    symbolic size, a list that contains itself or nests deeper than ``MAX_DEPTH``) is
+    recorded by its type, as an ``ObjectArg`` (not rebuildable)."""
     if value.__class__ in _SCALARS:
         return value
-    if isinstance(value, torch.Tensor):
-        return TensorArg.of(value)
-    if isinstance(value, PagedBatch):
-        return PagedArg.of(value)
-    if isinstance(value, torch.dtype):
-        return DtypeArg(dtype_name(value))
-    if isinstance(value, list | tuple):
-        return SeqArg(tuple(describe_value(v) for v in value))
+    try:
+        if isinstance(value, torch.Tensor):
+            return TensorArg.of(value) if _plain_tensor(value) else _by_type(value)
+        if isinstance(value, PagedBatch):
+            return PagedArg.of(value)
+        if isinstance(value, torch.dtype):
+            return DtypeArg(dtype_name(value))
+        if isinstance(value, list | tuple):
+            if id(value) in _path or len(_path) >= MAX_DEPTH:
+                return _by_type(value)
+            inner = (*_path, id(value))
+            return SeqArg(tuple(describe_value(v, inner) for v in value))
+    except Exception:  # an object whose attributes cannot be read as expected
+        return _by_type(value)
+    return _by_type(value)
+
+
+def _by_type(value: Any) -> ObjectArg:
     kind = type(value)
     return ObjectArg(f"{kind.__module__}:{kind.__qualname__}")
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a strided dense tensor with plain integer sizes (what a
+    ``TensorArg`` describes and rebuilds)."""
+    if t.is_nested or t.layout is not torch.strided:
+        return False
+    return all(type(d) is int for d in t.shape)
 
 
 def _plain(value: Any) -> Any:

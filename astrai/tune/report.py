@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from astrai.dispatch.machine import this_machine
+from astrai.formats.common import atomic_write
 from astrai.tune.run import Tuned
 
 
@@ -63,7 +64,7 @@ def write_report(tuned: Tuned, path: str | os.PathLike[str]) -> list[str]:
         _plot(tuned, png)
         lines += [f"![row time per bucket]({png.name})", ""]
         done.append(f"wrote {png}")
-    report.write_text("\n".join(lines), encoding="utf-8")
+    atomic_write(report, "\n".join(lines))
     return [f"wrote {report}", *done]
 
 

@@ -32,7 +32,7 @@ from astrai.dispatch.names import NAME_PATTERN
 from astrai.dispatch.registry import Registry, current, load_tables
 from astrai.dispatch.scopes import use_profile
 from astrai.distributed.agreement import AgreedPlan, check_agreement
-from astrai.formats.common import atomic_write
+from astrai.formats.common import atomic_write, not_an_input
 from astrai.record.workload import Workload, now_utc
 from astrai.tune.measure import CallTiming, measure_workload
 from astrai.tune.noise import Noise, NoiseMonitor
@@ -146,9 +146,12 @@ def _threads(n: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def check_output(path: Path) -> None:
+def check_output(path: Path, workload: str = "") -> None:
     """Refuse, before anything is measured, an output path the profile cannot be
-    written to: a directory, or a file in a directory that is missing or read-only."""
+    written to: a directory, a file in a directory that is missing or read-only, or the
+    workload file itself (``workload``, when it names a file)."""
+    if workload and Path(workload).is_file():
+        not_an_input(path, workload)
     if path.is_dir():
         raise TuneError(f"-o {path}: that is a directory; name the profile file to write, "
                         f"e.g. {path / 'tuned.yaml'}")
@@ -179,8 +182,8 @@ def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds:
                                allow_nonfaithful=allow_nonfaithful, source=source,
                                progress=progress if rank == 0 else False, budget=budget,
                                threads=count)
-    _check_name(name)
-    check_output(path)
+    _check_name(name, state)
+    check_output(path, source)
     monitor = NoiseMonitor()
     with _threads(threads) as count:
         monitor.start()
@@ -223,8 +226,8 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
     local: list[CallTiming] | Exception
     try:
         if rank == 0:  # only rank 0's name counts; a bad one fails every rank, in the gather
-            _check_name(name)
-            check_output(path)
+            _check_name(name, state)
+            check_output(path, source)
         local = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
                                  progress=progress, budget=budget)
     except Exception as exc:  # the others learn of it in the gather instead of hanging
@@ -259,8 +262,25 @@ def _tune_ranks(workload: Workload, path: Path, state: Registry, rank: int, worl
                  threads=threads)
 
 
-def _check_name(name: str) -> None:
+def _check_name(name: str, state: Registry | None = None) -> None:
     if not re.fullmatch(NAME_PATTERN, name):
         raise TuneError(f"the profile is named after its file, and {name!r} is not a valid "
                         f"profile name (letters, digits, '_', '.', '-'; not starting with a "
                         f"digit)")
+    shipped = (state or current()).profiles.get(name)
+    if shipped is not None and _is_shipped(shipped.source):
+        raise TuneError(f"the profile is named after its file, and {name!r} is a profile "
+                        f"astrai ships ({shipped.source}): loaded after it, the tuned one "
+                        f"would replace it for everyone who asks for {name!r}; name the file "
+                        f"otherwise (e.g. tuned-{name}.yaml)")
+
+
+def _is_shipped(source: str) -> bool:
+    """Whether a profile's ``source`` (``file:line``) is one of the shipped tables."""
+    from astrai.dispatch.tables.artifact import shipped_tables_dir
+
+    file = source.rsplit(":", 1)[0] if ":" in source else source
+    try:
+        return Path(file).resolve().is_relative_to(shipped_tables_dir().resolve())
+    except (OSError, ValueError):
+        return False
