@@ -386,3 +386,55 @@ class TestCommand:
             """))
         assert main(["lock", str(path)]) == 1
         assert f"{path}:1:1: missing required key 'recorded'" in capsys.readouterr().err
+
+
+class TestPinSaysWhatItDoes:
+    """``pin`` serving a row the tables would not pick says so, once; a mode typo fails
+    closed."""
+
+    def test_pinning_a_non_faithful_row_warns(self, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+        """A lock made under ``ASTR_OPS=profile=low-precision`` pins linear's bf16 row;
+        replayed without the profile, the bf16 row serves - with a warning naming it, the
+        row the tables pick, and that it changes numerics."""
+        x, w = torch.randn(4, 64), torch.randn(32, 64)
+        monkeypatch.setenv("ASTR_OPS", "profile=low-precision")
+        dispatch.refresh()
+        with record() as wl:
+            ops.linear(x, w)
+        lock = lock_workload(wl.workload())
+        assert [d.row for d in lock.decisions] == ["bf16"]
+        path = lock.save(tmp_path / "lowp.lock")
+        monkeypatch.delenv("ASTR_OPS")
+        use_lock(monkeypatch, path, "pin")
+        dispatch.stats(reset=True)
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            ops.linear(x, w)
+            ops.linear(x, w)
+        assert dispatch.stats().served("linear", "bf16", "lock") == 2
+        said = [r.getMessage() for r in caplog.records if "runs the locked row" in r.getMessage()]
+        assert len(said) == 1
+        assert "'bf16' where the tables now pick 'torch'" in said[0]
+        assert "not faithful: it changes numerics" in said[0]
+
+    def test_pinning_a_faithful_row_warns_without_the_numerics_note(
+            self, lock_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            caplog: pytest.LogCaptureFixture) -> None:
+        dispatch.load_tables(edited_attention(tmp_path, math_first))
+        use_lock(monkeypatch, lock_path, "pin")
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            ops.attention(Q, Q, Q, is_causal=True)
+        said = [r.getMessage() for r in caplog.records if "runs the locked row" in r.getMessage()]
+        assert len(said) == 1 and "'torch_native' where the tables now pick 'math'" in said[0]
+        assert "not faithful" not in said[0]
+
+    def test_a_mode_typo_fails_closed(self, lock_path: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+        dispatch.load_tables(edited_attention(tmp_path, math_first))
+        use_lock(monkeypatch, lock_path, "strcit")
+        with caplog.at_level(logging.WARNING, logger="astrai"), pytest.raises(LockDriftError):
+            ops.attention(Q, Q, Q, is_causal=True)
+        assert any("'strcit' is not a lock mode" in r.getMessage() and "failing closed: strict"
+                   in r.getMessage() for r in caplog.records)

@@ -173,6 +173,37 @@ class TestSeedDifferential:
                                                            theirs["seedfam"].origin)
 
 
+    def test_legacy_alias_value_in_any_case(self, seed: ModuleType,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+        """A legacy alias variable's value is lower-cased, as the seed reads it:
+        ``SEEDFAM_BACKEND=GENERIC`` selects ``generic`` in both."""
+        with both_registered(seed):
+            for d in (seed, astrai_dispatch):
+                d.register_env_alias("seedfam", "SEEDFAM_BACKEND")
+            monkeypatch.setenv("SEEDFAM_BACKEND", "  GENERIC ")
+            astrai_dispatch.refresh()
+            for call in CONTEXTS[:12]:
+                assert outcome(astrai_dispatch, call) == outcome(seed, call), call
+            assert outcome(astrai_dispatch, CONTEXTS[0])[1] == "env"
+
+    def test_ad_hoc_object_with_only_supports_call(self, seed: ModuleType) -> None:
+        """An explicit handle that has ``supports_call`` but no ``__call__`` is an ad hoc
+        row in both, decided by its probe."""
+
+        class Probe:
+            def supports_call(self, *args: Any, **kwargs: Any) -> bool:
+                return True
+
+        handle = Probe()
+        with both_registered(seed):
+            for call in CONTEXTS[:6]:
+                got = outcome(astrai_dispatch, call, handle)
+                assert got[1] == outcome(seed, call, handle)[1] == "explicit", call
+                ours = astrai_dispatch.resolve(
+                    "seedfam", astrai_dispatch.CallContext("seedfam", **call), handle)
+                assert ours.record.obj is handle
+
+
 class TestSeedShapes:
     """The seed's API shapes, without the oracle."""
 

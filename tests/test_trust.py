@@ -156,8 +156,9 @@ class TestBadHandles:
         """``backend=42`` is a TypeError naming the rows, and nothing is counted."""
         reset_stats()
         x = torch.randn(2, 4)
-        with pytest.raises(TypeError, match=r"a linear backend must be a row name or a callable "
-                                            r"implementation object, not int 42; rows: fp8, bf16"):
+        with pytest.raises(TypeError, match=r"a linear backend must be a row name, a callable "
+                                            r"implementation object or one with supports_call, "
+                                            r"not int 42; rows: fp8, bf16"):
             ops.linear(x, torch.randn(3, 4), backend=42)
         assert stats().calls == {}
 

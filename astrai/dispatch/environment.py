@@ -1,6 +1,10 @@
 """What the environment asks for: ``ASTR_OPS`` and the families' legacy alias variables,
 parsed.
 
+A family's legacy alias variable (``ASTR_BACKEND``, ``register_env_alias``) names a row in
+any case: its value is lower-cased, as the seed reads it (``ASTR_BACKEND=REF`` is ``ref``);
+``ASTR_OPS`` values are taken as written.
+
 ``ASTR_OPS="attention=flash,rotary=torch,profile=reference+low-precision"``:
 comma-separated ``key=value``; keys are family names or ``profile``. Malformed entries,
 unknown families and unknown profiles warn once each through the ``astrai`` logger and
@@ -115,7 +119,7 @@ def env_settings(
         for (family, var), value in zip(aliases.items(), alias_values, strict=True):
             if value is None or not value.strip() or family in backends:
                 continue
-            backends[family] = value.strip()
+            backends[family] = value.strip().lower()  # as the seed reads an alias
             sources[family] = var
         got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
     return _parsed(key, got)
@@ -148,7 +152,7 @@ def env_for(state: Registry, ops: Any, family: str, alias: Any) -> EnvSettings:
     var = state.aliases.get(family)
     value = decoded(alias)
     if var is not None and value is not None and value.strip() and family not in got.backends:
-        got = EnvSettings(MappingProxyType({**got.backends, family: value.strip()}),
+        got = EnvSettings(MappingProxyType({**got.backends, family: value.strip().lower()}),
                           got.profiles, MappingProxyType({family: var}))
     return _parsed(key, got)
 

@@ -262,8 +262,12 @@ def active_view(state: Registry, family: str) -> View:
 
 
 def check_handle(family: str, handle: Any, names: list[str]) -> None:
-    """A selection handle is a row name or a callable implementation object."""
-    if isinstance(handle, str) or callable(handle):
+    """A selection handle is a row name, a callable implementation object, or (as in the
+    seed) an object with a ``supports_call`` probe: resolution names it; calling it is the
+    caller's business."""
+    if isinstance(handle, str) or callable(handle) or callable(
+            getattr(handle, "supports_call", None)):
         return
-    raise TypeError(f"a {family} backend must be a row name or a callable implementation "
-                    f"object, not {type(handle).__name__} {handle!r}; rows: {', '.join(names)}")
+    raise TypeError(f"a {family} backend must be a row name, a callable implementation "
+                    f"object or one with supports_call, not {type(handle).__name__} "
+                    f"{handle!r}; rows: {', '.join(names)}")

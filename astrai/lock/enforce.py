@@ -17,8 +17,13 @@ a difference (a *drift*) does:
 - ``strict``: ``LockDriftError`` naming the family, the call, the locked and live rows
   and the reason (a row became unavailable or was removed, a table or profile edit, a
   new signature the lock does not hold); the call does not run;
-- ``pin``: the locked row serves the call when it can (origin ``lock``); when it cannot,
-  ``LockDriftError``. A call the lock does not hold warns and runs as decided.
+- ``pin``: the locked row serves the call when it can (origin ``lock``), with a warning,
+  once, naming the row the tables would pick and why they differ (and saying so when the
+  locked row is not faithful); when it cannot, ``LockDriftError``. A call the lock does
+  not hold warns and runs as decided.
+
+A value of ``ASTR_LOCK_MODE`` that is none of these fails closed: ``strict``, with a
+warning.
 
 The variables are read when a decision is taken; decisions already cached are not
 re-checked when they change (``refresh()`` drops the cache).
@@ -133,6 +138,11 @@ class ActiveLock:
             return None, None
         reason, pinned = drift_reason(state, differs, can_serve)
         if self.mode == "pin" and pinned is not None:
+            unfaithful = ("; the locked row is not faithful: it changes numerics"
+                          if not pinned.faithful else "")
+            warn_once(f"{LOCK_ENV}={self.path} ({LOCK_MODE_ENV}=pin): the {family} call "
+                      f"{signature} runs the locked row {pinned.name!r} where the tables now "
+                      f"pick {row!r} ({reason}){unfaithful}")
             return pinned, None
         return None, Drift(family, signature, differs.row, row, reason, self.path,
                            self.mode != "warn")
@@ -188,10 +198,10 @@ def _read(path: str, mode: str) -> ActiveLock | None:
     if not path.strip():
         return None
     mode = mode.strip().lower() or "warn"
-    if mode not in MODES:
+    if mode not in MODES:  # fail closed: a typo must not turn a strict check into a warning
         warn_once(f"{LOCK_MODE_ENV}={mode!r} is not a lock mode ({', '.join(MODES)}); "
-                  f"using warn")
-        mode = "warn"
+                  f"failing closed: strict")
+        mode = "strict"
     try:
         lock = Lock.load(path)
     except FileFormatError as exc:
