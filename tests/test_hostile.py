@@ -510,3 +510,48 @@ def test_error_cli_validate_empty_path(tmp_path: Path) -> None:
     assert done.returncode == 1, done
     assert "an empty path names no table file or directory" in done.stderr
     assert "broken.yaml" not in done.stderr + done.stdout
+
+
+def _bomb(levels: int = 7) -> str:
+    """Aliases that expand tenfold per level: a few hundred bytes, 10**levels values."""
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+class TestAliasBombs:
+    """Alias expansion is bounded before anything is converted, in every file astrai
+    reads: the refusal names the alias, and memory and time stay those of the text."""
+
+    def test_a_workload(self, tmp_path: Path) -> None:
+        from astrai.errors import FileFormatError
+        from astrai.record.workload import Workload
+
+        path = tmp_path / "bomb.yaml"
+        path.write_text('version: 1\nkind: workload\nrecorded: "x"\n' + _bomb() + "calls: []\n")
+        assert len(path.read_bytes()) < 600
+        with pytest.raises(FileFormatError, match="an alias bomb"):
+            Workload.load(path)
+
+    def test_a_lock_in_force(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             caplog: pytest.LogCaptureFixture) -> None:
+        import logging
+
+        import astrai.dispatch as dispatch
+        from astrai import ops
+
+        path = tmp_path / "bomb.lock"
+        path.write_text('version: 1\nkind: lock\n' + _bomb())
+        monkeypatch.setenv("ASTR_LOCK", str(path))
+        dispatch.refresh()
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            ops.rms_norm(torch.randn(2, 8), torch.ones(8))
+        assert any("an alias bomb" in r.getMessage() for r in caplog.records)
+
+    def test_a_table(self, tmp_path: Path) -> None:
+        path = tmp_path / "bomb.yaml"
+        path.write_text("version: 1\nfamily: bombed\nfallback: ref\n" + _bomb(6)
+                        + "rows:\n  - name: ref\n    impl: tests._impls:ref\n")
+        problems = validate(path)  # a table's own bound (100 000 values) is met first
+        assert any("after expanding aliases" in p.message for p in problems)

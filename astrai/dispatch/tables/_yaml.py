@@ -4,7 +4,10 @@ Only the standard YAML tags are accepted; anything else (``!!python/object``...)
 is an error, so a table can never run code. Duplicate mapping keys are errors too
 (plain ``yaml.safe_load`` silently keeps the last one). Nesting depth and the number
 of values (aliases count each time they are used) are bounded, so a self-referencing
-alias or an alias bomb is an error too, not a hang or a ``RecursionError``.
+alias or an alias bomb is an error too, not a hang or a ``RecursionError``: the size the
+aliases expand to is measured on the composed node graph before anything is converted
+(each node once), and what aliases add beyond the document's own nodes is bounded on
+its own (``MAX_ALIASED``), so a few hundred bytes cannot make millions of values.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
 MAX_DEPTH = 64  # a table is 4-5 levels deep
 MAX_VALUES = 100_000  # a shipped table has under 100
+#: The most values aliases may add to a document by being expanded (astrai writes none).
+MAX_ALIASED = 100_000
 
 
 @dataclass
@@ -70,6 +75,7 @@ def load_located(text: str, max_values: int = MAX_VALUES) -> Located:
         node = loader.get_single_node()
         out = Located(data=None)
         if node is not None:
+            _bounded(node, max_values)
             out.data = _Converter(loader, out, max_values).convert(node, ())
         return out
     except yaml.MarkedYAMLError as exc:
@@ -92,6 +98,44 @@ def load_located(text: str, max_values: int = MAX_VALUES) -> Located:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def _bounded(root: yaml.Node, max_values: int) -> None:
+    """Refuse, before converting, a node graph whose aliases expand past ``max_values``
+    values in all or add more than ``MAX_ALIASED`` to the document's own nodes, or that
+    refers to itself (each node is sized once, so a bomb costs its own size to check)."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+    unique = 0
+
+    def size(node: yaml.Node, depth: int) -> int:
+        nonlocal unique
+        key = id(node)
+        known = sizes.get(key)
+        if known is not None:
+            return known
+        if key in active or depth > MAX_DEPTH:
+            raise YamlProblem(*_pos(node), f"nested deeper than {MAX_DEPTH} levels (a "
+                                           "self-referencing alias?)")
+        active.add(key)
+        unique += 1
+        n = 1
+        if isinstance(node, yaml.MappingNode):
+            n += sum(size(v, depth + 1) for _, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            n += sum(size(item, depth + 1) for item in node.value)
+        active.discard(key)
+        sizes[key] = n
+        if n > max_values:
+            raise YamlProblem(*_pos(node), f"more than {max_values} values (after "
+                                           "expanding aliases): too large to read")
+        if n - unique > MAX_ALIASED:
+            raise YamlProblem(*_pos(node), f"aliases here expand to {n} values, more than "
+                                           f"{MAX_ALIASED} beyond the document's own: refused "
+                                           "(an alias bomb?)")
+        return n
+
+    size(root, 0)
 
 
 def _line_col(text: str, position: int) -> tuple[int, int]:
