@@ -556,3 +556,72 @@ class TestInit:
         got: InitRuns = runs["init"]
         assert got.nested.returncode == 0, got.nested.stderr
         assert (got.work / "nested" / "tables" / "attention.yaml").is_file()
+
+
+class TestNewUser:
+    """The command line as a new user tries it."""
+
+    def _kernels(self, where: Path) -> None:
+        pkg = where / "mykernels"
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "gelu.py").write_text("def gelu(x):\n    return x\n")
+
+    def _table(self, where: Path, module: str) -> Path:
+        path = where / "act.yaml"
+        path.write_text(f"version: 1\nfamily: act\nfallback: ref\nrows:\n  - name: ref\n"
+                        f"    impl: {module}:gelu\n")
+        return path
+
+    def test_the_script_imports_from_the_current_directory_as_python_m_does(
+            self, tmp_path: Path) -> None:
+        self._kernels(tmp_path)
+        self._table(tmp_path, "mykernels.gelu")
+        script = Path(sys.executable).with_name("astrai-ops")
+        if not script.exists():
+            pytest.skip("the astrai-ops script is not installed beside this interpreter")
+        for argv in ([str(script)], _cmd(())):
+            proc = subprocess.run([*argv, "validate", "act.yaml"], cwd=tmp_path, env=_env({}),
+                                  capture_output=True, text=True, timeout=180, check=False)
+            assert proc.returncode == 0, (argv, proc.stderr)
+            assert "ok: act.yaml" in proc.stdout
+
+    def test_a_misspelled_module_gets_a_did_you_mean(self, tmp_path: Path) -> None:
+        self._kernels(tmp_path)
+        self._table(tmp_path, "mykernels.gelus")
+        proc = run(("validate", "act.yaml"), tmp_path)
+        assert proc.returncode == 1
+        assert "No module named 'mykernels.gelus' (did you mean 'mykernels.gelu'?)" in (
+            proc.stderr)
+
+    def test_version(self, tmp_path: Path) -> None:
+        from astrai import __version__
+
+        proc = run(("--version",), tmp_path)
+        assert proc.returncode == 0 and proc.stdout.strip() == f"astrai-ops {__version__}"
+
+    def test_init_only_what_one_means_to_edit(self, tmp_path: Path) -> None:
+        proc = run(("init", "mine", "--only", "rms_norm", "--only", "reference"), tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        copied = sorted(p.relative_to(tmp_path / "mine").as_posix()
+                        for p in (tmp_path / "mine").rglob("*.yaml"))
+        assert copied == ["profiles/reference.yaml", "rms_norm.yaml"]
+        bad = run(("init", "other", "--only", "rmsnorm"), tmp_path)
+        assert bad.returncode == 2 and "(did you mean 'rms_norm'?)" in bad.stderr
+        assert not (tmp_path / "other").exists()
+
+    def test_validate_strict_fails_on_astr_ops_typos(self, tmp_path: Path) -> None:
+        loose = run(("validate",), tmp_path, {"ASTR_OPS": "linear=torhc"})
+        assert loose.returncode == 0
+        strict = run(("validate", "--strict"), tmp_path, {"ASTR_OPS": "linear=torhc"})
+        assert strict.returncode == 1
+        assert "unknown linear row 'torhc' (did you mean 'torch'?)" in strict.stderr
+        clean = run(("validate", "--strict"), tmp_path, {"ASTR_OPS": "linear=torch"})
+        assert clean.returncode == 0
+
+    def test_flash_says_no_cuda_first(self) -> None:
+        if __import__("torch").cuda.is_available():
+            pytest.skip("needs a machine without CUDA")
+        from astrai.backends.attention.flash import flash_available
+
+        assert str(flash_available()).startswith("no CUDA device")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = ["main"]
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO, cast
@@ -62,8 +63,18 @@ def _run(argv: Sequence[str] | None) -> int:
         return PROBLEMS
 
 
+def _import_from_here() -> None:
+    """Let a table's ``impl:`` and ``context:`` modules import from the current directory,
+    as they do under ``python -m astrai`` (which puts it first on ``sys.path``): the
+    ``astrai-ops`` script and ``python -m astrai`` then load the same tables alike."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    _import_from_here()
     real = sys.stdout
     sys.stdout = cast(TextIO, Stdout(real))
     try:

@@ -15,7 +15,9 @@ from pathlib import Path
 from astrai.cli.inspect import profile_names
 from astrai.cli.output import OK, PROBLEMS, UsageError
 from astrai.dispatch import registry
-from astrai.dispatch.env import TABLES_ENV
+from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.env import OPS_ENV, TABLES_ENV
+from astrai.dispatch.environment import ops_problems
 from astrai.dispatch.plugins import DISABLED, discover, plugin_problems
 
 
@@ -42,6 +44,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f" and {TABLES_ENV} ({', '.join(env_paths)})" if env_paths else "")
     found = registry.validate(*paths)
     problems = [(p.file, str(p)) for p in found]
+    if args.strict:
+        problems += [(OPS_ENV, p) for p in ops_problems()]
     # A path that holds no table or profile file was surely meant to hold some: say so.
     count = 0 if paths else len(_table_files(registry.shipped_tables_dir()))
     here = "here" if paths else f"in this {TABLES_ENV} entry"
@@ -166,6 +170,15 @@ def _repoint_schema(text: str, origin: Path) -> str:
     return _SCHEMA_LINE.sub(fix, text)
 
 
+def _defines(path: Path) -> str:
+    """The family or profile a shipped file defines (its ``family:`` or ``profile:``)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in ("family", "profile"):
+            return value.strip().strip("'\"")
+    return ""
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     src = registry.shipped_tables_dir()
     dest = Path(args.dir).expanduser().absolute()
@@ -175,6 +188,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(f"astrai-ops init: error: {dest} exists and is not a directory", file=sys.stderr)
         return PROBLEMS
     sources = sorted(p for p in _table_files(src) if p.is_file())
+    if args.only:
+        named = {_defines(p): p for p in sources}
+        unknown = [n for n in args.only if n not in named]
+        if unknown:
+            known = sorted(n for n in named if n)
+            raise UsageError(f"--only {unknown[0]!r} is no shipped family or profile"
+                             f"{did_you_mean(unknown[0], known)}; they are: {', '.join(known)}")
+        sources = [named[n] for n in dict.fromkeys(args.only)]
     pairs = [(p, dest / p.relative_to(src)) for p in sources]
     existing = [target for _, target in pairs if target.exists() or target.is_symlink()]
     if existing and not args.force:

@@ -6,9 +6,10 @@ __all__ = ["CALL_OPTIONS", "DESCRIPTION", "INIT_DIR", "add_axis_flag", "make_par
 
 import argparse
 
+from astrai import __version__
 from astrai.cli.output import help_text
 from astrai.dispatch.axes import AXES, Axis, format_value
-from astrai.dispatch.env import TABLES_ENV
+from astrai.dispatch.env import OPS_ENV, TABLES_ENV
 
 #: Where ``init`` copies the shipped tables by default.
 INIT_DIR = "astrai-tables"
@@ -45,6 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="astrai-ops", description=help_text(DESCRIPTION),
         epilog="Exit codes: 0 ok, 1 problems found, 2 usage error.")
+    p.add_argument("--version", action="version", version=f"astrai-ops {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
@@ -67,6 +69,9 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="machine-readable output")
 
     v = command("validate", "check table and profile files")
+    v.add_argument("--strict", action="store_true",
+                   help=f"also fail (exit 1) on a problem in {OPS_ENV} (an unknown family, "
+                        "row or profile, a malformed entry), which otherwise only warns")
     v.add_argument("paths", nargs="*",
                    help=f"files or directories (default: shipped tables and {TABLES_ENV})")
 
@@ -91,6 +96,9 @@ def make_parser() -> argparse.ArgumentParser:
     i.add_argument("dir", nargs="?", default=INIT_DIR, metavar="DIR",
                    help=f"where to copy them (default: ./{INIT_DIR})")
     i.add_argument("--force", action="store_true", help="overwrite files that already exist")
+    i.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="copy only this family's table or this profile (repeatable); "
+                        "default: all of them")
 
     d = command("demo", "run the demo model and show which rows served it")
     d.add_argument("--hf", "--transformers", dest="transformers", action="store_true",

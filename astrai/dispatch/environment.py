@@ -22,11 +22,12 @@ __all__ = [
     "env_overrides",
     "env_selection",
     "env_settings",
+    "ops_problems",
     "parse_ops",
 ]
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -53,8 +54,10 @@ class EnvSettings:
         return self.sources.get(family, OPS_ENV)
 
 
-def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) -> EnvSettings:
-    """Parse an ``ASTR_OPS`` value, warning once per problem and dropping bad entries."""
+def parse_ops(raw: str, families: Collection[str], profiles: Collection[str],
+              report: Callable[[str], object] = warn_once) -> EnvSettings:
+    """Parse an ``ASTR_OPS`` value, ``report``-ing each problem (default: a warning, once
+    each) and dropping bad entries."""
     backends: dict[str, str] = {}
     chosen: list[str] = []
     for entry in raw.split(","):
@@ -64,28 +67,28 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str]) ->
         key, sep, value = entry.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
-            warn_once(f"{OPS_ENV}: ignoring malformed entry {entry!r}; expected "
+            report(f"{OPS_ENV}: ignoring malformed entry {entry!r}; expected "
                       f"'family=row' or 'profile=name[+name...]'")
             continue
         if key == PROFILE_KEY:
             for name in value.split("+"):
                 name = name.strip()
                 if not name:
-                    warn_once(f"{OPS_ENV}: ignoring an empty profile name in {entry!r}")
+                    report(f"{OPS_ENV}: ignoring an empty profile name in {entry!r}")
                 elif name in profiles:
                     chosen.append(name)
                 else:
-                    warn_once(f"{OPS_ENV}: ignoring unknown profile {name!r}"
+                    report(f"{OPS_ENV}: ignoring unknown profile {name!r}"
                               f"{did_you_mean(name, profiles)}; known profiles: "
                               f"{', '.join(sorted(profiles)) or '(none)'}")
             continue
         if key not in families:
-            warn_once(f"{OPS_ENV}: ignoring unknown family {key!r}"
+            report(f"{OPS_ENV}: ignoring unknown family {key!r}"
                       f"{did_you_mean(key, families)}; known families: "
                       f"{', '.join(sorted(families))}, or 'profile'")
             continue
         if key in backends and backends[key] != value:
-            warn_once(f"{OPS_ENV}: {key!r} is given twice; using {value!r}")
+            report(f"{OPS_ENV}: {key!r} is given twice; using {value!r}")
         backends[key] = value
     return EnvSettings(MappingProxyType(backends), tuple(chosen))
 
@@ -173,3 +176,18 @@ def env_selection(family: str) -> str | None:
     """The row the environment names for ``family`` (``ASTR_OPS`` or its legacy alias)."""
     got: str | None = env_now(current()).backends.get(family)
     return got
+
+
+def ops_problems(state: Registry | None = None) -> list[str]:
+    """Every problem of ``ASTR_OPS`` as it is now, in words, without warning: malformed
+    entries, unknown families and profiles, and rows no table of ``state`` has."""
+    state = state or current()
+    found: list[str] = []
+    got = parse_ops(os.environ.get(OPS_ENV, ""), state.families, state.profiles,
+                    report=found.append)
+    for family, row in got.backends.items():
+        names = state.view(family, ()).row_names()
+        if row not in names:
+            found.append(f"{OPS_ENV}: unknown {family} row {row!r}{did_you_mean(row, names)}; "
+                         f"rows: {', '.join(names)}")
+    return found

@@ -41,10 +41,10 @@ _module: ModuleType | None = None
 
 def flash_available() -> bool | Unavailable:
     """``True`` when flash-attn is installed and a GPU it supports is present."""
+    if not torch.cuda.is_available():  # the machine first: installing cannot help here
+        return Unavailable("no CUDA device (flash-attn runs on CUDA GPUs only)")
     if importlib.util.find_spec("flash_attn") is None:
         return Unavailable("flash_attn is not installed (pip install flash-attn)")
-    if not torch.cuda.is_available():
-        return Unavailable("no CUDA device")
     capability = torch.cuda.get_device_capability()
     if capability < _MIN_CAPABILITY:
         name = torch.cuda.get_device_name()

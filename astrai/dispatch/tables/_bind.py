@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch._suggest import closest, did_you_mean
 
 
 class BindError(Exception):
@@ -55,6 +55,23 @@ def missing_requirement(requires: Sequence[str]) -> str | None:
     return None
 
 
+def _sibling_hint(missing: str) -> str:
+    """``(did you mean 'pkg.gelu'?)`` for a missing ``pkg.gelus`` whose package exists:
+    the modules beside it, as attribute names get."""
+    import pkgutil
+
+    parent, _, leaf = missing.rpartition(".")
+    try:
+        package = importlib.import_module(parent)
+    except BaseException:  # the parent itself is the problem: no sibling to suggest
+        return ""
+    where = getattr(package, "__path__", None)
+    if where is None:
+        return ""
+    best = closest(leaf, sorted(m.name for m in pkgutil.iter_modules(where)))
+    return f" (did you mean {f'{parent}.{best}'!r}?)" if best is not None else ""
+
+
 def bind(path: str, requires: Sequence[str] = ()) -> Bound:
     """Import ``module:attr`` (attr may be dotted); see the module docstring for failures."""
     if path.count(":") != 1:
@@ -68,7 +85,8 @@ def bind(path: str, requires: Sequence[str] = ()) -> Bound:
         if _root(missing) in declared:
             return Bound(None, _not_installed(_root(missing)))
         hint = (f"; if {_root(missing)!r} is an optional dependency, declare it on the row: "
-                f"requires: [{_root(missing)}]" if "." not in missing else "")
+                f"requires: [{_root(missing)}]" if "." not in missing
+                else _sibling_hint(missing))
         raise BindError(f"cannot import {module_name!r}: {exc}{hint}") from None
     except BaseException as exc:  # SyntaxError, any error, even SystemExit or
         # KeyboardInterrupt raised by the module's own code: all are load errors

@@ -72,8 +72,7 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
     missing = impl.missing or missing_requirement(requires)
     available: str | None = row["available"]
     if missing is not None:
-        reason = missing
-        probe = lambda: Unavailable(reason)  # noqa: E731
+        probe = _missing_probe(missing, available, requires)
     elif available is not None:
         try:
             bound = bind(available, requires)
@@ -105,6 +104,34 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         explicit_only=row.get("explicit_only", False),
         **kwargs,
     )
+
+
+def _missing_probe(missing: str, available: str | None, requires: Sequence[str]
+                   ) -> Callable[[], Any]:
+    """The probe of a row whose declared package is not installed: unavailable with that
+    reason - unless the row's own ``available`` probe can run without the package and
+    says the machine cannot run it anyway (no CUDA device, say): that reason comes first,
+    since installing the package would not help."""
+    machine: Callable[[], Any] | None = None
+    if available is not None:
+        try:
+            bound = bind(available, requires)
+        except BindError:
+            bound = None
+        if bound is not None and bound.missing is None and callable(bound.obj):
+            machine = bound.obj
+
+    def probe() -> Any:
+        if machine is not None:
+            try:
+                said = machine()
+            except Exception:  # it needs the package after all: the package's reason
+                said = True
+            if isinstance(said, Unavailable):
+                return said
+        return Unavailable(missing)
+
+    return probe
 
 
 def family_vocabulary(axes: Mapping[str, Axis]) -> Vocabulary:
