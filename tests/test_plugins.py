@@ -240,6 +240,24 @@ class TestBrokenPlugins:
             "b.yaml:10:13: plugin broken 1.0: before: rms_norm has no row 'toch' (did you "
             "mean 'torch'?)")
 
+    def test_a_row_after_the_fallback(self, install: Install) -> None:
+        """A row placed after the fallback row (the last resort) would never be reached:
+        a located problem, not a silent dead row."""
+        plugin = install("broken", {"rms.yaml": overlay(row("late", after="reference"))})
+        self.assert_left_out(plugin, "after: 'reference' is rms_norm's fallback row, the "
+                                     "last resort: a row placed after it is never reached")
+
+    def test_a_profile_cannot_add_a_row_under_a_plugin_row_name(
+            self, install: Install, write_yaml: Callable[[str, str], Path]) -> None:
+        install("fastx", {"rms.yaml": overlay(row("fastx"))})
+        path = write_yaml("shadow.yaml", "version: 1\nprofile: shadow\nfamilies:\n"
+                                         "  rms_norm:\n    add:\n      - name: fastx\n"
+                                         "        impl: tests._impls:ref\n")
+        problems = registry.validate(path)
+        assert any("add: rms_norm already has a row 'fastx'" in p.message
+                   and "would shadow it" in p.message for p in problems), problems
+        assert [(p.line, p.column) for p in problems][:1] == [(6, 15)]
+
     def test_both_anchors(self, install: Install) -> None:
         plugin = install("broken", {"rms.yaml": overlay(
             row("x", before="torch", after="torch"))})

@@ -295,6 +295,11 @@ def build_extension(parsed: ParsedFile, families: Mapping[str, FamilyTable],
                     f"relative to the family's rows or to rows before it" if later else
                     f"{key}: {family} has no row {anchor!r}{did_you_mean(anchor, known)}; "
                     f"rows: {', '.join(known)}"))
+        if row.get("after") is not None and row.get("after") == table.fallback:
+            parsed.problem(("rows", i, "after"), (
+                f"after: {table.fallback!r} is {family}'s fallback row, the last resort: a "
+                f"row placed after it is never reached; place it before {table.fallback!r}"
+                f" (or name no anchor)"))
         mine.append(name)
     if rows is None or len(parsed.problems) > before:
         return None
@@ -347,6 +352,16 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
             by = f"profile {parsed.profile['profile']} (add)"
             by += f", {parsed.provided_by}" if parsed.provided_by else ""
             added = [replace(a, provided_by=by) for a in added]
+    if table is not None:
+        for i, row in enumerate(ov["add"]):
+            if row["name"] in known:
+                existing = table.row(row["name"])
+                where = existing.source if existing is not None and existing.source else (
+                    "the table")
+                parsed.problem((*path, "add", i, "name"),
+                               f"add: {family} already has a row {row['name']!r} (from "
+                               f"{where}); an added row with its name would shadow it - "
+                               f"choose another name")
     names = [*known, *(a["name"] for a in ov["add"])]
 
     def check(key: str, values: Sequence[str], *, allow_fallback: bool = False) -> None:
