@@ -34,14 +34,17 @@ def _row(name: str, **kw: object) -> d.ImplRecord:
 
 
 class TestPlacement:
-    def test_by_priority_like_the_seed(self) -> None:
-        """A YAML row's priority is its position; priority 0 goes after the first row
-        (ties keep the table's order), the seed's default 100 just before the fallback."""
+    def test_without_an_anchor_it_is_tried_first_like_a_plugin_row(self) -> None:
+        """One rule for every joined row without an anchor: before the family's first
+        faithful row, in the order joined (its priority does not move it; the seed's
+        default 100 used to put it last, where the chain never tried it)."""
+        first_faithful = next(r.name for r in d.current().family("rms_norm").rows
+                              if r.faithful)
         d.register_impl(_row("early", priority=0))
         d.register_impl(_row("late"))
         rows = _rows()
-        assert rows.index("early") == 1
-        assert rows[-2:] == ["late", "reference"]
+        assert rows.index("early") + 1 == rows.index("late") == rows.index(first_faithful) - 1
+        assert _served() == "early"
 
     def test_before_and_after(self) -> None:
         d.register_impl(_row("first"), before="inductor_large")

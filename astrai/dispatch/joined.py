@@ -5,10 +5,11 @@ Joined rows are kept apart from the tables (``Registry.extended``, ``Registry.jo
 and placed into their family's rows whenever a snapshot is built, so they survive
 ``reload_tables()`` and a ``load_tables`` that replaces the family. Placement: ``before``
 or ``after`` a named row (rows joined after the same row keep their order); without
-either, an overlay's row goes before the family's first faithful row and a
-``register_impl`` row by ``priority`` as in the seed (a lower priority is tried first; a
-YAML row's priority is its position), never after the family's fallback row, which
-stays the last resort. Overlays are placed first, then ``register_impl`` rows. Joined
+either - one rule for an overlay's row and a ``register_impl`` row alike - before the
+family's first faithful row (rows joined earlier stay ahead of it), where the chain tries
+it before the table's own choices; never after the family's fallback row, which stays
+the last resort (``register_family``'s own rows keep the seed's ``priority`` order).
+Overlays are placed first, then ``register_impl`` rows. Joined
 rows change the family's revision (with who provided them: a plugin's version is part
 of it), so ranks and lockfiles tell a table with them from one without.
 """
@@ -39,8 +40,7 @@ class Joined:
 
     @property
     def overlay(self) -> bool:
-        """Whether the row comes from a row overlay (placed before the first faithful
-        row by default) rather than ``register_impl`` (placed by priority)."""
+        """Whether the row comes from a row overlay rather than ``register_impl``."""
         return self.by != "register_impl"
 
 
@@ -49,13 +49,10 @@ def _by_default(rows: list[ImplRecord], table: FamilyTable, join: Joined,
     """Where ``join``'s row goes when it names no row (or one the table lacks)."""
     names = [r.name for r in rows]
     last = names.index(table.fallback) if table.fallback in names else len(rows)
-    if join.overlay:  # before the first faithful row of the table itself
-        return next((i for i, r in enumerate(rows[:last])
-                     if r.faithful and r.name not in joined), last)
-    for i, rec in enumerate(rows[:last]):
-        if rec.priority > join.record.priority:
-            return i
-    return last
+    # Before the first faithful row of the table itself (rows joined earlier stay ahead):
+    # a row someone joins is one they mean to be tried.
+    return next((i for i, r in enumerate(rows[:last])
+                 if r.faithful and r.name not in joined), last)
 
 
 def _place(rows: list[ImplRecord], table: FamilyTable, join: Joined, joined: set[str],
@@ -69,8 +66,7 @@ def _place(rows: list[ImplRecord], table: FamilyTable, join: Joined, joined: set
             if join.before:
                 return names.index(anchor)
             return names.index(behind.get(anchor, anchor)) + 1
-        how = ("placed by priority" if not join.overlay
-               else "placed before the first faithful row")
+        how = "placed before the first faithful row"
         where = join.record.source if join.overlay else join.by  # an overlay's: file:line
         warn_once(f"{where}: {join.record.family}.{join.record.name} asked to go "
                   f"{'before' if join.before else 'after'} {anchor!r}, which the table no "
