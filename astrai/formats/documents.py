@@ -313,7 +313,7 @@ def write_document(path: str | os.PathLike[str], data: dict[str, Any], kind: str
     half a file); returns the path."""
     import yaml
 
-    class Dumper(yaml.SafeDumper):
+    class Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
         """A mapping of scalars and lists of scalars on one line (``{shape: [2, 8],
         dtype: float32, ...}``), anything deeper as a block."""
 
@@ -444,7 +444,7 @@ def read_document(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
     name = os.fspath(path)
     text = _read_text(name)
     try:
-        located = load_located(text, MAX_DOCUMENT_VALUES)
+        located = load_located(text, MAX_DOCUMENT_VALUES, fast=True)
     except YamlProblem as exc:
         raise FileFormatError([TableProblem(name, exc.line, exc.column, exc.message)]) from None
     problems = _Problems(name, located)
