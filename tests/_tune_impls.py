@@ -8,6 +8,19 @@ from typing import Any
 
 import torch
 
+#: The ``twice`` family with a reference and one fast-on-few-tokens row.
+TWICE_TABLE = """\
+version: 1
+family: twice
+context: tests._tune_impls:context
+fallback: reference
+rows:
+  - name: reference
+    impl: tests._tune_impls:reference
+  - name: small
+    impl: tests._tune_impls:small
+"""
+
 
 def _busy(n: int) -> None:
     total = 0

@@ -23,18 +23,7 @@ from astrai.dispatch import record
 from astrai.errors import OutputPathError
 from astrai.formats.common import atomic_write, not_an_input
 from astrai.record.workload import Workload
-
-TWICE = """\
-version: 1
-family: twice
-context: tests._tune_impls:context
-fallback: reference
-rows:
-  - name: reference
-    impl: tests._tune_impls:reference
-  - name: small
-    impl: tests._tune_impls:small
-"""
+from tests._tune_impls import TWICE_TABLE
 
 
 @pytest.fixture
@@ -116,7 +105,7 @@ def test_not_an_input_sees_through_links_and_relative_paths(tmp_path: Path,
 
 @pytest.fixture
 def workload_file(write_yaml: Callable[[str, str], Path], tmp_path: Path) -> Path:
-    dispatch.load_tables(write_yaml("twice.yaml", TWICE))
+    dispatch.load_tables(write_yaml("twice.yaml", TWICE_TABLE))
     with record() as wl:
         ops.call("twice", torch.randn(4, 8))
     return wl.workload().save(tmp_path / "wl.yaml")

@@ -29,18 +29,7 @@ from astrai.tune.noise import NoiseMonitor, other_runnable
 from astrai.tune.profile import TuneError
 from astrai.tune.run import tune_workload
 from astrai.tune.statistics import MARGIN, Interval, compare, median_interval
-
-TWICE = """\
-version: 1
-family: twice
-context: tests._tune_impls:context
-fallback: reference
-rows:
-  - name: reference
-    impl: tests._tune_impls:reference
-  - name: small
-    impl: tests._tune_impls:small
-"""
+from tests._tune_impls import TWICE_TABLE
 
 SCRIBBLED = """\
 version: 1
@@ -151,7 +140,7 @@ def test_a_row_writing_into_its_inputs_is_excluded_alone(
 @pytest.fixture
 def twice_file(write_yaml: Callable[[str, str], Path], tmp_path: Path) -> Path:
     """A saved workload of ``twice``: calls on 2, 4 and 64 tokens."""
-    dispatch.load_tables(write_yaml("twice.yaml", TWICE))
+    dispatch.load_tables(write_yaml("twice.yaml", TWICE_TABLE))
     with record() as wl:
         for n in (2, 4, 64):
             ops.call("twice", torch.randn(n, 8))
