@@ -92,7 +92,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--budget must be 0 or more seconds")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
-    not_an_input(args.output, args.workload)
     if args.report:
         not_an_input(args.report, args.workload, args.output, what="--report")
     workload = Workload.load(args.workload)

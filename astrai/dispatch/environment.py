@@ -68,7 +68,7 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str],
         key, value = key.strip(), value.strip()
         if not sep or not key or not value:
             report(f"{OPS_ENV}: ignoring malformed entry {entry!r}; expected "
-                      f"'family=row' or 'profile=name[+name...]'")
+                   f"'family=row' or 'profile=name[+name...]'")
             continue
         if key == PROFILE_KEY:
             for name in value.split("+"):
@@ -79,13 +79,13 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str],
                     chosen.append(name)
                 else:
                     report(f"{OPS_ENV}: ignoring unknown profile {name!r}"
-                              f"{did_you_mean(name, profiles)}; known profiles: "
-                              f"{', '.join(sorted(profiles)) or '(none)'}")
+                           f"{did_you_mean(name, profiles)}; known profiles: "
+                           f"{', '.join(sorted(profiles)) or '(none)'}")
             continue
         if key not in families:
             report(f"{OPS_ENV}: ignoring unknown family {key!r}"
-                      f"{did_you_mean(key, families)}; known families: "
-                      f"{', '.join(sorted(families))}, or 'profile'")
+                   f"{did_you_mean(key, families)}; known families: "
+                   f"{', '.join(sorted(families))}, or 'profile'")
             continue
         if key in backends and backends[key] != value:
             report(f"{OPS_ENV}: {key!r} is given twice; using {value!r}")
@@ -94,6 +94,14 @@ def parse_ops(raw: str, families: Collection[str], profiles: Collection[str],
 
 
 _MAX_PARSED = 64
+
+
+def _alias_row(value: str | None) -> str | None:
+    """The row a legacy alias variable's value names (``None``: unset or blank): stripped
+    and lower-cased, as the seed reads it."""
+    if value is None or not value.strip():
+        return None
+    return value.strip().lower()
 
 
 def _parsed(key: Any, got: EnvSettings) -> EnvSettings:
@@ -120,9 +128,10 @@ def env_settings(
         backends = dict(got.backends)
         sources: dict[str, str] = {}
         for (family, var), value in zip(aliases.items(), alias_values, strict=True):
-            if value is None or not value.strip() or family in backends:
+            row = _alias_row(value)
+            if row is None or family in backends:
                 continue
-            backends[family] = value.strip().lower()  # as the seed reads an alias
+            backends[family] = row
             sources[family] = var
         got = EnvSettings(MappingProxyType(backends), got.profiles, MappingProxyType(sources))
     return _parsed(key, got)
@@ -153,9 +162,9 @@ def env_for(state: Registry, ops: Any, family: str, alias: Any) -> EnvSettings:
         return got
     got = parse_ops(decoded(ops) or "", state.families, state.profiles)
     var = state.aliases.get(family)
-    value = decoded(alias)
-    if var is not None and value is not None and value.strip() and family not in got.backends:
-        got = EnvSettings(MappingProxyType({**got.backends, family: value.strip().lower()}),
+    row = _alias_row(decoded(alias))
+    if var is not None and row is not None and family not in got.backends:
+        got = EnvSettings(MappingProxyType({**got.backends, family: row}),
                           got.profiles, MappingProxyType({family: var}))
     return _parsed(key, got)
 

@@ -102,19 +102,21 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     if world is None:
         world = world_now(state or current(), family)
     state, scope = world[0], world[1]
-    seen = state.worlds.get((family, world[2], world[4], scope.cache_token))
+    key = (family, world[2], world[4], scope.cache_token)
+    seen = state.worlds.get(key)
     if seen is None:
-        seen = _world_view(world, family)
+        seen = _world_view(world, family, key)
     return answer(state, seen[1], family, ctx, explicit, seen[0], scope, notes)
 
 
 _MAX_WORLDS = 256
 
 
-def _world_view(world: World, family: str) -> tuple[EnvSettings, View]:
+def _world_view(world: World, family: str, key: tuple[Any, ...]
+                ) -> tuple[EnvSettings, View]:
     """What the environment of ``world`` asks of ``family`` and the family's view under
-    the profiles in force there, remembered on the snapshot (bounded) for the next
-    decision in the same world."""
+    the profiles in force there, remembered on the snapshot under ``key`` (bounded) for
+    the next decision in the same world."""
     state, scope = world.snapshot, world.scope
     env = env_for(state, world.ops, family, world.alias)
     # (a family not loaded: UnknownFamilyError, a KeyError naming the known families)
@@ -122,7 +124,7 @@ def _world_view(world: World, family: str) -> tuple[EnvSettings, View]:
     worlds = state.worlds
     if len(worlds) >= _MAX_WORLDS:
         worlds.clear()
-    worlds[(family, world.ops, world.alias, scope.cache_token)] = got
+    worlds[key] = got
     return got
 
 

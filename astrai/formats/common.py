@@ -8,8 +8,9 @@ the table formats of the core and the workflows' documents both build on it.
 from __future__ import annotations
 
 __all__ = ["Count", "FileModel", "MachineModel", "Name", "Positive", "atomic_write",
-           "not_an_input"]
+           "not_an_input", "storage_elements"]
 
+import math
 import os
 import stat
 import tempfile
@@ -42,6 +43,18 @@ class MachineModel(FileModel):
     sm: Count | None
     torch: StrictStr
     astrai: StrictStr
+
+
+def storage_elements(shape: tuple[int, ...] | list[int],
+                     stride: tuple[int, ...] | list[int] | None = None) -> int:
+    """The elements of storage a tensor of ``shape`` reaches: its element count when it
+    is contiguous (``stride`` ``None``), else the extent its strides reach (overlapping
+    views, stride 0, included)."""
+    if stride is None:
+        return math.prod(shape)
+    if 0 in shape:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
 
 
 def _umask() -> int:

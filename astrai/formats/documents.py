@@ -12,8 +12,6 @@ and ``astrai.lock.model`` (decisions). Imported only to read or write such a fil
 
 from __future__ import annotations
 
-import math
-
 __all__ = [
     "DOCUMENT_VERSION",
     "LockFile",
@@ -23,6 +21,7 @@ __all__ = [
     "write_document",
 ]
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -54,6 +53,7 @@ from astrai.formats.common import (
     Name,
     Positive,
     atomic_write,
+    storage_elements,
 )
 
 DOCUMENT_VERSION = 1
@@ -115,11 +115,10 @@ def _buildable(shape: list[int], stride: list[int] | None) -> None:
     ``MAX_ELEMENTS``."""
     if 0 in shape:
         return
-    elements = math.prod(shape)
-    reach = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if stride else 0
-    if max(elements, reach) > MAX_ELEMENTS:
-        raise ValueError(f"a tensor of shape {shape} needs {max(elements, reach):.3g} "
-                         f"elements; no machine can build one over 2**63 - 1")
+    need = max(math.prod(shape), storage_elements(shape, stride))
+    if need > MAX_ELEMENTS:
+        raise ValueError(f"a tensor of shape {shape} needs {need:.3g} elements; no machine "
+                         f"can build one over 2**63 - 1")
 
 
 class PoolSpec(FileModel):

@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 import datetime
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ import torch
 from astrai.dispatch.axes import DTYPES, EMPTY, CallContext, context_from_fields, dtype_name
 from astrai.dispatch.machine import Machine
 from astrai.dispatch.scopes import op_backend, use_profile
+from astrai.formats.common import storage_elements
 from astrai.formats.saved import Saved
 from astrai.kv_cache import KVPool, PagedBatch, extend_batch
 
@@ -105,11 +105,7 @@ class TensorArg:
         floats, ``True`` booleans, integer zeros."""
         dtype, where = _dtype(self.dtype), _device(self.device, device)
         shape, stride = self.shape, self.stride
-        if stride is None:
-            size = math.prod(shape)
-        else:  # the storage the strides reach, overlapping views (stride 0) included
-            size = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride,
-                                                                            strict=True))
+        size = storage_elements(shape, stride)
         if dtype.is_complex:
             flat = torch.randn(size, generator=generator, dtype=dtype).to(where)
         elif dtype.is_floating_point:  # drawn in float32: not every float dtype has randn

@@ -23,11 +23,13 @@ from __future__ import annotations
 __all__ = ["MEMORY_SHARE", "changed_inputs", "input_bytes", "tensors_in", "unreproducible"]
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from astrai.formats.common import storage_elements
 from astrai.record.workload import PagedArg, RecordedCall, SeqArg, TensorArg
 
 #: The share of a device's available memory that the copies of one call's inputs tune
@@ -44,16 +46,8 @@ def _dtype_size(name: str) -> int:
 def _described(value: Any) -> Iterator[tuple[str, int]]:
     """``(device, bytes)`` of every tensor a described argument rebuilds into."""
     if isinstance(value, TensorArg):
-        shape, stride = value.shape, value.stride
-        if 0 in shape:
-            n = 0
-        elif stride is None:
-            n = 1
-            for d in shape:
-                n *= d
-        else:
-            n = 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
-        yield value.device, n * _dtype_size(value.dtype)
+        yield value.device, storage_elements(value.shape, value.stride) * _dtype_size(
+            value.dtype)
     elif isinstance(value, PagedArg):
         token = value.kv_heads * value.head_dim * _dtype_size(value.dtype)
         yield value.device, 2 * value.layers * value.slots * token  # the K and V buffers
@@ -96,11 +90,10 @@ def _missing_device(text: str) -> str | None:
 
 def _available(device: str) -> int | None:
     """Bytes available on ``device`` now (``None``: not known)."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        index = torch.device(device).index
-        return int(torch.cuda.mem_get_info(index if index is not None else 0)[0])
-    if kind != "cpu":
+    where = torch.device(device)
+    if where.type == "cuda":
+        return int(torch.cuda.mem_get_info(where.index if where.index is not None else 0)[0])
+    if where.type != "cpu":
         return None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -110,8 +103,6 @@ def _available(device: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        import os
-
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         return None

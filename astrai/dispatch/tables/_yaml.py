@@ -79,7 +79,7 @@ def load_located(text: str, max_values: int = MAX_VALUES, *, fast: bool = False)
         out = Located(data=None)
         if node is not None:
             _bounded(node, max_values)
-            out.data = _Converter(loader, out, max_values).convert(node, ())
+            out.data = _Converter(loader, out).convert(node, ())
         return out
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -147,22 +147,14 @@ def _line_col(text: str, position: int) -> tuple[int, int]:
 
 
 class _Converter:
-    """Turns the composed node graph into plain data, recording every position."""
+    """Turns the composed node graph into plain data, recording every position (its
+    size and depth already bounded: ``_bounded``)."""
 
-    def __init__(self, loader: yaml.SafeLoader, out: Located, max_values: int) -> None:
+    def __init__(self, loader: yaml.SafeLoader, out: Located) -> None:
         self.loader = loader
         self.out = out
-        self.count = 0
-        self.max_values = max_values
 
     def convert(self, node: yaml.Node, path: Path) -> Any:
-        self.count += 1
-        if self.count > self.max_values:
-            raise YamlProblem(*_pos(node), f"more than {self.max_values} values (after "
-                                           "expanding aliases): too large to read")
-        if len(path) > MAX_DEPTH:
-            raise YamlProblem(*_pos(node), f"nested deeper than {MAX_DEPTH} levels (a "
-                                           "self-referencing alias?)")
         out = self.out
         out.values[path] = _pos(node)
         if isinstance(node, yaml.MappingNode):
