@@ -86,3 +86,11 @@ def test_trace_call_path_sees_the_facade_and_the_decision(
     for label in ("miss: astrai modules entered: ", "miss: moves between them: ",
                   "hit: moves between modules: "):
         assert label in out and "target <= " in out
+
+
+def test_bench_workload_io_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    """A small workload saves and loads back (the round trip is checked by the step)."""
+    bench = _script("bench_workload_io")
+    assert bench.main(["--calls", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "save 300 calls" in out and "load 300 calls" in out and "FAIL" not in out

@@ -43,7 +43,7 @@ from pydantic import (
 
 from astrai.dispatch.axes import AXES, DTYPES, FWD_MODES, format_value
 from astrai.dispatch.names import family_name_problem
-from astrai.dispatch.tables._yaml import Located, YamlProblem, load_located
+from astrai.dispatch.tables._yaml import Located, YamlProblem, load_data, load_located
 from astrai.dispatch.tables.format import schemas_dir
 from astrai.errors import FileFormatError, TableProblem
 from astrai.formats.common import (
@@ -310,23 +310,9 @@ def write_document(path: str | os.PathLike[str], data: dict[str, Any], kind: str
                    headline: str) -> Path:
     """Write ``data`` as a ``kind`` file at ``path`` (replaced whole: a reader never sees
     half a file); returns the path."""
-    import yaml
+    from astrai.formats.yaml_text import dump
 
-    class Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[misc]
-        """A mapping of scalars and lists of scalars on one line (``{shape: [2, 8],
-        dtype: float32, ...}``), anything deeper as a block."""
-
-        def represent_dict(self, value: Any) -> Any:
-            node = super().represent_dict(value)
-            node.flow_style = all(
-                not isinstance(v, dict | list)
-                or (isinstance(v, list) and not any(isinstance(x, dict | list) for x in v))
-                for v in value.values())
-            return node
-
-    Dumper.add_representer(dict, Dumper.represent_dict)
-    body = yaml.dump(data, Dumper=Dumper, sort_keys=False, default_flow_style=None,
-                     width=4096, allow_unicode=True)
+    body = dump(data)
     text = (f"# {headline}\n# yaml-language-server: $schema={_schema_ref(kind)}\n{body}")
     return atomic_write(path, text)
 
@@ -368,14 +354,19 @@ def _real_path(data: Any, loc: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class _Problems:
-    """The problems found in one document, each placed at its line and column."""
+    """The problems found in one document, each placed at its line and column (the
+    document is read again with positions for the first one: a valid file never needs
+    them)."""
 
-    def __init__(self, file: str, located: Located) -> None:
+    def __init__(self, file: str, text: str) -> None:
         self.file = file
-        self.located = located
+        self.text = text
+        self.located: Located | None = None
         self.found: list[TableProblem] = []
 
     def add(self, path: tuple[Any, ...], message: str, *, key: bool = False) -> None:
+        if self.located is None:
+            self.located = load_located(self.text, MAX_DOCUMENT_VALUES, fast=True)
         line, col = self.located.where(path, key=key)
         self.found.append(TableProblem(self.file, line, col, message))
 
@@ -384,8 +375,7 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
 
 
-def _validation_problems(problems: _Problems, exc: ValidationError) -> None:
-    data = problems.located.data
+def _validation_problems(problems: _Problems, data: Any, exc: ValidationError) -> None:
     seen: set[tuple[tuple[Any, ...], str]] = set()
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -443,11 +433,10 @@ def read_document(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
     name = os.fspath(path)
     text = _read_text(name)
     try:
-        located = load_located(text, MAX_DOCUMENT_VALUES, fast=True)
+        data = load_data(text, MAX_DOCUMENT_VALUES)
     except YamlProblem as exc:
         raise FileFormatError([TableProblem(name, exc.line, exc.column, exc.message)]) from None
-    problems = _Problems(name, located)
-    data = located.data
+    problems = _Problems(name, text)
     if not isinstance(data, dict):
         problems.add((), f"expected a mapping with 'version', 'kind: {kind}', ...")
         raise FileFormatError(problems.found)
@@ -462,9 +451,11 @@ def read_document(path: str | os.PathLike[str], kind: str) -> dict[str, Any]:
     try:
         model = _MODELS[kind].model_validate(data)
     except ValidationError as exc:
-        _validation_problems(problems, exc)
+        _validation_problems(problems, data, exc)
         raise FileFormatError(problems.found) from None
+    del data  # the model holds it all now (a large file is not held three times)
     dump = model.model_dump(mode="json")
+    del model
     _axes_problems(problems, dump["calls" if kind == "workload" else "decisions"],
                    "calls" if kind == "workload" else "decisions")
     if problems.found:

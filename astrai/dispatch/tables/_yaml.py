@@ -103,6 +103,127 @@ def load_located(text: str, max_values: int = MAX_VALUES, *, fast: bool = False)
             loader.dispose()
 
 
+def load_data(text: str, max_values: int = MAX_VALUES) -> Any:
+    """The data of one YAML document without positions: the same data, and the same
+    ``YamlProblem``, as ``load_located(text, max_values, fast=True).data``, sooner and in
+    a fraction of the memory (no node graph). A document this reading does not take as
+    it is (a tag, an anchor, a duplicate key, a YAML error...) is read by
+    ``load_located``, which says where the problem is."""
+    got = _plain_data(text, max_values)
+    if got is _UNUSUAL:
+        return load_located(text, max_values, fast=True).data
+    return got
+
+
+_UNUSUAL = object()
+
+
+def _plain_data(text: str, max_values: int) -> Any:
+    """The document's data built from libyaml's events, or ``_UNUSUAL`` for anything but
+    untagged, anchor-free mappings, sequences and scalars with unique keys."""
+    from yaml.events import (
+        DocumentEndEvent,
+        DocumentStartEvent,
+        MappingEndEvent,
+        MappingStartEvent,
+        ScalarEvent,
+        SequenceEndEvent,
+        SequenceStartEvent,
+        StreamEndEvent,
+        StreamStartEvent,
+    )
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    plain = _PlainValues(loader)
+    stack: list[Any] = []  # the open collections; for a mapping, [dict, pending key]
+    keys: list[Any] = []
+    root: Any = _UNUSUAL
+    values = 1  # the root too, as load_located counts
+    try:
+        event = loader.get_event()
+        if type(event) is not StreamStartEvent:
+            return _UNUSUAL
+        if type(loader.get_event()) is not DocumentStartEvent:
+            return _UNUSUAL
+        while True:
+            event = loader.get_event()
+            kind = type(event)
+            if kind is ScalarEvent:
+                if event.anchor is not None or event.tag not in (None, "!"):
+                    return _UNUSUAL
+                value: Any = event.value
+                if event.tag is None and event.implicit[0]:  # plain: the resolver's type
+                    value = plain.get(value, _UNUSUAL)
+                    if value is _UNUSUAL:
+                        value = plain.make(event.value)
+                        if value is _UNUSUAL:
+                            return _UNUSUAL
+            elif kind is MappingStartEvent or kind is SequenceStartEvent:
+                if event.anchor is not None or event.tag not in (None, "!"):
+                    return _UNUSUAL
+                if len(stack) >= MAX_DEPTH:
+                    return _UNUSUAL
+                if stack and type(stack[-1]) is dict and keys[-1] is _UNUSUAL:
+                    return _UNUSUAL  # a collection as a key
+                new: Any = {} if kind is MappingStartEvent else []
+                stack.append(new)
+                keys.append(_UNUSUAL)
+                continue
+            elif kind is MappingEndEvent or kind is SequenceEndEvent:
+                value = stack.pop()
+                keys.pop()
+            elif kind is DocumentEndEvent:
+                break
+            else:  # an alias, or anything else
+                return _UNUSUAL
+            if not stack:
+                root = value
+                continue
+            top = stack[-1]
+            if type(top) is list:
+                top.append(value)
+            elif keys[-1] is _UNUSUAL:  # a key
+                if value in top:
+                    return _UNUSUAL
+                keys[-1] = value
+                continue
+            else:
+                top[keys[-1]] = value
+                keys[-1] = _UNUSUAL
+            values += 1
+            if values > max_values:
+                return _UNUSUAL
+        if type(loader.get_event()) is not StreamEndEvent:
+            return _UNUSUAL
+        return root
+    except Exception:  # any YAML error: load_located reports it, located
+        return _UNUSUAL
+    finally:
+        loader.dispose()
+
+
+class _PlainValues(dict[str, Any]):
+    """The value of each distinct plain scalar, resolved and made once by the loader's own
+    resolver and constructor (``_UNUSUAL`` for one it would refuse)."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def make(self, text: str) -> Any:
+        tag: str = self.loader.resolve(yaml.ScalarNode, text, (True, False))
+        made: Any = text
+        if tag not in _SAFE_SCALAR_TAGS:
+            made = _UNUSUAL
+        elif tag != "tag:yaml.org,2002:str":
+            try:
+                made = self.loader.yaml_constructors[tag](self.loader, yaml.ScalarNode(tag, text))
+            except Exception:
+                made = _UNUSUAL
+        self[text] = made
+        return made
+
+
 def _bounded(root: yaml.Node, max_values: int) -> None:
     """Refuse, before converting, a node graph whose aliases expand past ``max_values``
     values in all or add more than ``MAX_ALIASED`` to the document's own nodes, or that
