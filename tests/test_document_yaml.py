@@ -5,7 +5,9 @@ problems."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -90,3 +92,23 @@ def test_what_the_fast_reading_leaves_to_the_located_one() -> None:
         {"a": [1, 2.5, True, None, "1", "x"]}
     assert _plain_data("[1, 2, 3]", 3) is _UNUSUAL  # four values with the list
     assert _plain_data("[1, 2, 3]", 4) == [1, 2, 3]
+
+
+def test_a_problem_in_a_large_file_is_still_located(tmp_path: Path) -> None:
+    from astrai.errors import FileFormatError
+    from astrai.record.workload import RecordedCall, TensorArg, Workload
+
+    calls = [RecordedCall("rms_norm", {"tokens": i + 1}, (TensorArg((i + 1, 8), "float32",
+                                                                   "cpu"),), {}, 1)
+             for i in range(500)]
+    path = Workload.of(calls).save(tmp_path / "wl.yaml")
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "shape: [400, 8]" in line)
+    lines[at] = lines[at].replace("float32", "float33")
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FileFormatError) as err:
+        Workload.load(path)
+    (problem,) = err.value.problems
+    assert problem.line == at + 1
+    assert "float33" in problem.message
+    assert lines[at][problem.column - 1:].startswith("float33")
