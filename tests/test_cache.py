@@ -955,3 +955,29 @@ class TestFacadeLastWorld:
         for _ in range(5):
             astrai.ops.rms_norm(x, w)
         assert len(seen) == 3
+
+
+def test_the_decision_cache_keeps_nothing_the_collector_tracks() -> None:
+    """Thousands of never-seen signatures, through resolve and through a facade, leave
+    no collector-tracked object per cache entry: Python's full collections do not grow
+    with the cache, so they cannot land in decisions as pauses."""
+    import gc
+
+    contexts = [CallContext("attention", dtype=torch.float32, ndim=4, head_dim=1000 + i)
+                for i in range(3000)]
+    heads = [torch.zeros(1, 1, 1, 2 * (i + 1)) for i in range(1000)]
+
+    def tracked_after(decide: Callable[[], None]) -> int:
+        gc.collect()
+        before = len(gc.get_objects())
+        decide()
+        gc.collect()
+        return len(gc.get_objects()) - before
+
+    resolve("attention", contexts[0])
+    grew = tracked_after(lambda: [resolve("attention", c) for c in contexts[1:]] and None)
+    assert grew < 30, f"{grew} tracked objects for 2 999 cached decisions"
+    astrai.ops.attention(heads[0], heads[0], heads[0])
+    grew = tracked_after(lambda: [astrai.ops.attention(q, q, q) for q in heads[1:]] and None)
+    assert grew < 30, f"{grew} tracked objects for 999 cached facade decisions"
+    assert stats().cache_misses >= 3998

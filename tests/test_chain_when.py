@@ -198,3 +198,37 @@ def test_on_the_fallback_row_ordered_first(toy: Path, write_yaml: Write) -> None
         assert d.resolve("toy", ctx(3)).name == "fast"
         got = d.resolve("toy", ctx(3), "ref")
         assert (got.name, got.origin) == ("ref", "explicit")
+
+
+def test_a_probe_runs_only_for_a_call_its_row_would_take(write_yaml: Write,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """The chain asks a row's ``when`` before its availability: a call the row rejects
+    never runs its probe (which may import a compiler); explain and ``list`` still show
+    every row's availability."""
+    from astrai.cli import main as cli
+    from tests import _impls
+
+    path = write_yaml("lazy.yaml", """\
+        version: 1
+        family: lazy
+        fallback: ref
+        rows:
+          - name: big
+            impl: tests._impls:fast
+            when: ndim == 3
+            available: tests._impls:counted_probe
+          - name: ref
+            impl: tests._impls:ref
+        """)
+    d.load_tables(path)
+    _impls.PROBE["available"] = False
+    x = torch.zeros(2, 2)
+    assert ops.call("lazy", x) == "ref"  # ndim 2: big's when rejects it
+    assert d.resolve("lazy", d.CallContext("lazy", ndim=2)).name == "ref"
+    assert _impls.PROBE["calls"] == 0
+    assert "big: SKIP unavailable (toggled off)" in explain("lazy", d.CallContext("lazy", ndim=2))
+    assert _impls.PROBE["calls"] == 1
+    assert cli(["list"]) == 0
+    assert "toggled off" in capsys.readouterr().out
+    assert d.resolve("lazy", d.CallContext("lazy", ndim=3)).name == "ref"  # big: unavailable

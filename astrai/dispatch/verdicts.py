@@ -111,14 +111,15 @@ def serves(state: Registry, view: View, rec: ImplRecord, ctx: CallContext, *,
         return False
     if implicit:
         rec = view.in_chain(rec)
+    spec = rec.spec
+    if not (asked_features(ctx) <= rec.features and (spec._m or spec.matcher())(ctx)):
+        return False  # the probe is asked only for a call the row would take
     if rec.available is not ALWAYS_AVAILABLE:
         probe = rec.available
         probed = process.probed.get(id(probe))  # == state.availability(rec), inlined
-        if not (probed[1] if probed is not None and probed[0] is probe
-                else state.availability(rec)[0]):
-            return False
-    spec = rec.spec
-    return asked_features(ctx) <= rec.features and bool((spec._m or spec.matcher())(ctx))
+        return bool(probed[1] if probed is not None and probed[0] is probe
+                    else state.availability(rec)[0])
+    return True
 
 
 def adhoc_record(family: str, obj: Any) -> ImplRecord:
@@ -177,19 +178,22 @@ def no_row_error(state: Registry, view: View, ctx: CallContext) -> NoImplementat
 
 def first_in_chain(state: Registry, view: View, ctx: CallContext) -> ImplRecord | None:
     """The first row of ``view``'s chain that serves ``ctx``: ``serves`` row by row,
-    inlined (the hot walk of every decision)."""
+    inlined (the hot walk of every decision). A row's features and ``when`` are asked
+    before its availability, so a probe (which may import a compiler, or touch a device)
+    runs only for a call its row would take."""
     probed = process.probed
     asked = NO_FEATURES if read_features(ctx) == FEATURES_OFF else asked_features(ctx)
     for rec in view.chain:
+        spec = rec.spec
+        if (asked and not asked <= rec.features) or not (spec._m or spec.matcher())(ctx):
+            continue
         if rec.available is not ALWAYS_AVAILABLE:
             probe = rec.available
             got = probed.get(id(probe))
             if not (got[1] if got is not None and got[0] is probe
                     else state.availability(rec)[0]):
                 continue
-        spec = rec.spec
-        if (not asked or asked <= rec.features) and (spec._m or spec.matcher())(ctx):
-            return rec
+        return rec
     return None
 
 
