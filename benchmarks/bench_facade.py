@@ -16,7 +16,12 @@ splits into row and dispatch), the facade, and the median over 41 rounds of pair
 timings of facade / direct with an A/A control (direct / a copy of itself). The
 floor lines say what no dispatch can beat: the row alone, and the facade's one
 validation of the call (its ``describe``) followed by the row, with no decision at all.
-Gates: attention <= 1.05x, every facade <= 1.10x.
+Gate: what astrai adds to each call, dispatch = facade - row alone (validation, decision,
+counting), <= 1.0 us. The ratios facade / direct are printed beside it, not as gates:
+they depend on how fast the row is, not on what astrai adds.
+
+``--device cuda`` puts the tensors on a CUDA device: the figures are then host time per
+call (kernels queue asynchronously), which is what dispatch costs there.
 """
 
 from __future__ import annotations
@@ -69,17 +74,21 @@ def served_row(family: str, facade: Fn) -> tuple[str, Any]:
     return name, row.obj
 
 
-def cases() -> list[Case]:
+BUDGET_US = 1.0
+
+
+def cases(device: torch.device) -> list[Case]:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 512, generator=g)
-    w_norm = torch.randn(512, generator=g)
-    w_lin = torch.randn(512, 512, generator=g) / 512**0.5
-    xr = torch.randn(1, 1, 8, 64, generator=g)
-    freqs = rotary_freqs(torch.tensor([[7]]), 64)  # [1, 1, 32, 2]: (cos, sin) per pair
+    x = torch.randn(1, 512, generator=g).to(device)
+    w_norm = torch.randn(512, generator=g).to(device)
+    w_lin = (torch.randn(512, 512, generator=g) / 512**0.5).to(device)
+    xr = torch.randn(1, 1, 8, 64, generator=g).to(device)
+    # [1, 1, 32, 2]: (cos, sin) per pair
+    freqs = rotary_freqs(torch.tensor([[7]]), 64).to(device)
     b, h, s, dim = 1, 8, 128, 64
-    q = torch.randn(b, 1, h, dim, generator=g)
-    k = torch.randn(b, s, h, dim, generator=g)
-    v = torch.randn(b, s, h, dim, generator=g)
+    q = torch.randn(b, 1, h, dim, generator=g).to(device)
+    k = torch.randn(b, s, h, dim, generator=g).to(device)
+    v = torch.randn(b, s, h, dim, generator=g).to(device)
 
     def rotary_pairs() -> torch.Tensor:
         pairs = xr.view(1, 1, 8, 32, 2)
@@ -117,12 +126,18 @@ def cases() -> list[Case]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="where the tensors live")
+    device = torch.device(parser.parse_args(argv).device)
     torch.set_num_threads(1)
     print(f"machine: {torch.get_num_threads()} thread, torch {torch.__version__}, "
-          f"python {sys.version.split()[0]}; no_grad, CPU")
+          f"python {sys.version.split()[0]}; no_grad, tensors on {device}")
+    met = True
     with torch.no_grad():
-        for c in cases():
+        for c in cases(device):
             name, obj = served_row(c.family, c.facade)
             torch.testing.assert_close(c.facade(), c.direct())
 
@@ -138,17 +153,19 @@ def main() -> None:
             t = interleaved_us({"direct": c.direct, "row": row, "facade": c.facade}, 2000)
             r = paired_ratios(c.direct, {"facade": c.facade, "control": copy_of(c.direct),
                                          "row": row, "floor": floor}, 2000)
-            ok = "PASS" if r["facade"] <= c.target else "FAIL"
+            dispatch = t["facade"] - t["row"]
+            ok = "PASS" if dispatch <= BUDGET_US else "FAIL"
+            met &= dispatch <= BUDGET_US
             print(f"\n{c.family} {c.shape}: direct {t['direct']:.2f} us, row {name} alone "
                   f"{t['row']:.2f} us, facade {t['facade']:.2f} us")
             print(f"  row - direct {t['row'] - t['direct']:+.2f} us; dispatch (facade - row) "
-                  f"{t['facade'] - t['row']:+.2f} us")
+                  f"{dispatch:+.2f} us  target <= {BUDGET_US:.1f} us  {ok}")
             print(f"  A/A control (direct / a copy of direct), paired: {r['control']:.3f}x")
             print(f"  floor, paired: row alone {r['row']:.3f}x; validation + row, no dispatch "
                   f"{r['floor']:.3f}x")
-            print(f"  facade / direct, paired: {r['facade']:.3f}x  target <= {c.target:.2f}x  "
-                  f"{ok}")
+            print(f"  facade / direct, paired: {r['facade']:.3f}x (printed, not a gate)")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

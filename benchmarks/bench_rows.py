@@ -25,7 +25,7 @@ Buckets:
   layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
 
 Usage: ``python benchmarks/bench_rows.py [--threads N] [--quick] [--json PATH]
-[--family F ...] [--no-training] [--wall]``.
+[--family F ...] [--no-training] [--wall] [--device cuda]``.
 The whole run takes about three minutes on two cores, about half of it compiling.
 """
 
@@ -247,6 +247,20 @@ def render(family: str, results: list[Result], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def on(buckets: list[Bucket], device: torch.device) -> list[Bucket]:
+    """``buckets`` with their tensors moved to ``device``."""
+    if device.type == "cpu":
+        return buckets
+
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().to(device).requires_grad_(value.requires_grad)
+        return value
+
+    return [Bucket(b.family, b.label, tuple(move(a) for a in b.args),
+                   {k: move(v) for k, v in b.kwargs.items()}, b.train) for b in buckets]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -258,14 +272,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave out the attention forward + backward buckets")
     parser.add_argument("--wall", action="store_true",
                         help="time wall clock instead of this thread's CPU time")
+    parser.add_argument("--device", default="cpu",
+                        help="where the calls' tensors live (cuda: wall clock, synchronised)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear"]
     reg = dispatch.current()
-    timer = time.perf_counter if args.wall else time.thread_time
+    timer: Callable[[], float] = time.perf_counter if args.wall else time.thread_time
     clock = "wall clock" if args.wall else "CPU time of the calling thread"
-    print(f"torch {torch.__version__}, {args.threads} thread(s), torch.no_grad(), {clock}")
+    if device.type == "cuda":  # kernels run asynchronously: each reading waits for them
+        def timer() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        clock = f"wall clock, {device} synchronised at each reading"
+    print(f"torch {torch.__version__}, {args.threads} thread(s), torch.no_grad(), {clock}, "
+          f"tensors on {device}")
     for fam in families:
         for rec in reg.family(fam).rows:
             ok, why = reg.availability(rec)
@@ -276,13 +299,13 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             buckets = (attention_buckets(args.quick) if fam == "attention"
                        else token_buckets(fam, args.quick))
-            results = run(buckets, args.rounds, timer)
+            results = run(on(buckets, device), args.rounds, timer)
         print()
         print(render(fam, results))
         report[fam] = [{"bucket": r.bucket.label, "us": r.us, "winner": r.winner,
                         "ties": r.ties} for r in results]
         if fam == "attention" and not args.no_training:
-            results = run(training_buckets(args.quick), args.rounds, timer)
+            results = run(on(training_buckets(args.quick), device), args.rounds, timer)
             print()
             print(render(fam, results, "attention training: forward + backward"))
             report["attention-training"] = [

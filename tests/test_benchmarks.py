@@ -4,6 +4,7 @@ one that is cheap enough; their figures are read from full runs, never asserted 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,7 @@ def _script(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # a dataclass in the script looks its module up
         spec.loader.exec_module(module)
         return module
     finally:
@@ -94,3 +96,25 @@ def test_bench_workload_io_round_trips(capsys: pytest.CaptureFixture[str]) -> No
     assert bench.main(["--calls", "300"]) == 0
     out = capsys.readouterr().out
     assert "save 300 calls" in out and "load 300 calls" in out and "FAIL" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_the_gpu_check_says_it_skipped_without_cuda(tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "gpu.txt"
+    got = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh"), str(out)],
+                         capture_output=True, text=True, env={**os.environ,
+                                                              "PYTHON": sys.executable})
+    assert got.returncode == 0, got.stderr
+    assert out.read_text() == "no CUDA device: skipped\n"
+
+
+def test_bench_rows_moves_a_bucket_to_the_device_asked() -> None:
+    bench = _script("bench_rows")
+    bucket = bench.Bucket("rms_norm", "x", (torch.zeros(2, 4).t(), 3), {"w": torch.ones(2)})
+    (moved,) = bench.on([bucket], torch.device("meta"))
+    assert moved.args[0].device.type == "meta" and moved.args[1] == 3
+    assert moved.args[0].stride() == bucket.args[0].stride()
+    assert moved.kwargs["w"].device.type == "meta"
+    assert bench.on([bucket], torch.device("cpu")) == [bucket]
