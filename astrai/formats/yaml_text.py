@@ -37,9 +37,14 @@ class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # type: ignore[mi
 _Dumper.add_representer(dict, _Dumper.represent_dict)
 
 
+def _scalars_only(items: list[Any]) -> bool:
+    """Whether a list holds no mapping or list (PyYAML writes it on one line)."""
+    return not any(isinstance(x, dict | list) for x in items)
+
+
 def _flat(value: dict[Any, Any]) -> bool:
-    return all(not isinstance(v, dict | list)
-               or (isinstance(v, list) and not any(isinstance(x, dict | list) for x in v))
+    """Whether a mapping holds only scalars and lists of scalars (written on one line)."""
+    return all(not isinstance(v, dict | list) or (isinstance(v, list) and _scalars_only(v))
                for v in value.values())
 
 
@@ -64,10 +69,10 @@ class _Scalars:
         self.memo: dict[tuple[Any, ...], str] = {}
 
     def _text(self, context: str, value: Any) -> str:
-        kind = type(value)
-        if kind is int and not context.endswith("key"):
-            return str(value)  # PyYAML's own text for an int, in every context
-        if kind not in _SCALARS or (context.endswith("key") and kind is not str):
+        kind, keyed = type(value), context.endswith("key")
+        if kind is int and not keyed:
+            return str(value)  # PyYAML's own text for an int, in every value context
+        if kind not in _SCALARS or (keyed and kind is not str):
             raise _Unusual
         # True == 1 == 1.0: keyed on the type too (and a float on its text, for nan)
         key = (context, kind, repr(value) if kind is float else value)
@@ -140,7 +145,7 @@ class _Layout:
         if kind is dict:
             return _flat(value)
         if kind is list:
-            return not any(isinstance(v, dict | list) for v in value)
+            return _scalars_only(value)
         if kind not in _SCALARS:
             raise _Unusual
         return True

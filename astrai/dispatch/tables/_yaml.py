@@ -135,8 +135,8 @@ def _plain_data(text: str, max_values: int) -> Any:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     plain = _PlainValues(loader)
-    stack: list[Any] = []  # the open collections; for a mapping, [dict, pending key]
-    keys: list[Any] = []
+    stack: list[Any] = []  # the open collections, innermost last
+    keys: list[Any] = []  # beside each: a mapping's key awaiting its value, else _UNUSUAL
     root: Any = _UNUSUAL
     values = 1  # the root too, as load_located counts
     try:
