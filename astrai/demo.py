@@ -19,6 +19,7 @@ from astrai.dispatch import stats
 from astrai.dispatch.registry import current
 from astrai.dispatch.scopes import active_view
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
+from astrai.ops import native
 
 PROMPT_LENS = (5, 11, 17)
 DECODE_STEPS = 32
@@ -66,6 +67,7 @@ def run_demo(seed: int = 0) -> str:
         f"runs): {max(t_first - t_gen, 0.0):.2f} s  (the first run took {t_first:.2f} s)",
         f"warm: generated {generated} tokens in {t_gen:.3f} s: {generated / t_gen:.0f} "
         f"tokens/s  (the same generation run again)",
+        f"{native.status()}",
         f"first tokens per request: {[o[:6] for o in outputs]}",
         f"training step: loss {loss.item():.4f}, {t_train * 1000:.0f} ms (its first run; "
         f"making the optimizer took {t_opt:.2f} s more, torch importing its compiler)",

@@ -133,8 +133,9 @@ class TestNothingReadUnlessCompared:
             pick(None, (q, q, q, None, 0, None, False, None, {}))
         # once each, to build the context of the first (missed) call
         assert calls == dict.fromkeys(FAMILY_CALLS["attention"].readers, 1)
-        keyers = [k for (fam, _), k in current().facade_keys.items() if fam == "attention"]
-        assert keyers and all(k is None for k in keyers)
+        plans = [p for (fam, _), p in current().facade_keys.items() if fam == "attention"]
+        # no keyer: the base values are the key, and so for the compiled hot path too
+        assert plans and all(p == (None, None) for p in plans)
 
     def test_a_table_comparing_one_reads_only_it_on_every_call(self, tmp_path: Path) -> None:
         _attention_table(tmp_path, LENGTH_ROWS)

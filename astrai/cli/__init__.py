@@ -17,6 +17,7 @@ from typing import TextIO, cast
 
 from astrai.cli.files import cmd_init, cmd_lint, cmd_precompile, cmd_schema, cmd_validate
 from astrai.cli.inspect import cmd_explain, cmd_list
+from astrai.cli.native import cmd_native
 from astrai.cli.output import (
     BROKEN_PIPE,
     PROBLEMS,
@@ -42,6 +43,7 @@ _COMMANDS = {
     "demo": cmd_demo,
     "lock": cmd_lock,
     "tune": cmd_tune,
+    "native": cmd_native,
 }
 
 

@@ -13,6 +13,8 @@ __all__ = [
     "LOCK_KEY",
     "LOCK_MODE_ENV",
     "LOCK_MODE_KEY",
+    "NATIVE_DIR_ENV",
+    "NATIVE_ENV",
     "OPS_ENV",
     "OPS_KEY",
     "PLUGINS_ENV",
@@ -78,6 +80,10 @@ RECORD_OWNER_ENV = "ASTR_RECORD_OWNER"
 #: The decision lock in force (``astrai.lock.enforce``) and what a drift from it does.
 LOCK_ENV = "ASTR_LOCK"
 LOCK_MODE_ENV = "ASTR_LOCK_MODE"
+#: Whether the facades use the compiled hot path (``auto``, ``on``, ``off``;
+#: ``astrai.ops.native``) and where it is built (a folder).
+NATIVE_ENV = "ASTR_NATIVE"
+NATIVE_DIR_ENV = "ASTR_NATIVE_DIR"
 
 #: The names as ``os.environ`` stores them, for the raw reads of the hot path.
 OPS_KEY = encoded(OPS_ENV)

@@ -27,6 +27,7 @@ __all__ = [
     "handle_key",
     "op_backend",
     "reset_override",
+    "scope_variable",
     "set_override",
     "use_profile",
 ]
@@ -154,6 +155,11 @@ _scope: ContextVar[Scope] = ContextVar("astrai_scope", default=EMPTY_SCOPE)
 
 #: The scope in force in this thread / task (the ContextVar's own getter: hot path).
 current_scope: Callable[[], Scope] = _scope.get
+
+
+def scope_variable() -> ContextVar[Scope]:
+    """The ``ContextVar`` the scopes live in (read directly by the compiled hot path)."""
+    return _scope
 
 
 def current_overrides() -> Mapping[str, Any]:

@@ -52,7 +52,7 @@ class Registry:
     made: dict[Any, Any] = field(init=False, default_factory=dict)  # (row id, origin) -> Decision
     keys: dict[str, Any] = field(init=False, default_factory=dict)  # family -> keying.KeyPlan
     # (family, route token) -> how that facade route reads a call into its key
-    # (ops._families.Keyer, or None)
+    # (ops._families.Keyer, or None) and how the compiled hot path may (ops._facade.route)
     facade_keys: dict[tuple[str, object], Any] = field(init=False, default_factory=dict)
     # (family, raw ASTR_OPS, raw alias, scope token) -> (environment.EnvSettings, View): what
     # the environment asks of the family in one world, and its view under the profiles

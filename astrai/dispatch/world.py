@@ -12,7 +12,7 @@ cannot put a decision made under one value into the cache under another.
 
 from __future__ import annotations
 
-__all__ = ["World", "in_force", "world_now"]
+__all__ = ["World", "in_force", "same_world", "world_now"]
 
 from typing import Any, NamedTuple
 
@@ -47,3 +47,9 @@ def in_force(world: World) -> bool:
     return (world[0] is process.snapshot and world[1] is current_scope()
             and world[2] is environ_get(OPS_KEY)
             and (world[3] is None or world[4] is environ_get(world[3])))
+
+
+def same_world(a: World, b: World) -> bool:
+    """Whether two worlds are the same objects, element by element (equal is not enough:
+    a last world is checked by identity)."""
+    return all(x is y for x, y in zip(a, b, strict=True))

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import RECORD_ENV
-from astrai.dispatch.keying import signature_key
+from astrai.dispatch.keying import key_plan, signature_key
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
-from astrai.dispatch.world import world_now
+from astrai.dispatch.world import in_force, same_world, world_now
+from astrai.ops import native
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, Route, recording, route
 from astrai.ops._families import (
@@ -101,6 +102,12 @@ def attention(
     ``return_weights``) a call asks for are served only by rows that declare them.
     """
     if not (features or return_weights):  # the common call: no feature keywords to pass
+        if backend is None and _hot is not None and not compiling():
+            d = _hot.attention(_LAST["attention"], q, k, v, kv_cache, attn_mask, fwd)
+            if d is not None:
+                next(d.counter)
+                return d.call(q, k, v, kv_cache=kv_cache, layer_id=layer_id,  # type: ignore[no-any-return]
+                              attn_mask=attn_mask, is_causal=is_causal, fwd=fwd)
         return _attention(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,  # type: ignore[no-any-return]
                                     _NO_FEATURES))(
             q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
@@ -117,6 +124,11 @@ _NO_FEATURES: dict[str, Any] = {}
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x`` by ``freqs_cis`` (cos, sin) per pair."""
+    if backend is None and _hot is not None and not compiling():
+        d = _hot.rotary(_LAST["rotary"], x, freqs_cis)
+        if d is not None:
+            next(d.counter)
+            return d.call(x, freqs_cis)  # type: ignore[no-any-return]
     return _rotary(backend, (x, freqs_cis))(x, freqs_cis)  # type: ignore[no-any-return]
 
 
@@ -128,6 +140,11 @@ def apply_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     ``cos``/``sin`` ``[batch or 1, seq, head_dim]``; element ``i`` turns with
     ``i + head_dim/2``. Returns ``(q_out, k_out)``, computed as
     ``x * cos + rotate_half(x) * sin``. Only rows declaring the ``layout`` feature serve it."""
+    if backend is None and _hot is not None and not compiling():
+        d = _hot.rotary_half(_LAST["rotary_half"], q, k, cos, sin, unsqueeze_dim)
+        if d is not None:
+            next(d.counter)
+            return d.call(q, k, cos, sin, unsqueeze_dim)  # type: ignore[no-any-return]
     return _rotary_half(backend, (q, k, cos, sin, unsqueeze_dim))(  # type: ignore[no-any-return]
         q, k, cos, sin, unsqueeze_dim)
 
@@ -144,6 +161,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     (``LlamaRMSNorm``).
     """
     if not (weight_offset or cast_before_weight):  # the common call: no feature keywords
+        if backend is None and _hot is not None and not compiling():
+            d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps)
+            if d is not None:
+                next(d.counter)
+                return d.call(x, weight, eps)  # type: ignore[no-any-return]
         return _rms_norm(backend, (x, weight, eps, _NO_FEATURES))(x, weight, eps)  # type: ignore[no-any-return]
     asked = rms_norm_features({"weight_offset": weight_offset,
                                "cast_before_weight": cast_before_weight})
@@ -159,6 +181,11 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
                                "cast_before_weight": cast_before_weight})
     if not asked:
         def plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            if _hot is not None and not compiling():
+                d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps)
+                if d is not None:
+                    next(d.counter)
+                    return d.call(x, weight, eps)  # type: ignore[no-any-return]
             return _rms_norm(None, (x, weight, eps, _NO_FEATURES))(x, weight, eps)  # type: ignore[no-any-return]
 
         return plain
@@ -172,6 +199,11 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            backend: Any = None) -> torch.Tensor:
     """``x @ weight.T + bias`` through the ``linear`` table."""
+    if backend is None and _hot is not None and not compiling():
+        d = _hot.linear(_LAST["linear"], x, weight, bias)
+        if d is not None:
+            next(d.counter)
+            return d.call(x, weight, bias)  # type: ignore[no-any-return]
     return _linear(backend, (x, weight, bias))(x, weight, bias)  # type: ignore[no-any-return]
 
 
@@ -183,18 +215,21 @@ FAMILY_CALLS: dict[str, FamilyCall] = {
                       asks=ATTENTION_ASKS,
                       check=lambda full, asked: attention_features(full[0], full[6], full[3],
                                                                    asked),
-                      incidental=("layer_id",)),
+                      incidental=("layer_id",),
+                      hot=("batch", "q_len", "kv_len", "heads", "kv_heads")),
         FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, ROTARY_SHAPE,
-                      positional=2),
+                      positional=2, hot=("tokens", "heads")),
         FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, RMS_NORM_SHAPE,
                       positional=3, keywords=tuple(RMS_NORM_FEATURES), asks=RMS_NORM_ASKS,
-                      check=lambda full, asked: rms_norm_features(asked)),
-        FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE, positional=3),
+                      check=lambda full, asked: rms_norm_features(asked), hot=("tokens",)),
+        FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE, positional=3,
+                      hot=("tokens", "in_features", "out_features")),
     )
 }
 #: The rotary family's second call: the half layout (``apply_rotary_half``).
 ROTARY_HALF_CALL = FamilyCall.of(apply_rotary_half, describe_rotary_half, ROTARY_HALF_READS,
-                                 ROTARY_HALF_SHAPE, positional=5, family="rotary")
+                                 ROTARY_HALF_SHAPE, positional=5, hot=("tokens", "heads"),
+                                 family="rotary")
 #: Every facade call, by facade name.
 _CALLS: dict[str, FamilyCall] = {**{fc.family: fc for fc in FAMILY_CALLS.values()},
                                  "rotary_half": ROTARY_HALF_CALL}
@@ -203,7 +238,28 @@ _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
                             "linear": linear}
 #: Each facade's route: ``route`` itself, or while a recording is in force (and only
 #: then, so that nothing else costs anything) the same route feeding the recordings.
-_PLAIN: dict[str, Route] = {name: route(fc) for name, fc in _CALLS.items()}
+#: Each facade's last world (``route``), shared with the compiled hot path.
+_LAST: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _CALLS}
+_PLAIN: dict[str, Route] = {name: route(fc, _LAST[name]) for name, fc in _CALLS.items()}
+#: The compiled hot path (``astrai.ops.native``) when it is loaded and no recording is in
+#: force, else ``None``: every call then takes its route.
+_NATIVE = native.load()
+_hot: Any = _NATIVE
+
+
+def _python_call_hot(last: list[tuple[Any, ...]], t: Any) -> Any:
+    """``ops.call``'s hot path in Python: the decision kept for a call's first tensor in
+    the family's last world, if that world is in force (the compiled ``call`` does the
+    same)."""
+    world, decisions = last[0][0], last[0][1]
+    if world is None or not in_force(world) or not isinstance(t, torch.Tensor):
+        return None
+    return decisions.get((t.dtype, t.is_cuda, t.dim(), torch.is_grad_enabled()))
+
+
+#: ``ops.call``'s hot path in force: the compiled one or ``_python_call_hot``; ``None``
+#: while a recording is in force (every call then takes the full path, and is noted).
+_call_hot: Any = _python_call_hot if _NATIVE is None else _NATIVE.call
 _RECORDING: dict[str, Route] = {}
 _attention, _rotary, _rotary_half, _rms_norm, _linear = (
     _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rotary_half"], _PLAIN["rms_norm"],
@@ -212,7 +268,9 @@ _attention, _rotary, _rotary_half, _rms_norm, _linear = (
 
 def _switch_routes(recording_now: bool) -> None:
     """Point the facades at their recording routes (``True``) or plain ones."""
-    global _attention, _rotary, _rotary_half, _rms_norm, _linear
+    global _attention, _rotary, _rotary_half, _rms_norm, _linear, _hot, _call_hot
+    _hot = None if recording_now else _NATIVE
+    _call_hot = None if recording_now else _python_call_hot if _NATIVE is None else _NATIVE.call
     if recording_now and not _RECORDING:
         from astrai.record.recording import note_call  # loaded by whoever started recording
 
@@ -265,6 +323,13 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
     callable the table names as ``context:``, called with the same arguments.
     ``backend=`` selects a row (or an implementation object) strictly.
     """
+    if backend is None and args and not compiling():
+        last = _CALL_LAST.get(family)
+        if last is not None and _call_hot is not None:
+            d = _call_hot(last, args[0])
+            if d is not None:
+                next(d.counter)
+                return d.call(*args, **kwargs)
     name = _facade_name(family, args, kwargs)
     if name is not None:
         return _FACADES[name](*args, backend=backend, **kwargs)
@@ -276,11 +341,34 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         return process.impls[decision_name(family, names, values, backend,
                                            process.compile_key)](*args, **kwargs)
     state = process.snapshot or current()
-    d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,),
-               world_now(state, family))
+    now = world_now(state, family)
+    d = decide(family, signature_key(state, ctx), backend, same_context, (ctx,), now)
+    if backend is None and table.context is None and args and isinstance(args[0], torch.Tensor):
+        _keep_call(family, state, now, ctx, d)
     next(d.counter)
     if process.recordings:
         from astrai.record.recording import note_call  # loaded by whoever started recording
 
         note_call(ctx, backend)
     return d.call(*args, **kwargs)
+
+
+#: ``ops.call``'s last world per family whose calls are keyed by their first tensor
+#: alone (no ``context:`` builder, no lazy axis compared): ``(world, {key: Decision},
+#: None, None)``, the shape of a facade's (``route``), for the same hot path.
+_CALL_LAST: dict[str, list[tuple[Any, ...]]] = {}
+
+
+def _keep_call(family: str, state: Any, now: Any, ctx: CallContext, d: Any) -> None:
+    """Keep ``d``, decided for a first-tensor call of ``family`` in world ``now``, for
+    the next calls in that world (not when the family's specs read a lazy axis: its key
+    is then more than the tensor's base axes)."""
+    if family in now.scope.uncacheable or key_plan(state, family).compared:
+        return
+    last = _CALL_LAST.setdefault(family, [(None, {}, None, None)])
+    world, decisions = last[0][0], last[0][1]
+    if world is None or not same_world(world, now) or len(decisions) >= process.max_decisions:
+        decisions = {}
+        last[0] = (now, decisions, None, None)
+    decisions[(ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.grad_enabled)] = d
+

@@ -27,7 +27,7 @@ from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.scopes import current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
-from astrai.dispatch.world import World, world_now
+from astrai.dispatch.world import same_world, world_now
 from astrai.ops._families import Keyer, extended_keyer, interval_keyer, shape_reader
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
@@ -56,6 +56,8 @@ class FamilyCall:
     check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
     # Parameters that do not make recorded calls distinct (an attention layer's index).
     incidental: tuple[str, ...] = ()
+    # The lazy axes the compiled hot path reads, in its order (``astrai.ops.native``).
+    hot: tuple[str, ...] = ()
     #: Every lazy axis of a call given as the full argument tuple, in order.
     shape: Callable[..., tuple[Any, ...]] = field(init=False, repr=False, compare=False)
 
@@ -68,7 +70,8 @@ class FamilyCall:
            positional: int, keywords: tuple[str, ...] = (),
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
-           incidental: tuple[str, ...] = (), family: str | None = None) -> FamilyCall:
+           incidental: tuple[str, ...] = (), hot: tuple[str, ...] = (),
+           family: str | None = None) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
         feature keywords, ``**features``, are given as ``keywords``); its family is the
         facade's name without ``apply_`` unless given."""
@@ -78,7 +81,7 @@ class FamilyCall:
         return cls(family or facade.__name__.removeprefix("apply_"),
                    tuple(p.name for p in params),
                    tuple(p.default for p in params), positional, reads, describe, readers,
-                   keywords, asks, check, incidental)
+                   keywords, asks, check, incidental, hot)
 
     @property
     def lazy(self) -> tuple[str, ...]:
@@ -124,16 +127,7 @@ class FamilyCall:
                               raw_kwargs=raw_kwargs)
 
 
-_UNSET: Any = object()
-
-
-def _same(a: World, b: World) -> bool:
-    """Whether two worlds are the same objects, element by element (equal is not enough:
-    the last world is checked by identity)."""
-    return all(x is y for x, y in zip(a, b, strict=True))
-
-
-def route(fc: FamilyCall) -> Route:
+def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
     In front of the decision cache sits this family's *last world* (``world.World``:
@@ -147,7 +141,10 @@ def route(fc: FamilyCall) -> Route:
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
     # (the world, {values: Decision}, what the lazy axes add to the values in that
     #  world's snapshot or None)
-    last: list[tuple[Any, ...]] = [(None, {}, None)]
+    if last is None:
+        last = [(None, {}, None, False)]
+    else:
+        last[:] = [(None, {}, None, False)]
     # This route's entry in each snapshot's ``facade_keys``: its keyer reads the call with
     # this route's own ``describe`` and readers (a token that lives as long as the route).
     slot = (family, object())
@@ -164,12 +161,13 @@ def route(fc: FamilyCall) -> Route:
         state = process.snapshot
         same_snapshot = world is not None and world[0] is state
         if same_snapshot:
-            keyer = seen[2]  # the last world's snapshot: its key plan
+            keyer, hot = seen[2], seen[3]  # the last world's snapshot: its key plan
         else:
             state = state or current()
-            keyer = state.facade_keys.get(slot, _UNSET)
-            if keyer is _UNSET:
-                keyer = state.facade_keys[slot] = _keyer(state)
+            plan = state.facade_keys.get(slot)
+            if plan is None:
+                plan = state.facade_keys[slot] = _keyer(state)
+            keyer, hot = plan
         if keyer is None:
             key = values = describe(*args)
         else:
@@ -187,21 +185,27 @@ def route(fc: FamilyCall) -> Route:
         if backend is None and family not in now.scope.uncacheable:
             # Kept in the world it was decided in (a new last world if this call's is
             # another), so it serves only calls made in that world.
-            if world is None or not _same(world, now) or len(seen[1]) >= process.max_decisions:
-                last[0] = seen = (now, {}, keyer)
+            if world is None or not same_world(world, now) or len(seen[1]) >= process.max_decisions:
+                last[0] = seen = (now, {}, keyer, hot)
             seen[1][key] = d
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
 
-    def _keyer(state: Registry) -> Keyer | None:
-        """How this family's calls are read into their key on ``state``: ``None`` when
-        its specs compare no lazy axis (the base values are the key)."""
+    def _keyer(state: Registry) -> tuple[Keyer | None, Any]:
+        """How this family's calls are read into their key on ``state`` - ``None`` when
+        its specs compare no lazy axis (the base values are the key) - and how the
+        compiled hot path may key them (``route``'s ``hot``)."""
         plan = key_plan(state, family)
         single = plan.interval(reads, readers)
         if single is not None:
-            return interval_keyer(describe, *single)
+            read, points = single
+            axis = next(n for n in readers if n in plan.compared)
+            hot = (fc.hot.index(axis), points) if axis in fc.hot else False
+            return interval_keyer(describe, read, points), hot
         lazy_key = plan.reader(reads, readers)
-        return None if lazy_key is None else extended_keyer(describe, lazy_key)
+        if lazy_key is None:
+            return None, None
+        return extended_keyer(describe, lazy_key), False
 
     return pick
 

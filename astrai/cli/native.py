@@ -1,0 +1,27 @@
+"""``astrai-ops native``: whether the compiled hot path is in use, and building it."""
+
+from __future__ import annotations
+
+__all__ = ["cmd_native"]
+
+import argparse
+import sys
+
+from astrai.cli.output import OK, PROBLEMS
+
+
+def cmd_native(args: argparse.Namespace) -> int:
+    from astrai.ops import native
+
+    if args.build:
+        try:
+            path = native.build(force=args.force)
+        except native.NativeBuildError as e:
+            print(f"astrai-ops native: cannot build the compiled hot path: {e}",
+                  file=sys.stderr)
+            return PROBLEMS
+        print(f"built {path}")
+        print("processes started from now on load it (ASTR_NATIVE=off turns it off)")
+        return OK
+    print(native.status())
+    return OK

@@ -1,0 +1,210 @@
+"""The optional compiled hot path of the facades (``_hot.cpp``).
+
+The pure-Python path is complete on its own; the compiled one only answers, for a call
+in a facade's last world, the decision the Python route already took for that call's
+key, reading the tensors' metadata in C++ instead of through Python attributes. It
+answers only calls it reads exactly as Python does and declines (``None``) everything
+else, so what a call is served by, and every error a malformed call raises, are the
+Python path's.
+
+It is built from the package's own source with the machine's C++ compiler against the
+installed torch (``astrai-ops native --build``, about 15 s) into a cache directory,
+one file per torch / Python / source version, and then loaded by every process.
+``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when built; ``0`` / ``off``,
+never; ``1`` / ``on``, build it on first import when missing, warning once with the
+reason when that fails.
+"""
+
+from __future__ import annotations
+
+__all__ = ["NATIVE_DIR_ENV", "NATIVE_ENV", "NativeBuildError", "NativeStatus", "build", "load",
+           "load_from", "status"]
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
+
+_SOURCE = Path(__file__).with_name("_hot.cpp")
+_NAME = "_astrai_hot"
+_OFF = {"0", "off", "no", "false"}
+_ON = {"1", "on", "yes", "true"}
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Whether the compiled hot path is in use in this process, and why (not)."""
+
+    loaded: bool
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"compiled hot path: {'loaded' if self.loaded else 'not loaded'} "
+                f"({self.reason}); {self.path}")
+
+
+def _mode() -> str:
+    raw = os.environ.get(NATIVE_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in _OFF:
+        return "off"
+    if raw in _ON:
+        return "on"
+    warnings.warn(f"{NATIVE_ENV}={raw!r} is not one of auto, on (1), off (0); using auto",
+                  RuntimeWarning, stacklevel=3)
+    return "auto"
+
+
+def _flags() -> list[str]:
+    """The compiler's flags: torch's headers and libraries (where its wheel puts them;
+    ``torch.utils.cpp_extension`` says the same but costs an import), Python's headers."""
+    import sysconfig
+
+    root = Path(torch.__file__).parent
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include",
+                sysconfig.get_paths()["include"]]
+    libs = [root / "lib"]
+    return ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{p}" for p in includes), *(f"-L{p}" for p in libs),
+            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+            *(f"-Wl,-rpath,{p}" for p in libs)]
+
+
+def _tag() -> str:
+    """What the built file depends on: the source, this torch (the flags follow from
+    where it lives and its ABI) and this Python."""
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
+    h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
+    return h.hexdigest()[:16]
+
+
+def _path() -> Path:
+    root = os.environ.get(NATIVE_DIR_ENV)
+    if root:
+        base = Path(root).expanduser()
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        base = Path(cache) / "astrai" / "native"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return base / f"{_NAME}-{_tag()}{suffix}"
+
+
+class NativeBuildError(RuntimeError):
+    """The compiled hot path could not be built here (the reason, compiler output
+    included)."""
+
+
+def build(*, force: bool = False) -> Path:
+    """Build the compiled hot path for this torch and Python (unless built already) and
+    return its path; ``NativeBuildError`` says why it cannot be."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    path = _path()
+    if path.exists() and not force:
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=path.suffix, prefix=".build-", dir=path.parent)
+    os.close(fd)
+    try:
+        try:
+            done = subprocess.run([compiler, str(_SOURCE), "-o", tmp, *_flags()],
+                                  capture_output=True, text=True, check=False)
+        except OSError as e:
+            raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+            raise NativeBuildError(f"{compiler} failed (exit {done.returncode}):\n{tail}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_from(path: Path) -> ModuleType:
+    """The compiled module at ``path`` (``build()``'s), imported and set up for this
+    process, whatever ``ASTR_NATIVE`` says (the facades use ``load()``'s)."""
+    module = _import(path)
+    _setup(module)
+    return module
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - a path with a known suffix
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_state: list[NativeStatus] = []
+
+
+def load() -> ModuleType | None:
+    """The compiled module, set up for this process, or ``None`` (``status()`` says why).
+    Decided once per process."""
+    if _state:
+        return _loaded[0] if _loaded else None
+    mode = _mode()
+    path = _path()
+    module: ModuleType | None = None
+    if mode == "off":
+        reason = f"{NATIVE_ENV}=off"
+    elif not path.exists() and mode == "auto":
+        reason = "not built: `astrai-ops native --build` builds it"
+    else:
+        try:
+            if not path.exists():
+                build()
+            module = load_from(path)
+            reason = "built" if mode == "auto" else f"{NATIVE_ENV}=on"
+        except (NativeBuildError, ImportError, OSError) as e:
+            module = None
+            reason = f"failed: {e}"
+            if mode == "on":
+                warnings.warn(f"astrai: {NATIVE_ENV}=on, but the compiled hot path is not "
+                              f"available ({e}); the pure-Python path serves every call",
+                              RuntimeWarning, stacklevel=2)
+    _state.append(NativeStatus(module is not None, path, reason))
+    if module is not None:
+        _loaded.append(module)
+    return module
+
+
+_loaded: list[ModuleType] = []
+
+
+def status() -> NativeStatus:
+    """Whether this process uses the compiled hot path, why, and where it lives."""
+    load()
+    return _state[0]
+
+
+def _setup(module: ModuleType) -> None:
+    from astrai.dispatch import state as process
+    from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY
+    from astrai.dispatch.scopes import scope_variable
+
+    if ENVIRON_DATA is None:  # pragma: no cover - platforms without os.environ._data
+        raise ImportError("this platform's os.environ has no raw dict to read")
+    module.setup(vars(process), scope_variable(), ENVIRON_DATA, OPS_KEY, torch.Tensor,
+                 torch.nn.Parameter)

@@ -1,0 +1,327 @@
+"""The compiled hot path (``astrai.ops.native``): it answers a call only with the decision
+the Python route took for that very call in the world in force, and declines (``None``)
+every call it cannot read exactly as Python does - malformed ones included, which the
+route then refuses as before.
+
+The module is built here once (about 15 s) with the machine's C++ compiler; without
+one these tests skip, saying so. The pure-Python path is what every other test runs
+unless the module was built before the session (CI runs the suite both ways)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import astrai.dispatch as d
+from astrai import ops
+from astrai.dispatch import state
+from astrai.ops import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def built() -> ModuleType:
+    try:
+        path = native.build()
+    except native.NativeBuildError as e:
+        pytest.skip(f"the compiled hot path cannot be built here: {e}")
+    return native.load_from(path)
+
+
+@pytest.fixture
+def hot(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The facades with the compiled hot path in force."""
+    monkeypatch.setattr(ops, "_NATIVE", built)
+    monkeypatch.setattr(ops, "_hot", built)
+    monkeypatch.setattr(ops, "_call_hot", built.call)
+    yield built
+
+
+def _full(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The route's full argument tuple of a hot call's arguments."""
+    if name == "rms_norm":
+        return (*args, {})
+    if name == "attention":
+        q, k, v, kv_cache, mask, fwd = args
+        return (q, k, v, kv_cache, 0, mask, False, fwd, {})
+    return args
+
+
+def _route(name: str, args: tuple[Any, ...]) -> Any:
+    """What the Python route serves the call with, or the exception it raises."""
+    try:
+        return ops._PLAIN[name](None, _full(name, args))
+    except Exception as e:
+        return e
+
+
+def _agrees(hot: ModuleType, name: str, args: tuple[Any, ...]) -> bool:
+    """Ask the route, then the compiled path: True when the compiled path answered. It
+    must answer with the route's decision and never a call the route refuses."""
+    served = _route(name, args)
+    got = getattr(hot, name)(ops._LAST[name], *args)
+    if got is None:
+        return False
+    assert not isinstance(served, Exception), (name, args, served)
+    assert got.call is served, (name, args)
+    return True
+
+
+def _t(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, **kw: Any) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, **kw)
+
+
+def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """Calls of every facade: well-formed ones of many shapes, and each kind of
+    malformed one the validation refuses, and odd arguments."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int64]
+
+    def dim() -> int:
+        return rng.choice([0, 1, 2, 3, 4, 7, 8, 64, 300])
+
+    def dt() -> torch.dtype:
+        return rng.choice(dtypes)
+
+    for _ in range(150):
+        f = dim() or 1
+        lead = tuple(rng.choice([1, 2, 3, 300]) for _ in range(rng.choice([0, 1, 2, 3])))
+        w_len = f if rng.random() < 0.8 else f + 1
+        eps = rng.choice([1e-6, 0.0, -1.0, 1, True, float("nan"), None])
+        w: Any = _t((w_len,), dt()) if rng.random() < 0.9 else _t((f, 1))
+        x: Any = _t((*lead, f), dt()) if rng.random() < 0.95 else "x"
+        yield "rms_norm", (x, w, eps)
+
+        i, o = dim() or 1, dim() or 1
+        bias = rng.choice([None, _t((o,)), _t((o + 1,)), _t((o,), torch.float64), "b"])
+        yield "linear", (_t((*lead, i), dt()), _t((o, i if rng.random() < 0.9 else i + 1),
+                                                     rng.choice([torch.float32, dt()])), bias)
+
+        b, s, h, dd = rng.choice([1, 2]), rng.choice([1, 5]), rng.choice([1, 8]), \
+            rng.choice([0, 1, 2, 64])
+        half = max(dd // 2, 0)
+        x4 = _t((b, s, h, dd), dt())
+        freqs = rng.choice([_t((s, half, 2)), _t((1, s, half, 2)), _t((b, s, half, 2)),
+                            _t((s + 1, half, 2)), _t((s, half, 3)), _t((s, half, 2), torch.int64)])
+        yield "rotary", (rng.choice([x4, _t((b * s, h, dd)), _t((dd,))]), freqs)
+
+        q = _t((b, h, s, dd), dt())
+        kh = rng.choice([1, h])
+        k = _t((b, kh, s, dd), rng.choice([q.dtype, dt()]))
+        cos = rng.choice([_t((1, s, dd)), _t((b, s, dd)), _t((b, s + 1, dd)), _t((s, dd))])
+        sin = rng.choice([cos, _t(tuple(cos.shape)), _t((1, s, dd + 2))])
+        yield "rotary_half", (q, k, cos, sin, rng.choice([1, 1, 1, -3, 2, True, 1.0]))
+
+        kv = rng.choice([1, 2, 8]) if h == 8 else 1
+        qa = _t((b, s, h, dd), dt())
+        ka = _t((rng.choice([b, b + 1]), rng.choice([s, 7]), kv, dd), rng.choice([qa.dtype, dt()]))
+        va = rng.choice([torch.zeros_like(ka), _t((ka.shape[0], ka.shape[1], kv, dd + 1))])
+        yield "attention", (qa, ka, va, None, rng.choice([None, None, _t((1, 1, s, 7))]),
+                            rng.choice([None, None, "prefill", "decode", "bad"]))
+
+
+def test_every_answer_is_the_routes_decision_and_no_refused_call_is_answered(
+        hot: ModuleType) -> None:
+    answered: dict[str, int] = {}
+    with torch.no_grad():
+        for name, args in _random_calls(random.Random(0)):
+            answered[name] = answered.get(name, 0) + _agrees(hot, name, args)
+    with torch.enable_grad():
+        for name, args in _random_calls(random.Random(1)):
+            answered[name] = answered.get(name, 0) + _agrees(hot, name, args)
+    # Well-formed calls in the common forms are among the random ones: each facade
+    # answers some (the forms only the route serves - an int eps, a mask, fwd without a
+    # cache, v's own head_dim - it declines).
+    assert sorted(answered) == sorted(NAMES) and min(answered.values()) >= 5, answered
+
+
+def _common(name: str) -> tuple[Any, ...]:
+    return {
+        "rms_norm": (_t((1, 512)), _t((512,)), 1e-6),
+        "linear": (_t((3, 16)), _t((8, 16)), _t((8,))),
+        "rotary": (_t((1, 2, 4, 8)), _t((2, 4, 2))),
+        "rotary_half": (_t((1, 4, 2, 8)), _t((1, 2, 2, 8)), _t((1, 2, 8)), _t((1, 2, 8)), 1),
+        "attention": (_t((1, 3, 8, 16)), _t((1, 5, 2, 16)), _t((1, 5, 2, 16)), None, None,
+                      None),
+    }[name]
+
+
+NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_common_call_is_answered_once_its_route_decided_it(hot: ModuleType,
+                                                             name: str) -> None:
+    args = _common(name)
+    assert getattr(hot, name)(ops._LAST[name], *args) is None  # nothing decided yet
+    assert _agrees(hot, name, args)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_change_of_world_is_declined(hot: ModuleType, name: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _common(name)
+    assert _agrees(hot, name, args)
+    fn = getattr(hot, name)
+    family = ops._CALLS[name].family
+    row = {"linear": "torch", "attention": "math"}.get(family, "reference")
+    with d.op_backend(**{family: row}):
+        assert fn(ops._LAST[name], *args) is None  # another scope
+    assert fn(ops._LAST[name], *args) is not None
+    monkeypatch.setenv("ASTR_OPS", f"{family}={row}")
+    assert fn(ops._LAST[name], *args) is None  # another ASTR_OPS
+    monkeypatch.delenv("ASTR_OPS")
+    assert fn(ops._LAST[name], *args) is not None
+    state.reset()  # another snapshot
+    assert fn(ops._LAST[name], *args) is None
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _Mode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_python_could_read_otherwise_is_declined(hot: ModuleType) -> None:
+    x, w, eps = _common("rms_norm")
+    assert _agrees(hot, "rms_norm", (x, w, eps))
+    last = ops._LAST["rms_norm"]
+    assert hot.rms_norm(last, x.as_subclass(_Sub), w, eps) is None
+    with _Mode():
+        assert hot.rms_norm(last, x, w, eps) is None
+    assert hot.rms_norm(last, x.to_sparse(), w, eps) is None
+    assert hot.rms_norm(last, x, w) is None  # a wrong arity is not answered
+    assert hot.rms_norm(last, x, torch.nn.Parameter(w), eps) is not None
+    assert hot.rms_norm([], x, w, eps) is None  # not a route's last world
+
+
+def test_facades_with_the_compiled_path_serve_count_and_refuse_as_before(
+        hot: ModuleType) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 16, generator=g), torch.randn(16, generator=g)
+    lin = torch.randn(8, 16, generator=g)
+    d.reset_stats()
+    for _ in range(3):
+        torch.testing.assert_close(ops.rms_norm(x, w), torch.nn.functional.rms_norm(
+            x, (16,), w, 1e-6))
+        torch.testing.assert_close(ops.linear(x, lin), x @ lin.T)
+    rows = d.stats().by_row()
+    assert sum(rows["rms_norm"]["torch"].values()) == 3
+    assert sum(sum(v.values()) for v in rows["linear"].values()) == 3
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.randn(15))
+    with pytest.raises(ValueError, match="linear expects"):
+        ops.linear(x, torch.randn(8, 15))
+    # an explicit backend= never takes the hot path
+    assert ops.rms_norm(x, w, backend="reference").shape == x.shape
+    assert "reference" in d.stats().by_row()["rms_norm"]
+
+
+def test_a_recording_sees_every_call_with_the_compiled_path_loaded(hot: ModuleType) -> None:
+    x, w = torch.randn(2, 16), torch.randn(16)
+    ops.rms_norm(x, w)
+    with d.record() as rec:
+        assert ops._hot is None
+        ops.rms_norm(x, w)
+        ops.rms_norm(x, w)
+    assert ops._hot is hot
+    assert sum(c.count for c in rec.calls) == 2
+
+
+def _user_family(write_yaml: Callable[[str, str], Path], when: str = "ndim == 3") -> None:
+    d.load_tables(write_yaml("mine.yaml", f"""\
+        version: 1
+        family: mine
+        fallback: ref
+        rows:
+          - name: big
+            impl: tests._impls:fast
+            when: {when}
+          - name: ref
+            impl: tests._impls:ref
+        """))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ops_call_keeps_the_decision_of_a_first_tensor_call(
+        compiled: bool, request: pytest.FixtureRequest,
+        write_yaml: Callable[[str, str], Path]) -> None:
+    impl = request.getfixturevalue("hot").call if compiled else ops._python_call_hot
+    _user_family(write_yaml)
+    x3, x2 = torch.zeros(1, 2, 3), torch.zeros(2, 2)
+    assert ops.call("mine", x3) == "fast"
+    assert ops.call("mine", x2) == "ref"
+    last = ops._CALL_LAST["mine"]
+    assert impl(last, x3).call is ops.call.__globals__["_CALL_LAST"]["mine"][0][1][
+        (torch.float32, False, 3, torch.is_grad_enabled())].call
+    assert impl(last, torch.zeros(1, 2, 3, dtype=torch.float64)) is None  # not seen
+    assert impl(last, "x") is None
+    with d.op_backend(mine="ref"):
+        assert impl(last, x3) is None
+        assert ops.call("mine", x3) == "ref"
+    d.reset_stats()
+    assert [ops.call("mine", x3) for _ in range(3)] == ["fast"] * 3
+    assert d.stats().by_row()["mine"] == {"big": {"chain": 3}}
+    with d.record() as rec:  # a recording notes every call: none is kept from it
+        assert ops.call("mine", x3) == "fast"
+        assert ops.call("mine", x3) == "fast"
+    assert [c.count for c in rec.calls] == [2]
+
+
+def test_ops_call_keeps_nothing_when_the_specs_read_a_lazy_axis(
+        write_yaml: Callable[[str, str], Path]) -> None:
+    _user_family(write_yaml, when="device == cpu")
+    assert ops.call("mine", torch.zeros(2)) == "fast"
+    last = ops._CALL_LAST.get("mine")
+    assert last is None or ops._python_call_hot(last, torch.zeros(2)) is None
+
+
+def _run(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
+
+
+STATUS = "from astrai.ops import native; print(native.status())"
+
+
+def test_off_is_never_loaded_and_on_warns_when_it_cannot_build(tmp_path: Path) -> None:
+    off = _run({"ASTR_NATIVE": "off"}, STATUS)
+    assert "not loaded (ASTR_NATIVE=off)" in off.stdout, off.stderr
+    on = _run({"ASTR_NATIVE": "on", "ASTR_NATIVE_DIR": str(tmp_path), "CXX": "/no/such/cxx"},
+              STATUS + "\nimport torch; from astrai import ops\n"
+                       "print(ops.rms_norm(torch.ones(1, 4), torch.ones(4)).shape)")
+    assert "not loaded (failed:" in on.stdout, on.stdout
+    assert on.stderr.count("ASTR_NATIVE=on, but the compiled hot path is not available") == 1
+    assert "torch.Size([1, 4])" in on.stdout  # the pure-Python path serves
+    auto = _run({"ASTR_NATIVE": "auto", "ASTR_NATIVE_DIR": str(tmp_path)}, STATUS)
+    assert "not built: `astrai-ops native --build` builds it" in auto.stdout
+    assert auto.stderr == ""
+    odd = _run({"ASTR_NATIVE": "maybe", "ASTR_NATIVE_DIR": str(tmp_path)}, STATUS)
+    assert "ASTR_NATIVE='maybe' is not one of auto, on (1), off (0)" in odd.stderr
+
+
+def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:
+    done = _run({"ASTR_NATIVE_DIR": str(tmp_path), "CXX": "/no/such/cxx"},
+                "from astrai.cli import main; raise SystemExit(main(['native', '--build']))")
+    assert done.returncode == 1
+    assert "cannot build the compiled hot path" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing half-written left behind
+
+
+def test_built_is_loaded_by_a_new_process(built: ModuleType) -> None:
+    done = _run({"ASTR_NATIVE": ""}, STATUS)  # unset: auto
+    assert "compiled hot path: loaded (built)" in done.stdout, done.stdout + done.stderr
