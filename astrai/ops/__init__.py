@@ -190,7 +190,14 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
 
         return plain
 
+    offset, cast = "weight_offset" in asked, "cast_before_weight" in asked
+
     def form(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if _hot is not None and not compiling():
+            d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps, offset, cast)
+            if d is not None:
+                next(d.counter)
+                return d.call(x, weight, eps, **asked)  # type: ignore[no-any-return]
         return _rms_norm(None, (x, weight, eps, asked))(x, weight, eps, **asked)  # type: ignore[no-any-return]
 
     return form

@@ -28,6 +28,8 @@ struct Globals {
   PyObject* tensor = nullptr;    // torch.Tensor
   PyObject* parameter = nullptr; // torch.nn.Parameter
   PyObject* half = nullptr;      // "half"
+  PyObject* dim = nullptr;       // "dim" and "is_floating_point": the methods the Python
+  PyObject* floating = nullptr;  // path calls, which an instance attribute could shadow
 };
 Globals g;
 
@@ -41,6 +43,15 @@ const at::Tensor* plain(PyObject* obj) {
   // The exact types' own __torch_function__ is torch's disabled one: only a mode can
   // step in.
   if (at::impl::torch_function_mode_enabled()) return nullptr;
+  PyObject** own = _PyObject_GetDictPtr(obj);
+  if (own != nullptr && *own != nullptr && PyDict_GET_SIZE(*own) > 0) {
+    if (PyDict_GetItemWithError(*own, g.dim) != nullptr ||
+        PyDict_GetItemWithError(*own, g.floating) != nullptr) return nullptr;
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return nullptr;
+    }
+  }
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.layout() != c10::kStrided || t.is_nested()) return nullptr;
   if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;
@@ -102,6 +113,12 @@ PyObject* seen_in_force(PyObject* last) {
 PyObject* answer(PyObject* seen, PyObject** base, int n, const int64_t* lazy, int nlazy) {
   PyObject* hot = PyTuple_GET_ITEM(seen, 3);
   int64_t index = -1;
+  for (int i = 0; i < n; ++i) {
+    if (base[i] == nullptr) {  // out of memory making a value
+      PyErr_Clear();
+      goto decline;
+    }
+  }
   if (hot != Py_None) {
     // (code, points): the interval of lazy axis ``code`` between the sorted cut points.
     if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 2) goto decline;
@@ -113,6 +130,7 @@ PyObject* answer(PyObject* seen, PyObject** base, int n, const int64_t* lazy, in
         goto decline;
       }
       int64_t value = lazy[code];
+      if (value < 0) goto decline;  // not read exactly (rows)
       index = 0;
       for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(points); ++i) {
         long long point = PyLong_AsLongLong(PyTuple_GET_ITEM(points, i));
@@ -148,7 +166,7 @@ PyObject* answer(PyObject* seen, PyObject** base, int n, const int64_t* lazy, in
     return d;
   }
 decline:
-  for (int i = 0; i < n; ++i) Py_DECREF(base[i]);
+  for (int i = 0; i < n; ++i) Py_XDECREF(base[i]);
   Py_RETURN_NONE;
 }
 
@@ -164,9 +182,14 @@ PyObject* new_dtype(const at::Tensor& t) {
   return o;
 }
 
+// The product of ``s`` but its last ``features`` sizes, or -1 when it does not fit in 64
+// bits (a tensor with a zero size may have such sizes; Python's product is exact, so the
+// call is declined).
 int64_t rows(c10::IntArrayRef s, size_t features) {
   int64_t p = 1;
-  for (size_t i = 0; i + features < s.size(); ++i) p *= s[i];
+  for (size_t i = 0; i + features < s.size(); ++i) {
+    if (__builtin_mul_overflow(p, s[i], &p)) return -1;
+  }
   return p;
 }
 
@@ -182,9 +205,15 @@ int64_t rows(c10::IntArrayRef s, size_t features) {
   }                                                        \
   Py_RETURN_NONE;
 
-// rms_norm(last, x, weight, eps): x [..., f], weight [f], eps a float >= 0.
+// rms_norm(last, x, weight, eps[, weight_offset, cast_before_weight]): x [..., f], weight
+// [f], eps a float >= 0; the two booleans, when given, say which of the forms the call
+// asks for (the feature axes ``describe_rms_norm`` appends when either is asked; the
+// caller checked the forms' values).
 PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(4)
+  if (n == 6 && !(PyBool_Check(args[4]) && PyBool_Check(args[5]))) Py_RETURN_NONE;
+  // Neither form: the plain call's key, without feature axes (as ``describe`` gives it).
+  bool forms = n == 6 && (args[4] == Py_True || args[5] == Py_True);
+  HOT_BEGIN(n == 6 ? 6 : 4)
   const at::Tensor* x = plain(args[1]);
   const at::Tensor* w = x ? plain(args[2]) : nullptr;
   if (w == nullptr || !PyFloat_CheckExact(args[3]) || !(PyFloat_AS_DOUBLE(args[3]) >= 0))
@@ -192,10 +221,18 @@ PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   auto xs = x->sizes();
   auto ws = w->sizes();
   if (ws.size() != 1 || xs.empty() || ws[0] != xs.back()) Py_RETURN_NONE;
+  int64_t lazy[] = {rows(xs, 1)};  // tokens
+  if (forms) {
+    Py_INCREF(args[4]);
+    Py_INCREF(args[5]);
+    PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
+                        PyLong_FromSsize_t(static_cast<Py_ssize_t>(xs.size())),
+                        new_bool(at::GradMode::is_enabled()), args[4], args[5]};
+    return answer(seen, base, 6, lazy, 1);
+  }
   PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
                       PyLong_FromSsize_t(static_cast<Py_ssize_t>(xs.size())),
                       new_bool(at::GradMode::is_enabled())};
-  int64_t lazy[] = {rows(xs, 1)};  // tokens
   return answer(seen, base, 4, lazy, 1);
   HOT_END
 }
@@ -281,7 +318,9 @@ PyObject* rotary_half(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_INCREF(g.half);
   PyObject* base[] = {new_dtype(*q), new_bool(q->is_cuda()), PyLong_FromLong(4),
                       PyLong_FromLongLong(d), new_bool(at::GradMode::is_enabled()), g.half};
-  int64_t lazy[] = {b * seq, qs[1]};  // tokens, heads
+  int64_t tokens;
+  if (__builtin_mul_overflow(b, seq, &tokens)) tokens = -1;
+  int64_t lazy[] = {tokens, qs[1]};  // tokens, heads
   return answer(seen, base, 6, lazy, 2);
   HOT_END
 }
@@ -340,7 +379,10 @@ PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
   }
   if (g.snapshot == nullptr) g.snapshot = PyUnicode_InternFromString("snapshot");
   if (g.half == nullptr) g.half = PyUnicode_InternFromString("half");
-  if (g.snapshot == nullptr || g.half == nullptr) return nullptr;
+  if (g.dim == nullptr) g.dim = PyUnicode_InternFromString("dim");
+  if (g.floating == nullptr) g.floating = PyUnicode_InternFromString("is_floating_point");
+  if (g.snapshot == nullptr || g.half == nullptr || g.dim == nullptr || g.floating == nullptr)
+    return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -349,7 +391,8 @@ PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     METHOD(setup, "Bind the process state, scope variable, environment and tensor types."),
-    METHOD(rms_norm, "rms_norm(last, x, weight, eps) -> Decision | None"),
+    METHOD(rms_norm, "rms_norm(last, x, weight, eps[, weight_offset, cast_before_weight]) "
+                     "-> Decision | None"),
     METHOD(linear, "linear(last, x, weight, bias) -> Decision | None"),
     METHOD(rotary, "rotary(last, x, freqs_cis) -> Decision | None"),
     METHOD(rotary_half, "rotary_half(last, q, k, cos, sin, unsqueeze_dim) -> Decision | None"),
