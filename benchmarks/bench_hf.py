@@ -149,7 +149,55 @@ def main() -> int:
               "from 1.00; these figures cannot be trusted")
     print("\nrows that served the dispatched runs:")
     print(d.stats().table())
+    restore_model(model)
+    parts(model, PREFILL, PREFILL, "prefill")
+    parts(model, 1, PROMPT + NEW_TOKENS, "a decode step")
     return 0 if ok and quiet and same else 1
+
+
+def parts(model: Any, tokens: int, keys: int, what: str) -> None:
+    """Each family at the sizes of ``tokens`` new tokens over ``keys`` keys: the model's own
+    code (a restored layer's modules and transformers' functions) against the call a
+    dispatched layer makes, timed in alternation - where the time goes, family by family."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _timing import interleaved_us
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    import astrai.dispatch as d
+    from astrai import ops
+    from astrai.integrations.transformers.attention import astrai_attention_forward
+
+    layer = model.model.layers[0]
+    attn, norm, proj = layer.self_attn, layer.input_layernorm, layer.mlp.gate_proj
+    heads, kv_heads = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
+    dim = CONFIG["hidden_size"] // heads
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, tokens, CONFIG["hidden_size"], generator=g)
+    q = torch.randn(1, tokens, heads, dim, generator=g).transpose(1, 2)
+    k = torch.randn(1, keys, kv_heads, dim, generator=g).transpose(1, 2)
+    v = torch.randn(1, keys, kv_heads, dim, generator=g).transpose(1, 2)
+    cos, sin = torch.randn(1, tokens, dim, generator=g), torch.randn(1, tokens, dim, generator=g)
+    kr = k[:, :, :tokens]  # rotary turns the new keys only
+    form = ops.rms_norm_form(cast_before_weight=True)
+    causal = tokens > 1
+    calls = {
+        "rms_norm": (lambda: norm(x), lambda: form(x, norm.weight, norm.variance_epsilon)),
+        "linear": (lambda: proj(x), lambda: ops.linear(x, proj.weight, proj.bias)),
+        "rotary": (lambda: apply_rotary_pos_emb(q, kr, cos, sin),
+                   lambda: ops.apply_rotary_half(q, kr, cos, sin)),
+        "attention": (lambda: sdpa_attention_forward(attn, q, k, v, None, is_causal=causal),
+                      lambda: astrai_attention_forward(attn, q, k, v, None, is_causal=causal)),
+    }
+    print(f"\n{what}, one call of each family ({tokens} token(s), {keys} keys): the model's "
+          "own code vs the dispatched call (medians in alternation)")
+    with torch.no_grad():
+        for family, (own, routed) in calls.items():
+            d.reset_stats()
+            t = interleaved_us({"own": own, "astrai": routed}, 20 if tokens > 1 else 2000)
+            (row,) = d.stats().by_row()[family]
+            print(f"  {family:<10} own {t['own']:8.1f} us  astrai ({row}) {t['astrai']:8.1f} us"
+                  f"  time {t['astrai'] / t['own']:.2f}x")
 
 
 def _generate_once(mode: str, tokens: int) -> None:

@@ -3,6 +3,9 @@
 Each facade is its family's signature and call line; everything between - input
 validation, the decision (baked in at trace time under ``torch.compile``, else
 cached), the usage count - is the one hot path ``astrai.ops._facade.route`` builds.
+Where the compiled hot path is loaded (``astrai.ops.native``), a facade first asks it,
+inline (a function call more would cost what it saves), for the decision its route
+already took for the call in the world in force; on ``None`` the route serves the call.
 ``backend=`` is the explicit selection of contract §3 (a row name or an implementation
 object): strict, it raises rather than fall back.
 """
