@@ -139,8 +139,8 @@ def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
     """
     family, reads, describe, context_of = fc.family, fc.reads, fc.describe, fc.context_of
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
-    # (the world, {values: Decision}, what the lazy axes add to the values in that
-    #  world's snapshot or None)
+    # (the world, {key: Decision}, the keyer of that world's snapshot or None, how the
+    #  compiled hot path may key a call there); a new route's world is none yet
     if last is None:
         last = [(None, {}, None, False)]
     else:
