@@ -31,10 +31,10 @@ from astrai.dispatch.keying import key_plan, signature_key
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
-from astrai.dispatch.world import in_force, same_world, world_now
+from astrai.dispatch.world import in_force, world_now
 from astrai.ops import native
 from astrai.ops._contexts import generic_context
-from astrai.ops._facade import FamilyCall, Route, recording, route
+from astrai.ops._facade import FamilyCall, Route, keep, recording, route
 from astrai.ops._families import (
     ATTENTION_ASKS,
     ATTENTION_FEATURES,
@@ -267,9 +267,11 @@ def _python_call_hot(last: list[tuple[Any, ...]], t: Any) -> Any:
     return decisions.get((t.dtype, t.is_cuda, t.dim(), torch.is_grad_enabled()))
 
 
-#: ``ops.call``'s hot path in force: the compiled one or ``_python_call_hot``; ``None``
-#: while a recording is in force (every call then takes the full path, and is noted).
-_call_hot: Any = _python_call_hot if _NATIVE is None else _NATIVE.call
+#: ``ops.call``'s hot path: the compiled one or ``_python_call_hot``; ``_call_hot`` is it,
+#: or ``None`` while a recording is in force (every call then takes the full path, and
+#: is noted).
+_CALL_HOT: Any = _python_call_hot if _NATIVE is None else _NATIVE.call
+_call_hot: Any = _CALL_HOT
 _RECORDING: dict[str, Route] = {}
 _attention, _rotary, _rotary_half, _rms_norm, _linear = (
     _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rotary_half"], _PLAIN["rms_norm"],
@@ -280,7 +282,7 @@ def _switch_routes(recording_now: bool) -> None:
     """Point the facades at their recording routes (``True``) or plain ones."""
     global _attention, _rotary, _rotary_half, _rms_norm, _linear, _hot, _call_hot
     _hot = None if recording_now else _NATIVE
-    _call_hot = None if recording_now else _python_call_hot if _NATIVE is None else _NATIVE.call
+    _call_hot = None if recording_now else _CALL_HOT
     if recording_now and not _RECORDING:
         from astrai.record.recording import note_call  # loaded by whoever started recording
 
@@ -376,9 +378,5 @@ def _keep_call(family: str, state: Any, now: Any, ctx: CallContext, d: Any) -> N
     if family in now.scope.uncacheable or key_plan(state, family).compared:
         return
     last = _CALL_LAST.setdefault(family, [(None, {}, None, None)])
-    world, decisions = last[0][0], last[0][1]
-    if world is None or not same_world(world, now) or len(decisions) >= process.max_decisions:
-        decisions = {}
-        last[0] = (now, decisions, None, None)
-    decisions[(ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.grad_enabled)] = d
+    keep(last, now, (ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.grad_enabled), d, None, None)
 

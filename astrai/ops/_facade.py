@@ -12,7 +12,7 @@ decision cache), count it, and hand back the object to call.
 
 from __future__ import annotations
 
-__all__ = ["FamilyCall", "Note", "recording", "route"]
+__all__ = ["FamilyCall", "Note", "keep", "recording", "route"]
 
 import inspect
 from collections.abc import Callable, Mapping
@@ -27,7 +27,7 @@ from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.scopes import current_scope
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
-from astrai.dispatch.world import same_world, world_now
+from astrai.dispatch.world import World, same_world, world_now
 from astrai.ops._families import Keyer, extended_keyer, interval_keyer, shape_reader
 
 Route = Callable[[Any, tuple[Any, ...]], Callable[..., Any]]
@@ -127,6 +127,18 @@ class FamilyCall:
                               raw_kwargs=raw_kwargs)
 
 
+def keep(last: list[tuple[Any, ...]], now: World, key: Any, d: Any, keyer: Any,
+         hot: Any) -> None:
+    """Keep decision ``d`` for ``key`` in the world it was decided in, ``now`` (a new last
+    world, ``(now, {}, keyer, hot)``, if the last one is another or full), so that it
+    serves only calls made in that world."""
+    world, decisions = last[0][0], last[0][1]
+    if world is None or not same_world(world, now) or len(decisions) >= process.max_decisions:
+        decisions = {}
+        last[0] = (now, decisions, keyer, hot)
+    decisions[key] = d
+
+
 def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
@@ -183,11 +195,7 @@ def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
         now = world_now(state, family)
         d = decide(family, key, backend, context_of, (values, args), now)
         if backend is None and family not in now.scope.uncacheable:
-            # Kept in the world it was decided in (a new last world if this call's is
-            # another), so it serves only calls made in that world.
-            if world is None or not same_world(world, now) or len(seen[1]) >= process.max_decisions:
-                last[0] = seen = (now, {}, keyer, hot)
-            seen[1][key] = d
+            keep(last, now, key, d, keyer, hot)
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
 

@@ -182,6 +182,15 @@ PyObject* new_dtype(const at::Tensor& t) {
   return o;
 }
 
+// The base values most families begin with, for the call's main tensor ``t``: dtype,
+// device_cuda, ndim, grad_enabled (four new references into ``base``).
+void tensor_base(PyObject** base, const at::Tensor& t) {
+  base[0] = new_dtype(t);
+  base[1] = new_bool(t.is_cuda());
+  base[2] = PyLong_FromSsize_t(static_cast<Py_ssize_t>(t.dim()));
+  base[3] = new_bool(at::GradMode::is_enabled());
+}
+
 // The product of ``s`` but its last ``features`` sizes, or -1 when it does not fit in 64
 // bits (a tensor with a zero size may have such sizes; Python's product is exact, so the
 // call is declined).
@@ -222,18 +231,15 @@ PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   auto ws = w->sizes();
   if (ws.size() != 1 || xs.empty() || ws[0] != xs.back()) Py_RETURN_NONE;
   int64_t lazy[] = {rows(xs, 1)};  // tokens
+  PyObject* base[6];
+  tensor_base(base, *x);
   if (forms) {
     Py_INCREF(args[4]);
     Py_INCREF(args[5]);
-    PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
-                        PyLong_FromSsize_t(static_cast<Py_ssize_t>(xs.size())),
-                        new_bool(at::GradMode::is_enabled()), args[4], args[5]};
-    return answer(seen, base, 6, lazy, 1);
+    base[4] = args[4];
+    base[5] = args[5];
   }
-  PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
-                      PyLong_FromSsize_t(static_cast<Py_ssize_t>(xs.size())),
-                      new_bool(at::GradMode::is_enabled())};
-  return answer(seen, base, 4, lazy, 1);
+  return answer(seen, base, forms ? 6 : 4, lazy, 1);
   HOT_END
 }
 
@@ -253,9 +259,8 @@ PyObject* linear(PyObject*, PyObject* const* args, Py_ssize_t n) {
         b->scalar_type() != x->scalar_type())
       Py_RETURN_NONE;
   }
-  PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
-                      PyLong_FromSsize_t(static_cast<Py_ssize_t>(xs.size())),
-                      new_bool(at::GradMode::is_enabled())};
+  PyObject* base[4];
+  tensor_base(base, *x);
   int64_t lazy[] = {rows(xs, 1), ws[1], ws[0]};  // tokens, in_features, out_features
   return answer(seen, base, 4, lazy, 3);
   HOT_END
@@ -357,9 +362,8 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (PyTuple_GET_ITEM(seen, 3) != Py_None) Py_RETURN_NONE;
   const at::Tensor* t = plain(args[1]);
   if (t == nullptr) Py_RETURN_NONE;
-  PyObject* base[] = {new_dtype(*t), new_bool(t->is_cuda()),
-                      PyLong_FromSsize_t(static_cast<Py_ssize_t>(t->dim())),
-                      new_bool(at::GradMode::is_enabled())};
+  PyObject* base[4];
+  tensor_base(base, *t);
   return answer(seen, base, 4, nullptr, 0);
   HOT_END
 }

@@ -156,14 +156,15 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
-_state: list[NativeStatus] = []
+#: What ``load`` decided for this process (once): its status and the module, if any.
+_decided: list[tuple[NativeStatus, ModuleType | None]] = []
 
 
 def load() -> ModuleType | None:
     """The compiled module, set up for this process, or ``None`` (``status()`` says why).
     Decided once per process."""
-    if _state:
-        return _loaded[0] if _loaded else None
+    if _decided:
+        return _decided[0][1]
     mode = _mode()
     path = _path()
     module: ModuleType | None = None
@@ -184,19 +185,14 @@ def load() -> ModuleType | None:
                 warnings.warn(f"astrai: {NATIVE_ENV}=on, but the compiled hot path is not "
                               f"available ({e}); the pure-Python path serves every call",
                               RuntimeWarning, stacklevel=2)
-    _state.append(NativeStatus(module is not None, path, reason))
-    if module is not None:
-        _loaded.append(module)
+    _decided.append((NativeStatus(module is not None, path, reason), module))
     return module
-
-
-_loaded: list[ModuleType] = []
 
 
 def status() -> NativeStatus:
     """Whether this process uses the compiled hot path, why, and where it lives."""
     load()
-    return _state[0]
+    return _decided[0][0]
 
 
 def _setup(module: ModuleType) -> None:
