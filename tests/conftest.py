@@ -14,6 +14,7 @@ import os
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -92,6 +93,19 @@ def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             dispatch.set_override(family, None)  # a test that forgot its reset_override
         state.snapshot = saved
         state.reset()
+
+
+@pytest.fixture(scope="session")
+def built() -> ModuleType:
+    """astrai's native extension, built once (about 15 s) with the machine's C++ compiler
+    and loaded; the test skips, saying why, where it cannot be built."""
+    from astrai.ops import native
+
+    try:
+        path = native.build()
+    except native.NativeBuildError as e:
+        pytest.skip(f"astrai's native extension cannot be built here: {e}")
+    return native.load_from(path)
 
 
 @pytest.fixture

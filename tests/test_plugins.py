@@ -125,7 +125,8 @@ class TestRowOverlays:
     def test_joins_before_the_first_faithful_row_in_file_order(self, install: Install) -> None:
         plugin = install("fastnorm", {"rms.yaml": overlay(row("one"), row("two"))})
         assert plugin is not None and plugin.status == LOADED
-        assert rows() == ["one", "two", "inductor_large", "torch", "inductor", "reference"]
+        assert rows() == ["one", "two", "native", "inductor_large", "torch", "inductor",
+                          "reference"]
         assert served() == "one" and served(torch.float32) == "torch"
         rec = d.current().family("rms_norm").row("one")
         assert rec is not None and rec.provided_by == "plugin fastnorm 1.0"
@@ -134,12 +135,13 @@ class TestRowOverlays:
     def test_before_and_after_a_named_row(self, install: Install) -> None:
         install("fastnorm", {"rms.yaml": overlay(
             row("a1", after="torch"), row("a2", after="torch"), row("b", before="reference"))})
-        assert rows() == ["inductor_large", "torch", "a1", "a2", "inductor", "b", "reference"]
+        assert rows() == ["native", "inductor_large", "torch", "a1", "a2", "inductor", "b",
+                          "reference"]
 
     def test_an_anchor_may_name_an_earlier_row_of_the_file(self, install: Install) -> None:
         install("fastnorm", {"rms.yaml": overlay(row("x", after="torch"),
                                                  row("y", before="x"))})
-        assert rows()[1:4] == ["torch", "y", "x"]
+        assert rows()[2:5] == ["torch", "y", "x"]
 
     def test_when_decides_where_it_wins(self, install: Install) -> None:
         install("fastnorm", {"rms.yaml": overlay(
@@ -205,7 +207,7 @@ class TestBrokenPlugins:
             assert part in text, text
         assert all("plugin broken 1.0: " in str(p) for p in plugin.problems)
         # the shipped tables keep working, and the plugin joined nothing
-        assert rows() == ["inductor_large", "torch", "inductor", "reference"]
+        assert rows() == ["native", "inductor_large", "torch", "inductor", "reference"]
         assert served() == "torch"
         assert [str(p) for p in registry.validate()] == [str(p) for p in plugin.problems]
 
@@ -335,7 +337,7 @@ class TestProvenance:
         ctx = ops.context("rms_norm", x, torch.ones(8, dtype=torch.bfloat16))
         text = d.explain("rms_norm", ctx).splitlines()
         assert text[1] == "  mine: MATCH (dtype == bfloat16)  [plugin fastnorm 1.0]"
-        assert text[2].startswith("  inductor_large: reject")  # shipped rows: no tag
+        assert text[2].startswith("  native: ") and text[2].endswith(")")  # shipped: no tag
         doc = explanation("rms_norm", ctx).as_dict()
         assert doc["rows"][0]["provided_by"] == "plugin fastnorm 1.0"
         assert doc["rows"][1]["provided_by"].startswith("shipped with astrai ")
@@ -469,7 +471,7 @@ class TestExamplePackage:
             torch.testing.assert_close(got, reference_rms_norm(x, w), atol=2e-2, rtol=2e-2)
             print("numerics ok")
             """)
-        assert "rows example_fused inductor_large torch inductor reference" in out
+        assert "rows native example_fused inductor_large torch inductor reference" in out
         assert "served torch example_fused example_fused inductor_large" in out
         assert "('astrai-example-kernels', '0.1.0', 'loaded')" in out
         assert "numerics ok" in out
@@ -487,7 +489,7 @@ class TestExamplePackage:
         assert explained.rstrip().endswith("=> example_fused (origin=chain)")
 
     def test_disabled_and_uninstalled_give_the_shipped_behaviour(self, target: Path) -> None:
-        shipped = "rows inductor_large torch inductor reference"
+        shipped = "rows native inductor_large torch inductor reference"
         for out in (self.run(target, self.CHECK, ASTR_PLUGINS="0"),
                     self.run(target, self.CHECK, ASTR_PLUGINS="-astrai-example-kernels"),
                     self.run(None, self.CHECK)):
@@ -524,7 +526,7 @@ class TestPrecompiled:
         monkeypatch.setattr(load, "parse_text", lambda *a, **k: used.append(a[1]) or real(*a, **k))
         plugin = install("fastnorm", {"rms.yaml": text, "precompiled.json": raw})
         assert plugin is not None and plugin.status == LOADED and used == []
-        assert rows()[:3] == ["inductor_large", "mine", "torch"]
+        assert rows()[:4] == ["native", "inductor_large", "mine", "torch"]
         rec = d.current().family("rms_norm").row("mine")
         assert rec is not None and rec.source.endswith("rms.yaml:4")
 

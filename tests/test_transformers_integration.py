@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from transformers import (
 )
 
 import astrai.dispatch as dispatch
+from astrai.backends.native import native_available
 from astrai.integrations import transformers as hf
 
 SEQ = 12
@@ -850,10 +852,13 @@ class TestRunTransformersDemo:
         report = hf.run_transformers_demo()
         assert "then dispatch_model(model)" in report
         assert "not routed: nothing" in report
-        assert "max |dispatched - plain| = 0.00e+00" in report
+        gap = re.search(r"max \|dispatched - plain\| = (\S+)", report)
+        assert gap is not None and float(gap.group(1)) <= 1e-5  # float32 rounding at most
         assert "the plain model's: the same" in report
-        for family, row in (("attention", "torch_native"), ("rotary", "torch"),
-                            ("rms_norm", "torch"), ("linear", "torch")):
+        # inference calls: the native rows where astrai's native extension is loaded
+        one_pass = "native" if native_available() else "torch"
+        for family, row in (("attention", "torch_native"), ("rotary", one_pass),
+                            ("rms_norm", one_pass), ("linear", "torch")):
             assert f"\n{family:<12} {row}" in report
             assert f"explain: the {family} call generate made most" in report
         assert "layout=half" in report and "cast_before_weight=true" in report

@@ -1,4 +1,5 @@
-"""``astrai-ops native``: whether the compiled hot path is in use, and building it."""
+"""``astrai-ops native``: whether astrai's native extension (the compiled hot path and the
+native rows' kernels) is in use, and building it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def cmd_native(args: argparse.Namespace) -> int:
         try:
             path = native.build(force=args.force)
         except native.NativeBuildError as e:
-            print(f"astrai-ops native: cannot build the compiled hot path: {e}",
+            print(f"astrai-ops native: cannot build the native extension: {e}",
                   file=sys.stderr)
             return PROBLEMS
         print(f"built {path}")

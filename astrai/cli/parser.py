@@ -134,8 +134,9 @@ def make_parser() -> argparse.ArgumentParser:
     k.add_argument("--check", metavar="LOCK",
                    help="resolve every locked decision again; exit 1 with a table of the "
                         "ones that changed")
-    nat = command("native", "say whether the compiled hot path of the facades is in use, "
-                            "or build it (--build) with this machine's C++ compiler")
+    nat = command("native", "say whether astrai's native extension (the facades' compiled "
+                            "hot path, the native rows' kernels) is in use, or build it "
+                            "(--build) with this machine's C++ compiler")
     nat.add_argument("--build", action="store_true",
                      help="build it for this torch and Python into the cache directory "
                           "(about 15 s; processes started afterwards load it)")

@@ -405,8 +405,20 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
-                      "The facades' hot path, compiled (astrai.ops.native).", -1, methods};
+                      "astrai's native extension: the facades' hot path and the native rows' "
+                      "CPU kernels (astrai.ops.native).",
+                      -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__astrai_hot(void) { return PyModule_Create(&module); }
+// The native rows' CPU kernels (astrai/backends/_kernels.cpp), linked into this module.
+extern PyMethodDef astrai_kernel_methods[];
+
+PyMODINIT_FUNC PyInit__astrai_hot(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr && PyModule_AddFunctions(m, astrai_kernel_methods) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,18 +1,20 @@
-"""The optional compiled hot path of the facades (``_hot.cpp``).
+"""astrai's optional native extension: the facades' compiled hot path (``_hot.cpp``) and
+the CPU kernels of the ``native`` rows (``astrai/backends/_kernels.cpp``).
 
 The pure-Python path is complete on its own; the compiled one only answers, for a call
 in a facade's last world, the decision the Python route already took for that call's
 key, reading the tensors' metadata in C++ instead of through Python attributes. It
 answers only calls it reads exactly as Python does and declines (``None``) everything
 else, so what a call is served by, and every error a malformed call raises, are the
-Python path's.
+Python path's. The kernels are what the ``native`` rows of the ``rms_norm`` and ``rotary``
+tables run; without the extension those rows are unavailable, with this module's reason.
 
-It is built from the package's own source with the machine's C++ compiler against the
-installed torch (``astrai-ops native --build``, about 15 s) into a cache directory,
-one file per torch / Python / source version, and then loaded by every process.
-``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when built; ``0`` / ``off``,
-never; ``1`` / ``on``, build it on first import when missing, warning once with the
-reason when that fails.
+It is built from the package's own sources with the machine's C++ compiler against the
+installed torch (``astrai-ops native --build``, about 15 s: the two sources compile side
+by side) into a cache directory, one file per torch / Python / source version, and then
+loaded by every process. ``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when
+built; ``0`` / ``off``, never; ``1`` / ``on``, build it on first import when missing,
+warning once with the reason when that fails.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import torch
 from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
 
 _SOURCE = Path(__file__).with_name("_hot.cpp")
+#: Every source of the extension: the hot path (which defines the module) and the kernels.
+_SOURCES = (_SOURCE, Path(__file__).parent.parent / "backends" / "_kernels.cpp")
 _NAME = "_astrai_hot"
 _OFF = {"0", "off", "no", "false"}
 _ON = {"1", "on", "yes", "true"}
@@ -42,14 +46,16 @@ _ON = {"1", "on", "yes", "true"}
 
 @dataclass(frozen=True)
 class NativeStatus:
-    """Whether the compiled hot path is in use in this process, and why (not)."""
+    """Whether the native extension (hot path and kernels) is in use in this process, and
+    why (not)."""
 
     loaded: bool
     path: Path
     reason: str
 
     def __str__(self) -> str:
-        return (f"compiled hot path: {'loaded' if self.loaded else 'not loaded'} "
+        return (f"native extension (compiled hot path, CPU kernels): "
+                f"{'loaded' if self.loaded else 'not loaded'} "
                 f"({self.reason}); {self.path}")
 
 
@@ -66,9 +72,12 @@ def _mode() -> str:
     return "auto"
 
 
-def _flags() -> list[str]:
-    """The compiler's flags: torch's headers and libraries (where its wheel puts them;
-    ``torch.utils.cpp_extension`` says the same but costs an import), Python's headers."""
+def _flags() -> tuple[list[str], list[str]]:
+    """The compiler's flags, ``(compiling, linking)``: torch's headers and libraries (where
+    its wheel puts them; ``torch.utils.cpp_extension`` says the same but costs an import),
+    Python's headers. No ``-march``: the file may be shared by machines of one
+    architecture but not one CPU model; no contraction into fused multiply-adds, which
+    would round differently from torch's own kernels."""
     import sysconfig
 
     root = Path(torch.__file__).parent
@@ -76,16 +85,20 @@ def _flags() -> list[str]:
     includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include",
                 sysconfig.get_paths()["include"]]
     libs = [root / "lib"]
-    return ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{p}" for p in includes), *(f"-L{p}" for p in libs),
-            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
-            *(f"-Wl,-rpath,{p}" for p in libs)]
+    compiling = ["-O3", "-fPIC", "-std=c++17", "-ffp-contract=off",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes)]
+    linking = ["-shared", *(f"-L{p}" for p in libs),
+               "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+               *(f"-Wl,-rpath,{p}" for p in libs)]
+    return compiling, linking
 
 
 def _tag() -> str:
-    """What the built file depends on: the source, this torch (the flags follow from
+    """What the built file depends on: the sources, this torch (the flags follow from
     where it lives and its ABI) and this Python."""
-    h = hashlib.sha256(_SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in _SOURCES:
+        h.update(source.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
     h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
     return h.hexdigest()[:16]
@@ -103,15 +116,14 @@ def _path() -> Path:
 
 
 class NativeBuildError(RuntimeError):
-    """The compiled hot path could not be built here (the reason, compiler output
+    """The native extension could not be built here (the reason, compiler output
     included)."""
 
 
 def build(*, force: bool = False) -> Path:
-    """Build the compiled hot path for this torch and Python (unless built already) and
+    """Build the native extension for this torch and Python (unless built already) and
     return its path; ``NativeBuildError`` says why it cannot be."""
     import shutil
-    import subprocess
     import tempfile
 
     path = _path()
@@ -121,22 +133,56 @@ def build(*, force: bool = False) -> Path:
     if compiler is None:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=path.suffix, prefix=".build-", dir=path.parent)
-    os.close(fd)
-    try:
-        try:
-            done = subprocess.run([compiler, str(_SOURCE), "-o", tmp, *_flags()],
-                                  capture_output=True, text=True, check=False)
-        except OSError as e:
-            raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-20:])
-            raise NativeBuildError(f"{compiler} failed (exit {done.returncode}):\n{tail}")
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as work:
+        tmp = os.path.join(work, path.name)
+        objects = _compile(compiler, work)
+        _run([compiler, *objects, "-o", tmp, *_flags()[1]], compiler)
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
+
+
+def _compile(compiler: str, work: str) -> list[str]:
+    """Every source compiled to an object file in ``work``, side by side."""
+    import subprocess
+
+    compiling = _flags()[0]
+    jobs: list[tuple[subprocess.Popen[str], str]] = []
+    try:
+        for source in _SOURCES:
+            obj = os.path.join(work, f"{source.stem}.o")
+            try:
+                job = subprocess.Popen([compiler, "-c", str(source), "-o", obj, *compiling],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       text=True)
+            except OSError as e:
+                raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+            jobs.append((job, obj))
+        for job, _ in jobs:
+            _, err = job.communicate()
+            if job.returncode != 0:
+                raise NativeBuildError(_failure(compiler, job.returncode, err))
+    finally:
+        for job, _ in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    return [obj for _, obj in jobs]
+
+
+def _run(command: list[str], compiler: str) -> None:
+    import subprocess
+
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as e:
+        raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+    if done.returncode != 0:
+        raise NativeBuildError(_failure(compiler, done.returncode, done.stderr))
+
+
+def _failure(compiler: str, code: int, stderr: str) -> str:
+    tail = "\n".join(stderr.strip().splitlines()[-20:])
+    return f"{compiler} failed (exit {code}):\n{tail}"
 
 
 def load_from(path: Path) -> ModuleType:
@@ -182,15 +228,16 @@ def load() -> ModuleType | None:
             module = None
             reason = f"failed: {e}"
             if mode == "on":
-                warnings.warn(f"astrai: {NATIVE_ENV}=on, but the compiled hot path is not "
-                              f"available ({e}); the pure-Python path serves every call",
+                warnings.warn(f"astrai: {NATIVE_ENV}=on, but the native extension is not "
+                              f"available ({e}); the pure-Python path serves every call "
+                              f"and the native rows are unavailable",
                               RuntimeWarning, stacklevel=2)
     _decided.append((NativeStatus(module is not None, path, reason), module))
     return module
 
 
 def status() -> NativeStatus:
-    """Whether this process uses the compiled hot path, why, and where it lives."""
+    """Whether this process uses the native extension, why, and where it lives."""
     load()
     return _decided[0][0]
 

@@ -1,0 +1,334 @@
+// CPU kernels of the ``native`` rows (astrai.backends.native), compiled into astrai's
+// native extension beside the facades' hot path (astrai.ops.native builds both).
+//
+// Each kernel computes, in one pass over memory, exactly what the reference rows write
+// out op by op - the same operations in the same types, each result rounded where the
+// reference rounds it - so that on the calls it serves its output equals the
+// reference's (rotary: bit for bit; RMS norm: up to the order of the sum of squares).
+// A kernel serves CPU tensors of the dtypes it takes that autograd need not see, and
+// answers None for any other call (the Python row then computes it with torch's
+// operations); a malformed call is a Python error, never a crash.
+
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// The type a reduced-precision value is computed in (torch's ``opmath``): float for the
+// half types and float, double for double.
+template <typename T> struct Op { using type = float; };
+template <> struct Op<double> { using type = double; };
+template <typename T> using op_t = typename Op<T>::type;
+
+// Conversions between a type and its opmath type, as torch rounds them. bfloat16's are
+// written out (c10's branch on NaN keeps loops from vectorising): widening is a shift,
+// narrowing rounds to nearest even, and every NaN becomes the quiet NaN c10 gives.
+template <typename To, typename From> inline To cast_to(From v) { return static_cast<To>(v); }
+template <> inline float cast_to<float, c10::BFloat16>(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+template <> inline c10::BFloat16 cast_to<c10::BFloat16, float>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  uint16_t out = std::isnan(v) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+
+bool kernel_dtype(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The GIL released for a kernel's work, taken back however the work ends.
+struct WithoutGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ~WithoutGil() { PyEval_RestoreThread(state); }
+};
+
+PyObject* fail(PyObject* type, const char* message) {
+  PyErr_SetString(type, message);
+  return nullptr;
+}
+
+// Whether the kernels serve ``t``: a strided CPU tensor of a kernel dtype that autograd
+// need not see (grad mode off, or ``t`` needs no gradient). The row computes any other
+// call with torch's operations.
+bool served(const at::Tensor& t) {
+  return t.defined() && t.layout() == c10::kStrided && t.device().is_cpu() &&
+         kernel_dtype(t.scalar_type()) && !(at::GradMode::is_enabled() && t.requires_grad());
+}
+
+// The tensor ``obj`` holds, or nullptr with a TypeError set when it holds none.
+const at::Tensor* tensor(PyObject* obj, const char* what) {
+  if (!THPVariable_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a tensor", what);
+    return nullptr;
+  }
+  return &THPVariable_Unpack(obj);
+}
+
+// -- RMS norm ------------------------------------------------------------------------
+
+// One row of f values: the mean of squares in C, then ``x * rsqrt(mean + eps)`` in C
+// (``normed``). Eight partial sums: the compiler may keep them in vector registers.
+template <typename X, typename C>
+C inverse_rms(const X* x, int64_t f, C eps) {
+  C part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= f; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      C v = cast_to<C, X>(x[i + j]);
+      part[j] += v * v;
+    }
+  }
+  C sum = 0;
+  for (; i < f; ++i) {
+    C v = cast_to<C, X>(x[i]);
+    sum += v * v;
+  }
+  sum += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  C mean = sum / static_cast<C>(f);
+  return static_cast<C>(1) / std::sqrt(mean + eps);
+}
+
+// The weight applied after the norm in C: ``(normed * (weight + offset)).to(X)``, the
+// weight taken to C first (the plain form and Gemma's offset form).
+template <typename X, typename W>
+void rms_rows_after(const X* x, const W* w, X* out, int64_t rows, int64_t f, double eps,
+                    double offset) {
+  using C = op_t<X>;
+  std::vector<C> scale(static_cast<size_t>(f));
+  for (int64_t j = 0; j < f; ++j) {
+    scale[j] = offset != 0 ? static_cast<C>(w[j]) + static_cast<C>(offset) : static_cast<C>(w[j]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* xr = x + r * f;
+    X* o = out + r * f;
+    C inv = inverse_rms<X, C>(xr, f, static_cast<C>(eps));
+    for (int64_t j = 0; j < f; ++j) {
+      C normed = cast_to<C, X>(xr[j]) * inv;
+      o[j] = cast_to<X, C>(normed * scale[j]);
+    }
+  }
+}
+
+// LlamaRMSNorm's form: ``(weight + offset) * normed.to(X)``, the sum rounded to W and the
+// product taken in O's type (O = promote(W, X)).
+template <typename X, typename W, typename O>
+void rms_rows_cast(const X* x, const W* w, O* out, int64_t rows, int64_t f, double eps,
+                   double offset) {
+  using C = op_t<X>;
+  using A = op_t<O>;
+  std::vector<A> scale(static_cast<size_t>(f));
+  for (int64_t j = 0; j < f; ++j) {
+    W s = offset != 0 ? static_cast<W>(static_cast<op_t<W>>(w[j]) + static_cast<op_t<W>>(offset))
+                      : w[j];
+    scale[j] = static_cast<A>(s);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const X* xr = x + r * f;
+    O* o = out + r * f;
+    C inv = inverse_rms<X, C>(xr, f, static_cast<C>(eps));
+    for (int64_t j = 0; j < f; ++j) {
+      X normed = cast_to<X, C>(cast_to<C, X>(xr[j]) * inv);
+      o[j] = cast_to<O, A>(scale[j] * cast_to<A, X>(normed));
+    }
+  }
+}
+
+// rms_norm(x, weight, eps, weight_offset, cast_before_weight) -> Tensor, or None for a call
+// the kernel does not serve (see ``served``).
+PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 5) return fail(PyExc_TypeError, "rms_norm_kernel(x, weight, eps, weight_offset, "
+                                           "cast_before_weight)");
+  const at::Tensor* xp = tensor(args[0], "x");
+  if (xp == nullptr) return nullptr;
+  const at::Tensor* wp = tensor(args[1], "weight");
+  if (wp == nullptr) return nullptr;
+  if (!served(*xp) || !served(*wp)) Py_RETURN_NONE;
+  double eps = PyFloat_AsDouble(args[2]);
+  if (eps == -1.0 && PyErr_Occurred()) return nullptr;
+  double offset = PyFloat_AsDouble(args[3]);
+  if (offset == -1.0 && PyErr_Occurred()) return nullptr;
+  int cast = PyObject_IsTrue(args[4]);
+  if (cast < 0) return nullptr;
+  if (xp->dim() < 1 || wp->dim() != 1 || wp->size(0) != xp->size(-1))
+    return fail(PyExc_ValueError, "rms_norm_kernel: weight must be [x.shape[-1]]");
+  try {
+    at::Tensor x = xp->contiguous();
+    at::Tensor w = wp->contiguous();
+    int64_t f = x.size(-1);
+    int64_t rows = f == 0 ? 0 : x.numel() / f;
+    c10::ScalarType out_type =
+        cast ? c10::promoteTypes(w.scalar_type(), x.scalar_type()) : x.scalar_type();
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_type));
+    {
+      WithoutGil released;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_x", [&] {
+        using X = scalar_t;
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "rms_w", [&] {
+          using W = scalar_t;
+          if (!cast) {
+            rms_rows_after<X, W>(x.data_ptr<X>(), w.data_ptr<W>(), out.data_ptr<X>(), rows, f,
+                                 eps, offset);
+            return;
+          }
+          AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "rms_o", [&] {
+            rms_rows_cast<X, W, scalar_t>(x.data_ptr<X>(), w.data_ptr<W>(),
+                                          out.data_ptr<scalar_t>(), rows, f, eps, offset);
+          });
+        });
+      });
+    }
+    return THPVariable_Wrap(out);
+  } catch (const std::exception& e) {
+    return fail(PyExc_RuntimeError, e.what());
+  }
+}
+
+// -- rotary, half layout -------------------------------------------------------------
+
+// ``x * cos + rotate_half(x) * sin`` for every row (the last dimension, d = 2h) of x,
+// each product and the sum rounded to T as torch's elementwise ops round them.
+// ``rows`` walks x's leading dimensions with x's, cos's and out's strides (cos's are
+// sin's: the caller made both contiguous before broadcasting them alike).
+template <typename T>
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& out) {
+  using A = op_t<T>;
+  const int64_t nd = x.dim();
+  const int64_t d = x.size(nd - 1), h = d / 2;
+  auto size = x.sizes();
+  auto xs = x.strides();
+  auto cs = cos.strides();
+  auto os = out.strides();
+  const T* xb = x.data_ptr<T>();
+  const T* cb = cos.data_ptr<T>();
+  const T* sb = sin.data_ptr<T>();
+  T* ob = out.data_ptr<T>();
+  int64_t rows = 1;
+  for (int64_t i = 0; i + 1 < nd; ++i) rows *= size[i];
+  std::vector<int64_t> index(static_cast<size_t>(nd), 0);
+  int64_t xo = 0, co = 0, oo = 0;
+  auto mul = [](T a, T b) { return cast_to<T, A>(cast_to<A, T>(a) * cast_to<A, T>(b)); };
+  auto add = [](T a, T b) { return cast_to<T, A>(cast_to<A, T>(a) + cast_to<A, T>(b)); };
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = xb + xo;
+    const T* c = cb + co;
+    const T* s = sb + co;
+    T* o = ob + oo;
+    for (int64_t i = 0; i < h; ++i) {
+      T first = mul(xr[i], c[i]);
+      T second = mul(cast_to<T, A>(-cast_to<A, T>(xr[i + h])), s[i]);
+      o[i] = add(first, second);
+    }
+    for (int64_t i = h; i < d; ++i) {
+      T first = mul(xr[i], c[i]);
+      T second = mul(xr[i - h], s[i]);
+      o[i] = add(first, second);
+    }
+    // the next row: an odometer over the leading dimensions
+    for (int64_t dim = nd - 2; dim >= 0; --dim) {
+      if (++index[dim] < size[dim]) {
+        xo += xs[dim];
+        co += cs[dim];
+        oo += os[dim];
+        break;
+      }
+      xo -= xs[dim] * (size[dim] - 1);
+      co -= cs[dim] * (size[dim] - 1);
+      oo -= os[dim] * (size[dim] - 1);
+      index[dim] = 0;
+    }
+  }
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t dim) {
+  // x's last dimension read with stride 1; cos and sin (small: [batch or 1, seq, d])
+  // contiguous, so that one set of strides walks both, and broadcast to x as transformers'
+  // ``cos.unsqueeze(unsqueeze_dim)`` does (expand raises where they do not fit).
+  at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
+  at::Tensor c = cos.contiguous().unsqueeze(dim).expand(xc.sizes());
+  at::Tensor s = sin.contiguous().unsqueeze(dim).expand(xc.sizes());
+  at::Tensor out = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xc.scalar_type(), "rotary_half",
+                                  [&] { rotate_rows<scalar_t>(xc, c, s, out); });
+  return out;
+}
+
+// rotary_half(q, k, cos, sin, unsqueeze_dim) -> (q_out, k_out), or None for a call the
+// kernel does not serve (see ``served``; and q, k, cos and sin of more than one dtype).
+PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 5) return fail(PyExc_TypeError, "rotary_half_kernel(q, k, cos, sin, unsqueeze_dim)");
+  const char* names[] = {"q", "k", "cos", "sin"};
+  const at::Tensor* t[4];
+  for (int i = 0; i < 4; ++i) {
+    t[i] = tensor(args[i], names[i]);
+    if (t[i] == nullptr) return nullptr;
+  }
+  long dim = PyLong_AsLong(args[4]);
+  if (dim == -1 && PyErr_Occurred()) return nullptr;
+  const at::Tensor &q = *t[0], &k = *t[1], &cos = *t[2], &sin = *t[3];
+  c10::ScalarType type = q.scalar_type();
+  for (int i = 0; i < 4; ++i) {
+    if (!served(*t[i]) || t[i]->scalar_type() != type) Py_RETURN_NONE;
+  }
+  int64_t nd = q.dim();
+  if ((nd != 3 && nd != 4) || k.dim() != nd || cos.dim() != nd - 1 ||
+      cos.sizes() != sin.sizes() || q.size(-1) % 2 != 0 || cos.size(-1) != q.size(-1) ||
+      k.size(-1) != q.size(-1) || dim < -nd || dim >= nd)
+    return fail(PyExc_ValueError, "rotary_half_kernel: q, k [..., d] (d even) with cos = sin "
+                                  "[..., d] one dimension fewer");
+  try {
+    at::Tensor q_out, k_out;
+    {
+      WithoutGil released;
+      q_out = rotate(q, cos, sin, dim);
+      k_out = rotate(k, cos, sin, dim);
+    }
+    PyObject* a = THPVariable_Wrap(q_out);
+    if (a == nullptr) return nullptr;
+    PyObject* b = THPVariable_Wrap(k_out);
+    if (b == nullptr) {
+      Py_DECREF(a);
+      return nullptr;
+    }
+    PyObject* pair = PyTuple_New(2);
+    if (pair == nullptr) {
+      Py_DECREF(a);
+      Py_DECREF(b);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(pair, 0, a);
+    PyTuple_SET_ITEM(pair, 1, b);
+    return pair;
+  } catch (const std::exception& e) {
+    return fail(PyExc_ValueError, e.what());
+  }
+}
+
+}  // namespace
+
+#define KERNEL(name, doc) \
+  {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(name)), METH_FASTCALL, doc}
+
+// Added to the native extension's module by its init (astrai/ops/_hot.cpp).
+PyMethodDef astrai_kernel_methods[] = {
+    KERNEL(rms_norm_kernel, "rms_norm_kernel(x, weight, eps, weight_offset, cast_before_weight)"
+                            " -> Tensor: the reference RMS norm in one pass (CPU)"),
+    KERNEL(rotary_half_kernel, "rotary_half_kernel(q, k, cos, sin, unsqueeze_dim) -> (q, k): "
+                               "transformers' rotary in one pass (CPU)"),
+    {nullptr, nullptr, 0, nullptr}};

@@ -1,0 +1,96 @@
+"""``native`` rows: RMS norm and the half-layout rotary in one pass of C++ (CPU).
+
+Small calls - a decode step's norm of one token, its rotary of one position - cost
+torch more in launching operations than in arithmetic: ``LlamaRMSNorm`` is eight
+operations, ``torch.rms_norm`` on CPU six more inside, transformers' rotary ten. The
+kernels of astrai's native extension (``astrai/backends/_kernels.cpp``, built with
+``astrai-ops native --build``; see ``astrai.ops.native``) compute the same result in one
+call, one pass over memory:
+
+- ``native_rms_norm``: every form of the ``rms_norm`` family (the plain norm, Gemma's
+  ``1 + weight``, LlamaRMSNorm's cast before the weight), with the types and roundings of
+  ``reference_rms_norm``: it equals the reference up to the order in which the squares
+  are summed;
+- ``native_rotary_half``: ``x * cos + rotate_half(x) * sin`` on q and k, each product and
+  the sum rounded as torch's elementwise operations round them: it equals
+  ``reference_rotary_half`` bit for bit.
+
+Each row runs its kernel on CPU tensors of one kernel dtype (float16, bfloat16, float32,
+float64; for RMS norm any mix of x's and the weight's), outside autograd and
+``torch.compile`` tracing. Any other call it is handed - another device, mixed rotary
+dtypes, tensors that need gradients, a trace - is computed with the torch row's
+operations, so a row's answer never depends on where it ran. The tables give these rows
+the calls where they were measured to win (``not grad_enabled``, small token counts);
+without the extension they are unavailable, with the reason ``astrai.ops.native`` gives.
+"""
+
+from __future__ import annotations
+
+__all__ = ["native_available", "native_rms_norm", "native_rotary", "native_rotary_half"]
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from astrai.backends.rms_norm import torch_rms_norm
+from astrai.backends.rotary import torch_rotary, torch_rotary_half
+from astrai.dispatch.tables.model import Unavailable
+from astrai.dispatch.torch_compile import compiling
+from astrai.ops import native as extension
+
+#: The extension's module once this process decided to load it or not (``[module]``).
+_loaded: list[ModuleType | None] = []
+
+
+def _kernels() -> ModuleType | None:
+    if not _loaded:
+        module = extension.load()
+        _loaded.append(module if module is not None and hasattr(module, "rms_norm_kernel")
+                       else None)
+    return _loaded[0]
+
+
+def native_available() -> bool | Unavailable:
+    """``True`` when astrai's native extension is loaded in this process; else why not."""
+    if _kernels() is not None:
+        return True
+    state = extension.status()
+    why = state.reason if not state.loaded else "the loaded extension has no kernels"
+    return Unavailable(f"astrai's native extension is not loaded: {why}")
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                    weight_offset: float = 0.0,
+                    cast_before_weight: bool = False) -> torch.Tensor:
+    """``reference_rms_norm``'s result in one pass (its forms too; see the module
+    docstring)."""
+    kernels = _kernels()
+    if kernels is not None and not compiling():
+        out = kernels.rms_norm_kernel(x, weight, float(eps), float(weight_offset),
+                                      bool(cast_before_weight))
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    return torch_rms_norm(x, weight, eps, weight_offset=weight_offset,
+                          cast_before_weight=cast_before_weight)
+
+
+def native_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` in one pass per tensor, bit for bit."""
+    kernels = _kernels()
+    if kernels is not None and not compiling():
+        out: Any = kernels.rotary_half_kernel(q, k, cos, sin, int(unsqueeze_dim))
+        if out is not None:
+            return out[0], out[1]
+    return torch_rotary_half(q, k, cos, sin, unsqueeze_dim)
+
+
+def native_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, *half: Any) -> Any:
+    """The ``rotary`` family's row protocol: a half-layout call (``native_rotary(q, k, cos,
+    sin, unsqueeze_dim)``) is ``native_rotary_half``'s; the table gives this row no
+    adjacent-pairs call (its ``when`` asks for ``layout == half``), which, called directly,
+    is computed as the torch row computes it."""
+    if half:
+        return native_rotary_half(x, freqs_cis, *half)
+    return torch_rotary(x, freqs_cis)

@@ -1,0 +1,290 @@
+"""The ``native`` rows (``astrai.backends.native``): RMS norm and the half-layout rotary in
+one pass of C++, from astrai's native extension.
+
+The extension is built once per session (about 15 s; conftest's ``built``) with the
+machine's C++ compiler; without one the tests that need it skip, saying so. What holds without it - the rows are
+unavailable with the reason, the chain passes them by, a direct call still computes the
+right result - is tested in a process where the extension is off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import astrai.dispatch as dispatch
+from astrai import ops
+from astrai.backends import native as rows
+from astrai.backends.rms_norm import reference_rms_norm
+from astrai.backends.rotary import reference_rotary_half
+from astrai.dispatch import Unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FORMS = [dict(), dict(weight_offset=1.0), dict(cast_before_weight=True),
+         dict(weight_offset=1.0, cast_before_weight=True)]
+
+
+@pytest.fixture
+def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The native rows with the extension's kernels, available to the tables."""
+    monkeypatch.setattr(rows, "_loaded", [built])
+    dispatch.refresh()
+    yield built
+    monkeypatch.undo()
+    dispatch.refresh()
+
+
+def _rms_call(shape: tuple[int, ...], dtype: torch.dtype, weight_dtype: torch.dtype,
+              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 3
+    if x.numel():
+        x.view(-1, shape[-1])[0] *= 1e-3  # a row whose mean square is near eps
+    w = torch.randn(shape[-1], generator=g, dtype=torch.float64)
+    return x.to(dtype), w.to(weight_dtype)
+
+
+def _qk(dtype: torch.dtype, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 5,
+        dim: int = 16, cos_batch: int | None = None) -> tuple[torch.Tensor, ...]:
+    """transformers' layout: q [b, heads, s, d] transposed from the projection."""
+    g = torch.Generator().manual_seed(seq * dim)
+    q = torch.randn(batch, seq, heads, dim, generator=g).transpose(1, 2).to(dtype)
+    k = torch.randn(batch, seq, kv_heads, dim, generator=g).transpose(1, 2).to(dtype)
+    freqs = torch.randn(cos_batch or batch, seq, dim // 2, generator=g) * 3
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _equal_pairs(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+class TestRmsNormKernel:
+    @pytest.mark.parametrize(("dtype", "weight_dtype"), list(itertools.product(DTYPES, DTYPES)),
+                             ids=str)
+    @pytest.mark.parametrize("form", FORMS, ids=str)
+    def test_equals_the_reference(self, kernels: ModuleType, dtype: torch.dtype,
+                                  weight_dtype: torch.dtype, form: dict[str, Any]) -> None:
+        """Every form and mix of dtypes: the reference's dtype and shape, its values up to
+        the order of the sum of squares (which a low-precision result rarely shows)."""
+        for shape in [(1, 1, 512), (3, 7, 40), (5,), (4, 13)]:
+            x, w = _rms_call(shape, dtype, weight_dtype)
+            want = reference_rms_norm(x, w, 1e-5, **form)
+            got = kernels.rms_norm_kernel(x, w, 1e-5, form.get("weight_offset", 0.0),
+                                          form.get("cast_before_weight", False))
+            assert got.dtype == want.dtype and got.shape == want.shape
+            if dtype in (torch.float32, torch.float64):  # x's dtype is the computation's
+                tol = 1e-6 if dtype == torch.float32 else 1e-13
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            else:  # one step of the dtypes rounded to, on a rounding boundary
+                step = max(torch.finfo(dtype).eps, torch.finfo(want.dtype).eps) * 2
+                gap = (got.double() - want.double()).abs()
+                assert (gap <= step * want.double().abs().clamp(min=1)).all()
+                assert (got != want).double().mean() < 0.02
+
+    def test_any_layout_of_x(self, kernels: ModuleType) -> None:
+        x = torch.randn(4, 40, 6).transpose(1, 2)  # not contiguous
+        w = torch.randn(40)
+        torch.testing.assert_close(rows.native_rms_norm(x, w, 1e-6, cast_before_weight=True),
+                                   reference_rms_norm(x, w, 1e-6, cast_before_weight=True),
+                                   atol=1e-6, rtol=1e-6)
+
+    def test_empty_and_zero_rows(self, kernels: ModuleType) -> None:
+        assert rows.native_rms_norm(torch.zeros(0, 8), torch.ones(8)).shape == (0, 8)
+        out = rows.native_rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-6)
+        assert torch.equal(out, torch.zeros(2, 8))
+
+    def test_calls_the_kernel_does_not_serve_are_torchs(self, kernels: ModuleType) -> None:
+        """Tensors that need gradients: the kernel declines and the row computes with
+        torch's operations, so gradients flow and equal the reference's."""
+        x, w = _rms_call((3, 16), torch.float32, torch.float32)
+        assert kernels.rms_norm_kernel(x.requires_grad_(True), w, 1e-6, 0.0, True) is None
+        xs, ws = x.detach().clone().requires_grad_(True), w.clone().requires_grad_(True)
+        rows.native_rms_norm(x, w, 1e-6, cast_before_weight=True).square().sum().backward()
+        reference_rms_norm(xs, ws, 1e-6, cast_before_weight=True).square().sum().backward()
+        assert x.grad is not None and xs.grad is not None
+        torch.testing.assert_close(x.grad, xs.grad, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():  # no autograd in force: the kernel serves it
+            assert kernels.rms_norm_kernel(x, w, 1e-6, 0.0, True) is not None
+        ints = torch.ones(2, 8, dtype=torch.int32)
+        assert kernels.rms_norm_kernel(ints, torch.ones(8), 1e-6, 0.0, False) is None
+
+    @pytest.mark.parametrize(("args", "error", "match"), [
+        ((torch.randn(2, 8), torch.randn(4), 1e-6, 0.0, False), ValueError, r"\[x.shape\[-1\]\]"),
+        ((torch.randn(2, 8), torch.randn(2, 8), 1e-6, 0.0, False), ValueError, "weight"),
+        (("x", torch.randn(8), 1e-6, 0.0, False), TypeError, "x must be a tensor"),
+        ((torch.randn(8), torch.randn(8), "eps", 0.0, False), TypeError, "real number"),
+        ((torch.randn(8), torch.randn(8)), TypeError, "rms_norm_kernel"),
+    ])
+    def test_error_malformed_call(self, kernels: ModuleType, args: tuple[Any, ...],
+                                  error: type[Exception], match: str) -> None:
+        with pytest.raises(error, match=match):
+            kernels.rms_norm_kernel(*args)
+
+
+class TestRotaryHalfKernel:
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("shape", [dict(), dict(cos_batch=1), dict(batch=1, seq=1),
+                                       dict(heads=8, kv_heads=8, seq=40, dim=64)], ids=str)
+    def test_equals_the_reference_bit_for_bit(self, kernels: ModuleType, dtype: torch.dtype,
+                                              shape: dict[str, Any]) -> None:
+        q, k, cos, sin = _qk(dtype, **shape)
+        _equal_pairs(rows.native_rotary_half(q, k, cos, sin, 1),
+                     reference_rotary_half(q, k, cos, sin, 1))
+
+    def test_heads_at_another_dim_and_three_dims(self, kernels: ModuleType) -> None:
+        q, k, cos, sin = _qk(torch.bfloat16)
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [b, s, h, d]: unsqueeze_dim 2
+        _equal_pairs(rows.native_rotary_half(qt, kt, cos, sin, 2),
+                     reference_rotary_half(qt, kt, cos, sin, 2))
+        _equal_pairs(rows.native_rotary_half(q[0], k[0], cos[0], sin[0], 0),
+                     reference_rotary_half(q[0], k[0], cos[0], sin[0], 0))
+
+    def test_strided_head_dim(self, kernels: ModuleType) -> None:
+        """A last dimension read with a stride is copied first; the values are the same."""
+        q, k, cos, sin = _qk(torch.float32, dim=32)
+        q, k = q[..., ::2], k[..., ::2]
+        cos, sin = cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
+        _equal_pairs(rows.native_rotary_half(q, k, cos, sin, 1),
+                     reference_rotary_half(q, k, cos, sin, 1))
+
+    def test_cos_and_sin_of_any_layout(self, kernels: ModuleType) -> None:
+        """cos and sin read through strides of their own (a slice of a wider table, a
+        transposed view) give the same bits."""
+        q, k, cos, sin = _qk(torch.float32, dim=16)
+        wide_cos, wide_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        cos_view, sin_view = wide_cos[..., 16:], wide_sin.transpose(0, 1).contiguous()
+        sin_view = sin_view.transpose(0, 1)[..., :16]
+        assert cos_view.stride(-1) == 1 and not cos_view.is_contiguous()
+        assert sin_view.stride() != cos_view.stride()
+        _equal_pairs(rows.native_rotary_half(q, k, cos_view, sin_view, 1),
+                     reference_rotary_half(q, k, cos, sin, 1))
+        by_column = cos.transpose(1, 2).contiguous().transpose(1, 2)  # last stride not 1
+        assert by_column.stride(-1) != 1
+        _equal_pairs(rows.native_rotary_half(q, k, by_column, sin, 1),
+                     reference_rotary_half(q, k, cos, sin, 1))
+
+    def test_calls_the_kernel_does_not_serve_are_torchs(self, kernels: ModuleType) -> None:
+        """Mixed dtypes (cos in float32 with bfloat16 q) and tensors that need gradients are
+        computed with torch's operations: transformers' promotion, and gradients."""
+        q, k, cos, sin = _qk(torch.bfloat16)
+        assert kernels.rotary_half_kernel(q, k, cos.float(), sin.float(), 1) is None
+        _equal_pairs(rows.native_rotary_half(q, k, cos.float(), sin.float(), 1),
+                     reference_rotary_half(q, k, cos.float(), sin.float(), 1))
+        q, k, cos, sin = _qk(torch.float32)
+        q.requires_grad_(True)
+        assert kernels.rotary_half_kernel(q, k, cos, sin, 1) is None
+        qo, _ = rows.native_rotary_half(q, k, cos, sin, 1)
+        qo.sum().backward()
+        assert q.grad is not None
+
+    @pytest.mark.parametrize(("change", "error", "match"), [
+        (lambda q, k, c, s: (q, k, c[..., :8], s[..., :8], 1), ValueError, "d even"),
+        (lambda q, k, c, s: (q, k, c, s, 7), ValueError, "d even"),
+        (lambda q, k, c, s: (q, k[:, :, :1], c, s, 1), ValueError, "size"),
+        (lambda q, k, c, s: (q, k, c, s[:, :1], 1), ValueError, "d even"),
+        (lambda q, k, c, s: (q, None, c, s, 1), TypeError, "k must be a tensor"),
+        (lambda q, k, c, s: (q, k, c, s), TypeError, "rotary_half_kernel"),
+    ])
+    def test_error_malformed_call(self, kernels: ModuleType, change: Callable[..., Any],
+                                  error: type[Exception], match: str) -> None:
+        q, k, cos, sin = _qk(torch.float32)
+        with pytest.raises(error, match=match):
+            kernels.rotary_half_kernel(*change(q, k, cos, sin))
+
+
+class TestTables:
+    def test_chain_serves_inference_calls_with_native(self, kernels: ModuleType) -> None:
+        x, w = _rms_call((1, 1, 64), torch.float32, torch.float32)
+        q, k, cos, sin = _qk(torch.float32, batch=1, seq=1)
+        dispatch.reset_stats()
+        with torch.no_grad():
+            ops.rms_norm(x, w, 1e-6)
+            ops.apply_rotary_half(q, k, cos, sin)
+        by_row = dispatch.stats().by_row()
+        assert by_row["rms_norm"] == by_row["rotary"] == {"native": {"chain": 1}}
+        ctx = ops.context("rms_norm", x, w, 1e-6)
+        assert dispatch.resolve("rms_norm", ctx).name == "torch"  # autograd on: not native
+        assert "native: reject (not grad_enabled" in dispatch.explain("rms_norm", ctx)
+
+    def test_the_regions_of_the_table(self, kernels: ModuleType) -> None:
+        """float32 up to 4096 tokens; bfloat16 below 256 (the compiled row's from there)."""
+        def row(tokens: int, dtype: torch.dtype) -> str:
+            ctx = dispatch.CallContext("rms_norm", dtype=dtype, ndim=2, tokens=tokens,
+                                       grad_enabled=False)
+            return dispatch.resolve("rms_norm", ctx).name
+
+        assert row(4095, torch.float32) == "native"
+        assert row(4096, torch.float32) in ("inductor_large", "torch")
+        assert row(255, torch.bfloat16) == "native"
+        assert row(256, torch.bfloat16) in ("inductor_large", "torch")
+        assert row(1, torch.float16) == "native" and row(2, torch.float16) != "native"
+
+    def test_pairs_layout_never_reaches_the_row(self, kernels: ModuleType) -> None:
+        x = torch.randn(1, 1, 4, 16)
+        freqs = torch.randn(1, 1, 8, 2)
+        ctx = ops.context("rotary", x, freqs)
+        with torch.no_grad():
+            assert dispatch.resolve("rotary", ctx).name != "native"
+        with pytest.raises(dispatch.ExplicitSelectionError, match="layout"):
+            ops.apply_rotary(x, freqs, backend="native")
+
+    def test_compiled_model_has_no_graph_break(self, kernels: ModuleType) -> None:
+        """Inside torch.compile the rows trace torch's operations: no graph break."""
+        x, w = _rms_call((2, 3, 32), torch.float32, torch.float32)
+        q, k, cos, sin = _qk(torch.float32)
+
+        def step(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            qo, ko = rows.native_rotary_half(q, k, cos, sin, 1)
+            return rows.native_rms_norm(x, w, 1e-6, cast_before_weight=True), qo, ko
+
+        with torch.no_grad():
+            eager = step(x, q)
+            compiled = torch.compile(step, fullgraph=True, backend="eager")(x, q)
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_without_the_extension_the_rows_are_unavailable_with_the_reason() -> None:
+    """ASTR_NATIVE=off: the rows say why, the chain passes them by, and a direct call
+    still computes the reference's result with torch's operations."""
+    code = """
+import torch, astrai.dispatch as d
+from astrai import ops
+from astrai.backends import native
+from astrai.backends.rms_norm import reference_rms_norm
+print(native.native_available())
+x, w = torch.randn(1, 8), torch.randn(8)
+with torch.no_grad():
+    ctx = ops.context("rms_norm", x, w, 1e-6)
+    print(d.resolve("rms_norm", ctx).name)
+    print(d.explain("rms_norm", ctx).splitlines()[1])
+    print(torch.allclose(native.native_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)))
+"""
+    env = {**os.environ, "ASTR_NATIVE": "off"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "astrai's native extension is not loaded: ASTR_NATIVE=off"
+    assert lines[1] == "torch"
+    assert lines[2].strip().startswith("native: SKIP unavailable (astrai's native extension is not "
+                               "loaded: ASTR_NATIVE=off)")
+    assert lines[3] == "True"
+
+
+def test_available_reports_the_extension(kernels: ModuleType) -> None:
+    assert rows.native_available() is True
+    assert not isinstance(rows.native_available(), Unavailable)
