@@ -16,7 +16,9 @@ Time is the calling thread's CPU time (one intra-op thread: every kernel runs on
 leaves out the time it waits for a core on a shared machine. An A/A control (the plain
 model against itself) runs in the same rounds: when
 it strays from 1.00 by more than 2%, the machine is not quiet and the figures say so.
-Then the rows that served each family in the dispatched runs.
+Then the rows that served each family in the dispatched runs. The first line says whether
+astrai's native extension (the compiled hot path and the ``native`` rows) is in force: the
+targets are met with it (``astrai-ops native --build``), not on the pure-Python path.
 
     python benchmarks/bench_hf.py
     python benchmarks/bench_hf.py --instructions   # CPU work by callgrind (slow, noise-free)
@@ -80,6 +82,7 @@ def main() -> int:
 
     import astrai.dispatch as d
     from astrai.integrations.transformers import dispatch_model, restore_model
+    from astrai.ops import native
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -124,6 +127,7 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Llama {CONFIG['hidden_size']} hidden, {CONFIG['num_hidden_layers']} layers, "
           f"torch {torch.__version__}, 1 thread; load average {load:.2f}")
+    print(native.status())
     print(f"routed: {report.counts()}; not routed: {len(report.not_routed)}")
     print(f"numerics: greedy tokens {'identical' if same else 'DIFFER'}; prefill logits "
           f"max |dispatched - plain| = {gap:.2e}")

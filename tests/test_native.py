@@ -4,8 +4,9 @@ every call it cannot read exactly as Python does - malformed ones included, whic
 route then refuses as before.
 
 The module is built once per session (about 15 s; conftest's ``built``) with the machine's
-C++ compiler; without one these tests skip, saying so. The pure-Python path is what every other test runs
-unless the module was built before the session (CI runs the suite both ways)."""
+C++ compiler; without one these tests skip, saying so. The pure-Python path is what every
+other test runs unless the module was built before the session (CI runs the suite both
+ways)."""
 
 from __future__ import annotations
 

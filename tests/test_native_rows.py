@@ -2,9 +2,9 @@
 one pass of C++, from astrai's native extension.
 
 The extension is built once per session (about 15 s; conftest's ``built``) with the
-machine's C++ compiler; without one the tests that need it skip, saying so. What holds without it - the rows are
-unavailable with the reason, the chain passes them by, a direct call still computes the
-right result - is tested in a process where the extension is off.
+machine's C++ compiler; without one the tests that need it skip, saying so. What holds
+without it - the rows are unavailable with the reason, the chain passes them by, a direct
+call still computes the right result - is tested in a process where the extension is off.
 """
 
 from __future__ import annotations
