@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 import astrai.dispatch as d
 from astrai import ops
 from astrai.dispatch import state
+from astrai.ops import native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -341,6 +342,16 @@ def test_off_is_never_loaded_and_on_warns_when_it_cannot_build(tmp_path: Path) -
     assert "astrai" not in auto.stderr  # nothing to warn about
     odd = _run({"ASTR_NATIVE": "maybe", "ASTR_NATIVE_DIR": str(tmp_path)}, STATUS)
     assert "ASTR_NATIVE='maybe' is not one of auto, on (1), off (0)" in odd.stderr
+
+
+def test_a_compiler_that_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """CXX may carry arguments; one that succeeds without writing the file is an error."""
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "true --no-such-flag")
+    with pytest.raises(native.NativeBuildError, match="reported success but wrote no"):
+        native.build()
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:

@@ -31,7 +31,8 @@ from astrai.dispatch import Unavailable
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FORMS = [dict(), dict(weight_offset=1.0), dict(cast_before_weight=True),
-         dict(weight_offset=1.0, cast_before_weight=True)]
+         dict(weight_offset=1.0, cast_before_weight=True),
+         dict(weight_offset=0.1, cast_before_weight=True)]  # an offset W cannot hold exactly
 
 
 @pytest.fixture
@@ -100,6 +101,12 @@ class TestRmsNormKernel:
         torch.testing.assert_close(rows.native_rms_norm(x, w, 1e-6, cast_before_weight=True),
                                    reference_rms_norm(x, w, 1e-6, cast_before_weight=True),
                                    atol=1e-6, rtol=1e-6)
+
+    def test_a_wide_row_sums_as_accurately_as_torch(self, kernels: ModuleType) -> None:
+        x, w = _rms_call((1, 1 << 18), torch.float32, torch.float32)
+        exact = reference_rms_norm(x.double(), w.double(), 1e-6)
+        for got in (rows.native_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)):
+            assert ((got.double() - exact).abs() / exact.abs().clamp(min=1e-3)).max() < 5e-7
 
     def test_empty_and_zero_rows(self, kernels: ModuleType) -> None:
         assert rows.native_rms_norm(torch.zeros(0, 8), torch.ones(8)).shape == (0, 8)
@@ -193,6 +200,8 @@ class TestRotaryHalfKernel:
     @pytest.mark.parametrize(("change", "error", "match"), [
         (lambda q, k, c, s: (q, k, c[..., :8], s[..., :8], 1), ValueError, "d even"),
         (lambda q, k, c, s: (q, k, c, s, 7), ValueError, "d even"),
+        (lambda q, k, c, s: (q, k, c, s, 3), ValueError, "unsqueeze_dim"),
+        (lambda q, k, c, s: (q, k, c, s, -1), ValueError, "unsqueeze_dim"),
         (lambda q, k, c, s: (q, k[:, :, :1], c, s, 1), ValueError, "size"),
         (lambda q, k, c, s: (q, k, c, s[:, :1], 1), ValueError, "d even"),
         (lambda q, k, c, s: (q, None, c, s, 1), TypeError, "k must be a tensor"),
@@ -203,6 +212,85 @@ class TestRotaryHalfKernel:
         q, k, cos, sin = _qk(torch.float32)
         with pytest.raises(error, match=match):
             kernels.rotary_half_kernel(*change(q, k, cos, sin))
+
+
+class TestWhatOnlyTorchSees:
+    """Tensors and states in which torch's own operations must run - a trace, a mode, a
+    transform, a tangent, a subclass: the kernels decline them, so the rows compute what
+    the reference computes, seen by whoever watches torch's operations."""
+
+    def test_jit_trace_records_the_operations(self, kernels: ModuleType) -> None:
+        w = torch.randn(8)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            traced = torch.jit.trace(lambda x: rows.native_rms_norm(x, w, 1e-6), (x,),
+                                     check_trace=False)
+            other = torch.randn(2, 8)
+            torch.testing.assert_close(traced(other), reference_rms_norm(other, w, 1e-6))
+
+    def test_fake_tensors_and_dispatch_modes(self, kernels: ModuleType) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen: list[str] = []
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        q, k, cos, sin = _qk(torch.float32)
+        with torch.no_grad():
+            with Watch():
+                rows.native_rotary_half(q, k, cos, sin, 1)
+            assert any("mul" in op for op in seen)
+            with FakeTensorMode() as mode:
+                fq, fk, fc, fs = (mode.from_tensor(t) for t in (q, k, cos, sin))
+                out = rows.native_rotary_half(fq, fk, fc, fs, 1)
+                assert out[0].shape == q.shape
+                fx, fw = mode.from_tensor(torch.randn(2, 8)), mode.from_tensor(torch.ones(8))
+                assert rows.native_rms_norm(fx, fw).shape == (2, 8)
+
+    def test_vmap_forward_ad_and_subclasses(self, kernels: ModuleType) -> None:
+        import torch.autograd.forward_ad as fwad
+
+        x, w = _rms_call((3, 4, 16), torch.float32, torch.float32)
+        with torch.no_grad():
+            mapped = torch.func.vmap(lambda r: rows.native_rms_norm(r, w, 1e-6))(x)
+            torch.testing.assert_close(mapped, reference_rms_norm(x, w, 1e-6))
+            with fwad.dual_level():
+                dual = fwad.make_dual(x, torch.ones_like(x))
+                tangent = fwad.unpack_dual(rows.native_rms_norm(dual, w, 1e-6)).tangent
+                assert tangent is not None
+
+            class Marked(torch.Tensor):
+                pass
+
+            out = rows.native_rms_norm(x.as_subclass(Marked), w, 1e-6)
+            assert type(out) is Marked
+
+    def test_a_nested_tensor_is_an_error_not_a_crash(self) -> None:
+        code = """
+import torch
+from astrai.backends import native
+assert native._kernels() is not None
+q, c = torch.randn(1, 4, 3, 8), torch.randn(1, 3, 8)
+nt = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(4, 8)])
+with torch.no_grad():
+    for args in ((q, q, nt, c), (q, q, c, nt), (nt, q, c, c)):
+        try:
+            native.native_rotary_half(*args, 1)
+        except Exception as e:
+            print(type(e).__name__)
+        else:
+            print("served")
+"""
+        env = {**os.environ, "ASTR_NATIVE": "on"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, cwd=ROOT, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(done.stdout.split()) == 3
 
 
 class TestTables:

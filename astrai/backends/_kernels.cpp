@@ -14,12 +14,19 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+// _hot.cpp's reading of a plain tensor: exactly a Tensor or Parameter, strided, not
+// nested, no Python dispatch, no symbolic sizes, no __torch_function__ mode in force.
+bool astrai_plain_tensor(PyObject* obj);
 
 namespace {
 
@@ -62,12 +69,27 @@ PyObject* fail(PyObject* type, const char* message) {
   return nullptr;
 }
 
-// Whether the kernels serve ``t``: a strided CPU tensor of a kernel dtype that autograd
+// Whether ``t`` carries only the dispatch keys of an ordinary CPU tensor: no functorch
+// wrapper (vmap, grad transforms), no lazy negation or conjugation, no functionalization.
+bool ordinary_keys(const at::Tensor& t) {
+  for (c10::DispatchKey key : t.key_set()) {
+    if (key != c10::DispatchKey::CPU && key != c10::DispatchKey::AutogradCPU &&
+        key != c10::DispatchKey::ADInplaceOrView && key != c10::DispatchKey::AutocastCPU)
+      return false;
+  }
+  return true;
+}
+
+// Whether the kernels serve the tensor ``t`` (held by ``obj``): a plain CPU tensor of a
+// kernel dtype that nothing but torch's own kernels would see - no dispatch mode (fake
+// tensors, make_fx, export), no JIT trace, no forward-mode tangent - and that autograd
 // need not see (grad mode off, or ``t`` needs no gradient). The row computes any other
 // call with torch's operations.
-bool served(const at::Tensor& t) {
-  return t.defined() && t.layout() == c10::kStrided && t.device().is_cpu() &&
-         kernel_dtype(t.scalar_type()) && !(at::GradMode::is_enabled() && t.requires_grad());
+bool served(PyObject* obj, const at::Tensor& t) {
+  return astrai_plain_tensor(obj) && ordinary_keys(t) && t.device().is_cpu() &&
+         kernel_dtype(t.scalar_type()) && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+         !torch::jit::tracer::isTracing() &&
+         !(at::GradMode::is_enabled() && t.requires_grad()) && !t._fw_grad(0).defined();
 }
 
 // The tensor ``obj`` holds, or nullptr with a TypeError set when it holds none.
@@ -82,24 +104,33 @@ const at::Tensor* tensor(PyObject* obj, const char* what) {
 // -- RMS norm ------------------------------------------------------------------------
 
 // One row of f values: the mean of squares in C, then ``x * rsqrt(mean + eps)`` in C
-// (``normed``). Eight partial sums: the compiler may keep them in vector registers.
+// (``normed``). Eight partial sums per block of 1024 values (the compiler may keep them in
+// vector registers), the blocks' sums added in double: a wide row loses no more to
+// rounding than torch's cascade sum does.
 template <typename X, typename C>
 C inverse_rms(const X* x, int64_t f, C eps) {
-  C part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= f; i += 8) {
-    for (int j = 0; j < 8; ++j) {
-      C v = cast_to<C, X>(x[i + j]);
-      part[j] += v * v;
+  constexpr int64_t kBlock = 1024;
+  double total = 0;
+  for (int64_t start = 0; start < f; start += kBlock) {
+    const int64_t end = std::min(f, start + kBlock);
+    C part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = start;
+    for (; i + 8 <= end; i += 8) {
+      for (int j = 0; j < 8; ++j) {
+        C v = cast_to<C, X>(x[i + j]);
+        part[j] += v * v;
+      }
     }
+    C sum = 0;
+    for (; i < end; ++i) {
+      C v = cast_to<C, X>(x[i]);
+      sum += v * v;
+    }
+    sum += ((part[0] + part[1]) + (part[2] + part[3])) +
+           ((part[4] + part[5]) + (part[6] + part[7]));
+    total += static_cast<double>(sum);
   }
-  C sum = 0;
-  for (; i < f; ++i) {
-    C v = cast_to<C, X>(x[i]);
-    sum += v * v;
-  }
-  sum += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-  C mean = sum / static_cast<C>(f);
+  C mean = static_cast<C>(total) / static_cast<C>(f);
   return static_cast<C>(1) / std::sqrt(mean + eps);
 }
 
@@ -124,8 +155,9 @@ void rms_rows_after(const X* x, const W* w, X* out, int64_t rows, int64_t f, dou
   }
 }
 
-// LlamaRMSNorm's form: ``(weight + offset) * normed.to(X)``, the sum rounded to W and the
-// product taken in O's type (O = promote(W, X)).
+// LlamaRMSNorm's form: ``(weight + offset) * normed.to(X)``, the product taken in O's type
+// (O = promote(W, X)). ``weight + offset`` is torch's tensor-plus-scalar: the scalar taken
+// to W first, the sum computed in W's opmath type and rounded to W.
 template <typename X, typename W, typename O>
 void rms_rows_cast(const X* x, const W* w, O* out, int64_t rows, int64_t f, double eps,
                    double offset) {
@@ -133,7 +165,9 @@ void rms_rows_cast(const X* x, const W* w, O* out, int64_t rows, int64_t f, doub
   using A = op_t<O>;
   std::vector<A> scale(static_cast<size_t>(f));
   for (int64_t j = 0; j < f; ++j) {
-    W s = offset != 0 ? static_cast<W>(static_cast<op_t<W>>(w[j]) + static_cast<op_t<W>>(offset))
+    using WA = op_t<W>;
+    W s = offset != 0 ? cast_to<W, WA>(cast_to<WA, W>(w[j]) +
+                                       cast_to<WA, W>(static_cast<W>(offset)))
                       : w[j];
     scale[j] = static_cast<A>(s);
   }
@@ -157,16 +191,16 @@ PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (xp == nullptr) return nullptr;
   const at::Tensor* wp = tensor(args[1], "weight");
   if (wp == nullptr) return nullptr;
-  if (!served(*xp) || !served(*wp)) Py_RETURN_NONE;
+  if (!served(args[0], *xp) || !served(args[1], *wp)) Py_RETURN_NONE;
   double eps = PyFloat_AsDouble(args[2]);
   if (eps == -1.0 && PyErr_Occurred()) return nullptr;
   double offset = PyFloat_AsDouble(args[3]);
   if (offset == -1.0 && PyErr_Occurred()) return nullptr;
   int cast = PyObject_IsTrue(args[4]);
   if (cast < 0) return nullptr;
-  if (xp->dim() < 1 || wp->dim() != 1 || wp->size(0) != xp->size(-1))
-    return fail(PyExc_ValueError, "rms_norm_kernel: weight must be [x.shape[-1]]");
   try {
+    if (xp->dim() < 1 || wp->dim() != 1 || wp->size(0) != xp->size(-1))
+      return fail(PyExc_ValueError, "rms_norm_kernel: weight must be [x.shape[-1]]");
     at::Tensor x = xp->contiguous();
     at::Tensor w = wp->contiguous();
     int64_t f = x.size(-1);
@@ -282,17 +316,18 @@ PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   long dim = PyLong_AsLong(args[4]);
   if (dim == -1 && PyErr_Occurred()) return nullptr;
   const at::Tensor &q = *t[0], &k = *t[1], &cos = *t[2], &sin = *t[3];
-  c10::ScalarType type = q.scalar_type();
-  for (int i = 0; i < 4; ++i) {
-    if (!served(*t[i]) || t[i]->scalar_type() != type) Py_RETURN_NONE;
-  }
-  int64_t nd = q.dim();
-  if ((nd != 3 && nd != 4) || k.dim() != nd || cos.dim() != nd - 1 ||
-      cos.sizes() != sin.sizes() || q.size(-1) % 2 != 0 || cos.size(-1) != q.size(-1) ||
-      k.size(-1) != q.size(-1) || dim < -nd || dim >= nd)
-    return fail(PyExc_ValueError, "rotary_half_kernel: q, k [..., d] (d even) with cos = sin "
-                                  "[..., d] one dimension fewer");
   try {
+    c10::ScalarType type = q.scalar_type();
+    for (int i = 0; i < 4; ++i) {
+      if (!served(args[i], *t[i]) || t[i]->scalar_type() != type) Py_RETURN_NONE;
+    }
+    int64_t nd = q.dim();
+    int64_t heads = dim < 0 ? dim + nd : dim;  // the axis cos and sin are broadcast along
+    if ((nd != 3 && nd != 4) || k.dim() != nd || cos.dim() != nd - 1 ||
+        cos.sizes() != sin.sizes() || q.size(-1) % 2 != 0 || cos.size(-1) != q.size(-1) ||
+        k.size(-1) != q.size(-1) || heads < 0 || heads >= nd - 1)
+      return fail(PyExc_ValueError, "rotary_half_kernel: q, k [..., d] (d even) with cos = "
+                                    "sin [..., d] one dimension fewer, unsqueeze_dim not d's");
     at::Tensor q_out, k_out;
     {
       WithoutGil released;

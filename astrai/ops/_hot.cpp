@@ -411,6 +411,10 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
 
 }  // namespace
 
+// ``plain`` for the native rows' kernels (astrai/backends/_kernels.cpp): whether ``obj``
+// is a tensor this file reads as Python would.
+bool astrai_plain_tensor(PyObject* obj) { return plain(obj) != nullptr; }
+
 // The native rows' CPU kernels (astrai/backends/_kernels.cpp), linked into this module.
 extern PyMethodDef astrai_kernel_methods[];
 

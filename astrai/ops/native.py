@@ -26,6 +26,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shlex
 import sys
 import warnings
 from dataclasses import dataclass
@@ -129,19 +130,26 @@ def build(*, force: bool = False) -> Path:
     path = _path()
     if path.exists() and not force:
         return path
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
+    given = os.environ.get("CXX")
+    found = given or shutil.which("c++") or shutil.which("g++")
+    if not found:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
+    compiler = shlex.split(found) if given else [found]  # CXX may be "ccache g++"
+    if not compiler:
+        raise NativeBuildError("CXX is empty: set it to a C++ compiler, or unset it")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as work:
         tmp = os.path.join(work, path.name)
         objects = _compile(compiler, work)
-        _run([compiler, *objects, "-o", tmp, *_flags()[1]], compiler)
+        _run([*compiler, *objects, "-o", tmp, *_flags()[1]], compiler)
+        if not os.path.isfile(tmp):
+            raise NativeBuildError(f"{' '.join(compiler)} reported success but wrote no "
+                                   f"{path.name}")
         os.replace(tmp, path)
     return path
 
 
-def _compile(compiler: str, work: str) -> list[str]:
+def _compile(compiler: list[str], work: str) -> list[str]:
     """Every source compiled to an object file in ``work``, side by side."""
     import subprocess
 
@@ -151,11 +159,12 @@ def _compile(compiler: str, work: str) -> list[str]:
         for source in _SOURCES:
             obj = os.path.join(work, f"{source.stem}.o")
             try:
-                job = subprocess.Popen([compiler, "-c", str(source), "-o", obj, *compiling],
+                job = subprocess.Popen([*compiler, "-c", str(source), "-o", obj, *compiling],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                        text=True)
             except OSError as e:
-                raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+                raise NativeBuildError(f"cannot run the C++ compiler {' '.join(compiler)!r}: "
+                                       f"{e}") from e
             jobs.append((job, obj))
         for job, _ in jobs:
             _, err = job.communicate()
@@ -169,20 +178,20 @@ def _compile(compiler: str, work: str) -> list[str]:
     return [obj for _, obj in jobs]
 
 
-def _run(command: list[str], compiler: str) -> None:
+def _run(command: list[str], compiler: list[str]) -> None:
     import subprocess
 
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as e:
-        raise NativeBuildError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+        raise NativeBuildError(f"cannot run the C++ compiler {' '.join(compiler)!r}: {e}") from e
     if done.returncode != 0:
         raise NativeBuildError(_failure(compiler, done.returncode, done.stderr))
 
 
-def _failure(compiler: str, code: int, stderr: str) -> str:
+def _failure(compiler: list[str], code: int, stderr: str) -> str:
     tail = "\n".join(stderr.strip().splitlines()[-20:])
-    return f"{compiler} failed (exit {code}):\n{tail}"
+    return f"{' '.join(compiler)} failed (exit {code}):\n{tail}"
 
 
 def load_from(path: Path) -> ModuleType:
