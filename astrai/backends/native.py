@@ -15,11 +15,13 @@ call, one pass over memory:
   the sum rounded as torch's elementwise operations round them: it equals
   ``reference_rotary_half`` bit for bit.
 
-Each row runs its kernel on CPU tensors of one kernel dtype (float16, bfloat16, float32,
-float64; for RMS norm any mix of x's and the weight's), outside autograd and
+Each row runs its kernel on plain CPU tensors of one kernel dtype (float16, bfloat16,
+float32, float64; for RMS norm any mix of x's and the weight's), outside autograd and
 ``torch.compile`` tracing. Any other call it is handed - another device, mixed rotary
-dtypes, tensors that need gradients, a trace - is computed with the torch row's
-operations, so a row's answer never depends on where it ran. The tables give these rows
+dtypes, tensors that need gradients, a subclass or functorch wrapper, a forward-mode
+tangent, a dispatch mode, a JIT trace - is computed with the torch row's operations, so a
+row's answer never depends on where it ran, and whatever watches torch's operations sees
+them. The tables give these rows
 the calls where they were measured to win (``not grad_enabled``, small token counts);
 without the extension they are unavailable, with the reason ``astrai.ops.native`` gives.
 """
