@@ -352,6 +352,9 @@ def test_a_compiler_that_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(native.NativeBuildError, match="reported success but wrote no"):
         native.build()
     assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("CXX", '"g++')
+    with pytest.raises(native.NativeBuildError, match="is not a command line"):
+        native.build()
 
 
 def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:

@@ -134,7 +134,10 @@ def build(*, force: bool = False) -> Path:
     found = given or shutil.which("c++") or shutil.which("g++")
     if not found:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
-    compiler = shlex.split(found) if given else [found]  # CXX may be "ccache g++"
+    try:
+        compiler = shlex.split(found) if given else [found]  # CXX may be "ccache g++"
+    except ValueError as e:
+        raise NativeBuildError(f"CXX={given!r} is not a command line: {e}") from e
     if not compiler:
         raise NativeBuildError("CXX is empty: set it to a C++ compiler, or unset it")
     path.parent.mkdir(parents=True, exist_ok=True)
