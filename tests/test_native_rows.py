@@ -27,6 +27,7 @@ from astrai.backends import native as rows
 from astrai.backends.rms_norm import reference_rms_norm
 from astrai.backends.rotary import reference_rotary_half
 from astrai.dispatch import Unavailable
+from tests.test_model_forms import qk_call
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -53,17 +54,6 @@ def _rms_call(shape: tuple[int, ...], dtype: torch.dtype, weight_dtype: torch.dt
         x.view(-1, shape[-1])[0] *= 1e-3  # a row whose mean square is near eps
     w = torch.randn(shape[-1], generator=g, dtype=torch.float64)
     return x.to(dtype), w.to(weight_dtype)
-
-
-def _qk(dtype: torch.dtype, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 5,
-        dim: int = 16, cos_batch: int | None = None) -> tuple[torch.Tensor, ...]:
-    """transformers' layout: q [b, heads, s, d] transposed from the projection."""
-    g = torch.Generator().manual_seed(seq * dim)
-    q = torch.randn(batch, seq, heads, dim, generator=g).transpose(1, 2).to(dtype)
-    k = torch.randn(batch, seq, kv_heads, dim, generator=g).transpose(1, 2).to(dtype)
-    freqs = torch.randn(cos_batch or batch, seq, dim // 2, generator=g) * 3
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _equal_pairs(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
@@ -147,12 +137,12 @@ class TestRotaryHalfKernel:
                                        dict(heads=8, kv_heads=8, seq=40, dim=64)], ids=str)
     def test_equals_the_reference_bit_for_bit(self, kernels: ModuleType, dtype: torch.dtype,
                                               shape: dict[str, Any]) -> None:
-        q, k, cos, sin = _qk(dtype, **shape)
+        q, k, cos, sin = qk_call(dtype, **shape)
         _equal_pairs(rows.native_rotary_half(q, k, cos, sin, 1),
                      reference_rotary_half(q, k, cos, sin, 1))
 
     def test_heads_at_another_dim_and_three_dims(self, kernels: ModuleType) -> None:
-        q, k, cos, sin = _qk(torch.bfloat16)
+        q, k, cos, sin = qk_call(torch.bfloat16)
         qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [b, s, h, d]: unsqueeze_dim 2
         _equal_pairs(rows.native_rotary_half(qt, kt, cos, sin, 2),
                      reference_rotary_half(qt, kt, cos, sin, 2))
@@ -161,7 +151,7 @@ class TestRotaryHalfKernel:
 
     def test_strided_head_dim(self, kernels: ModuleType) -> None:
         """A last dimension read with a stride is copied first; the values are the same."""
-        q, k, cos, sin = _qk(torch.float32, dim=32)
+        q, k, cos, sin = qk_call(torch.float32, dim=32)
         q, k = q[..., ::2], k[..., ::2]
         cos, sin = cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
         _equal_pairs(rows.native_rotary_half(q, k, cos, sin, 1),
@@ -170,7 +160,7 @@ class TestRotaryHalfKernel:
     def test_cos_and_sin_of_any_layout(self, kernels: ModuleType) -> None:
         """cos and sin read through strides of their own (a slice of a wider table, a
         transposed view) give the same bits."""
-        q, k, cos, sin = _qk(torch.float32, dim=16)
+        q, k, cos, sin = qk_call(torch.float32, dim=16)
         wide_cos, wide_sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
         cos_view, sin_view = wide_cos[..., 16:], wide_sin.transpose(0, 1).contiguous()
         sin_view = sin_view.transpose(0, 1)[..., :16]
@@ -186,11 +176,11 @@ class TestRotaryHalfKernel:
     def test_calls_the_kernel_does_not_serve_are_torchs(self, kernels: ModuleType) -> None:
         """Mixed dtypes (cos in float32 with bfloat16 q) and tensors that need gradients are
         computed with torch's operations: transformers' promotion, and gradients."""
-        q, k, cos, sin = _qk(torch.bfloat16)
+        q, k, cos, sin = qk_call(torch.bfloat16)
         assert kernels.rotary_half_kernel(q, k, cos.float(), sin.float(), 1) is None
         _equal_pairs(rows.native_rotary_half(q, k, cos.float(), sin.float(), 1),
                      reference_rotary_half(q, k, cos.float(), sin.float(), 1))
-        q, k, cos, sin = _qk(torch.float32)
+        q, k, cos, sin = qk_call(torch.float32)
         q.requires_grad_(True)
         assert kernels.rotary_half_kernel(q, k, cos, sin, 1) is None
         qo, _ = rows.native_rotary_half(q, k, cos, sin, 1)
@@ -209,7 +199,7 @@ class TestRotaryHalfKernel:
     ])
     def test_error_malformed_call(self, kernels: ModuleType, change: Callable[..., Any],
                                   error: type[Exception], match: str) -> None:
-        q, k, cos, sin = _qk(torch.float32)
+        q, k, cos, sin = qk_call(torch.float32)
         with pytest.raises(error, match=match):
             kernels.rotary_half_kernel(*change(q, k, cos, sin))
 
@@ -240,7 +230,7 @@ class TestWhatOnlyTorchSees:
                 seen.append(str(func))
                 return func(*args, **(kwargs or {}))
 
-        q, k, cos, sin = _qk(torch.float32)
+        q, k, cos, sin = qk_call(torch.float32)
         with torch.no_grad():
             with Watch():
                 rows.native_rotary_half(q, k, cos, sin, 1)
@@ -296,7 +286,7 @@ with torch.no_grad():
 class TestTables:
     def test_chain_serves_inference_calls_with_native(self, kernels: ModuleType) -> None:
         x, w = _rms_call((1, 1, 64), torch.float32, torch.float32)
-        q, k, cos, sin = _qk(torch.float32, batch=1, seq=1)
+        q, k, cos, sin = qk_call(torch.float32, batch=1, seq=1)
         dispatch.reset_stats()
         with torch.no_grad():
             ops.rms_norm(x, w, 1e-6)
@@ -332,7 +322,7 @@ class TestTables:
     def test_compiled_model_has_no_graph_break(self, kernels: ModuleType) -> None:
         """Inside torch.compile the rows trace torch's operations: no graph break."""
         x, w = _rms_call((2, 3, 32), torch.float32, torch.float32)
-        q, k, cos, sin = _qk(torch.float32)
+        q, k, cos, sin = qk_call(torch.float32)
 
         def step(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
             qo, ko = rows.native_rotary_half(q, k, cos, sin, 1)

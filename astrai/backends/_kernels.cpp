@@ -80,15 +80,19 @@ bool ordinary_keys(const at::Tensor& t) {
   return true;
 }
 
-// Whether the kernels serve the tensor ``t`` (held by ``obj``): a plain CPU tensor of a
-// kernel dtype that nothing but torch's own kernels would see - no dispatch mode (fake
-// tensors, make_fx, export), no JIT trace, no forward-mode tangent - and that autograd
-// need not see (grad mode off, or ``t`` needs no gradient). The row computes any other
-// call with torch's operations.
+// Whether something watches torch's operations in this thread - a dispatch mode (fake
+// tensors, make_fx, export) or a JIT trace: then only torch's own kernels may run.
+bool watched() {
+  return c10::impl::TorchDispatchModeTLS::any_modes_set() || torch::jit::tracer::isTracing();
+}
+
+// Whether the kernels serve the tensor ``t`` (held by ``obj``), in a thread nothing
+// ``watched``: a plain CPU tensor of a kernel dtype with no forward-mode tangent, that
+// autograd need not see (grad mode off, or ``t`` needs no gradient). The row computes any
+// other call with torch's operations.
 bool served(PyObject* obj, const at::Tensor& t) {
   return astrai_plain_tensor(obj) && ordinary_keys(t) && t.device().is_cpu() &&
-         kernel_dtype(t.scalar_type()) && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
-         !torch::jit::tracer::isTracing() &&
+         kernel_dtype(t.scalar_type()) &&
          !(at::GradMode::is_enabled() && t.requires_grad()) && !t._fw_grad(0).defined();
 }
 
@@ -191,7 +195,7 @@ PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (xp == nullptr) return nullptr;
   const at::Tensor* wp = tensor(args[1], "weight");
   if (wp == nullptr) return nullptr;
-  if (!served(args[0], *xp) || !served(args[1], *wp)) Py_RETURN_NONE;
+  if (watched() || !served(args[0], *xp) || !served(args[1], *wp)) Py_RETURN_NONE;
   double eps = PyFloat_AsDouble(args[2]);
   if (eps == -1.0 && PyErr_Occurred()) return nullptr;
   double offset = PyFloat_AsDouble(args[3]);
@@ -289,14 +293,15 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   }
 }
 
+// ``rotate_rows`` on x, with ``cos`` and ``sin`` contiguous (the caller's: small, [batch or
+// 1, seq, d], made so once for q and k, so that one set of strides walks both).
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t dim) {
-  // x's last dimension read with stride 1; cos and sin (small: [batch or 1, seq, d])
-  // contiguous, so that one set of strides walks both, and broadcast to x as transformers'
+  // x's last dimension read with stride 1; cos and sin broadcast to x as transformers'
   // ``cos.unsqueeze(unsqueeze_dim)`` does (expand raises where they do not fit).
   at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
-  at::Tensor c = cos.contiguous().unsqueeze(dim).expand(xc.sizes());
-  at::Tensor s = sin.contiguous().unsqueeze(dim).expand(xc.sizes());
+  at::Tensor c = cos.unsqueeze(dim).expand(xc.sizes());
+  at::Tensor s = sin.unsqueeze(dim).expand(xc.sizes());
   at::Tensor out = at::empty_like(xc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xc.scalar_type(), "rotary_half",
                                   [&] { rotate_rows<scalar_t>(xc, c, s, out); });
@@ -317,6 +322,7 @@ PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (dim == -1 && PyErr_Occurred()) return nullptr;
   const at::Tensor &q = *t[0], &k = *t[1], &cos = *t[2], &sin = *t[3];
   try {
+    if (watched()) Py_RETURN_NONE;
     c10::ScalarType type = q.scalar_type();
     for (int i = 0; i < 4; ++i) {
       if (!served(args[i], *t[i]) || t[i]->scalar_type() != type) Py_RETURN_NONE;
@@ -331,8 +337,9 @@ PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
     at::Tensor q_out, k_out;
     {
       WithoutGil released;
-      q_out = rotate(q, cos, sin, dim);
-      k_out = rotate(k, cos, sin, dim);
+      at::Tensor c = cos.contiguous(), s = sin.contiguous();
+      q_out = rotate(q, c, s, dim);
+      k_out = rotate(k, c, s, dim);
     }
     PyObject* a = THPVariable_Wrap(q_out);
     if (a == nullptr) return nullptr;
