@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import pickle
 from collections.abc import Callable
@@ -424,6 +425,18 @@ def apply_partial_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Te
     return turn(q), turn(k)
 
 
+def half_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, unsqueeze_dim: int = 1
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary: the whole head_dim turns (a shorter cos does not broadcast)."""
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., h:], x[..., :h]), -1) * s
+    return turn(q), turn(k)
+
+
 class ToyAttention(nn.Module):
     """Calls a rotary function by its global name, as transformers' layers do: a
     partial one (half of head_dim turns)."""
@@ -441,6 +454,32 @@ class ToyPairsAttention(nn.Module):
         return pairs_rotary_pos_emb(q, k, cos, sin)
 
 
+class ToyBranchAttention(nn.Module):
+    """Reads two rotary functions and calls one of them, as DeepSeek-V3's layers do;
+    or none, when ``rotate`` is off."""
+
+    def __init__(self, partial: bool = True, rotate: bool = True) -> None:
+        super().__init__()
+        self.partial, self.rotate = partial, rotate
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.rotate:
+            return q, k
+        if self.partial:
+            return apply_partial_rotary_pos_emb(q, k, cos, sin)
+        return half_rotary_pos_emb(q, k, cos, sin)
+
+
+class ToyHalfAttention(nn.Module):
+    """A half-layout function handed a cos shorter than head_dim, which it cannot
+    broadcast: the model's own function raises, and so does the routed call."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return half_rotary_pos_emb(q, k, cos[..., :8], sin[..., :8])
+
+
 class TestRotarySites:
     def toy_call(self) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(0)
@@ -452,26 +491,131 @@ class TestRotarySites:
         report = dispatch_model(toy, ["rotary"])
         assert report.counts() == {"rotary": 0}
         (refused,) = [n for n in report.not_routed if "pairs_rotary_pos_emb" in n.reason]
-        assert "does not compute the half-split rotary" in refused.reason
+        assert "computes none of the rotary layouts astrai serves" in refused.reason
 
-    def test_partial_rotary_runs_its_own_and_warns(
-            self, caplog: pytest.LogCaptureFixture) -> None:
+    def test_partial_rotary_is_served(self, caplog: pytest.LogCaptureFixture) -> None:
         toy = ToyAttention()
         report = dispatch_model(toy, ["rotary"])
-        assert report.counts() == {"rotary": 1}  # full-width calls would be served
+        assert report.counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].rotary
+        assert site.layout == "partial"
         args = self.toy_call()
         want = type(toy).forward(toy, *args)
         dispatch.reset_stats()
         with caplog.at_level(logging.WARNING, logger="astrai"):
             got = toy(*args)
-            toy(*args)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert served() == {}
-        warned = [r.getMessage() for r in caplog.records if "partial rotary" in r.getMessage()]
-        assert len(warned) == 1 and "runs the model's own function" in warned[0]
+        assert sum(served()["rotary"].values()) == 1
+        assert not [r for r in caplog.records if "own function" in r.getMessage()]
+        assert verify_model(toy, *args) == {"rotary": 1}
 
-    def test_verify_model_names_an_idle_family(self) -> None:
-        toy = ToyAttention()
-        dispatch_model(toy, ["rotary"])
-        with pytest.raises(RoutingError, match="served no call: rotary"):
+    def test_a_call_its_layout_cannot_take_runs_its_own_and_is_counted(
+            self, caplog: pytest.LogCaptureFixture) -> None:
+        toy = ToyHalfAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        args = self.toy_call()
+        dispatch.reset_stats()
+        with caplog.at_level(logging.WARNING, logger="astrai"), \
+                pytest.raises(RuntimeError, match="size of tensor"):
+            toy(*args)  # the model's own function, which fails as it does unrouted
+        assert served() == {"rotary": {"model": 1}}
+        assert dispatch.stats().served("rotary", origin="model") == 1
+        warned = [r.getMessage() for r in caplog.records if "own function" in r.getMessage()]
+        assert len(warned) == 1 and "cos covers 8 of head_dim 16" in warned[0]
+
+    def test_verify_model_names_an_idle_site(self) -> None:
+        toy = ToyBranchAttention(rotate=False)
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        with pytest.raises(RoutingError, match=r"served no call: rotary \(\(the model\)"):
             verify_model(toy, *self.toy_call())
+
+    def test_verify_model_counts_either_branch_of_a_layer(self) -> None:
+        for partial in (True, False):
+            toy = ToyBranchAttention(partial=partial)
+            report = dispatch_model(toy, ["rotary"])
+            assert report.counts() == {"rotary": 1}
+            assert verify_model(toy, *self.toy_call()) == {"rotary": 1}
+
+
+class FunctionModule(nn.Module):
+    """What HF ``kernels`` makes of a function it may swap for a hub kernel: a module
+    called like the function, ``forward(self, *args, **kwargs)``, whose parameters are
+    stated only on ``forward.__signature__``."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return half_rotary_pos_emb(*args, **kwargs)
+
+
+FunctionModule.forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+     *inspect.signature(half_rotary_pos_emb).parameters.values()])
+
+
+def _decorated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _Rotator:
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, unsqueeze_dim: int = 1) -> tuple[torch.Tensor, ...]:
+        return half_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+apply_rotary_module = FunctionModule()
+apply_rotary_decorated = _decorated(half_rotary_pos_emb)
+apply_rotary_bound = _Rotator().apply_rotary
+
+
+class ToyWrappedAttention(nn.Module):
+    """Calls its rotary through a function module, a ``functools.wraps`` decorator and a
+    bound method, by their global names; the second call passes ``unsqueeze_dim`` by
+    keyword (read through the wrapper's signature)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k = apply_rotary_module(q, k, cos, sin)
+        q, k = apply_rotary_decorated(q, k, cos, sin, unsqueeze_dim=1)
+        return apply_rotary_bound(q, k, cos, sin)
+
+
+class TestWrappedRotary:
+    def test_every_wrapper_is_read_and_served(self) -> None:
+        toy = ToyWrappedAttention()
+        args = TestRotarySites().toy_call()
+        want = type(toy).forward(toy, *args)
+        report = dispatch_model(toy, ["rotary"])
+        assert report.not_routed == ()
+        (routed,) = report.routed
+        assert "apply_rotary_module" in routed.detail  # the name a wrapper class is called by
+        assert "_Rotator.apply_rotary" in routed.detail
+        dispatch.reset_stats()
+        got = toy(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert sum(served()["rotary"].values()) == 3
+        assert verify_model(toy, *args) == {"rotary": 3}
+
+    def test_a_wrapper_that_states_nothing_is_a_reason(self) -> None:
+        class Opaque(nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return half_rotary_pos_emb(*args, **kwargs)
+
+        from astrai.integrations.transformers.recognise import call_signature, rotary_sites
+        assert call_signature(Opaque()) is None
+        owner = {"apply_rotary_pos_emb": Opaque()}
+        code = compile("def forward(q, k, c, s):\n    return apply_rotary_pos_emb(q, k, c, s)\n",
+                       "<toy>", "exec")
+        exec(code, owner)
+        sites, refused = rotary_sites(owner["forward"])
+        assert sites == [] and "signature cannot be read" in refused[0][1]
+
+    def test_transformers_own_wrapper(self) -> None:
+        from transformers.models.llama import modeling_llama
+        fn = modeling_llama.apply_rotary_pos_emb
+        _plain, routed = build("llama")
+        assert routed.model.layers[0].self_attn.__dict__["_astrai_route"].rotary
+        if isinstance(fn, nn.Module):  # HF kernels is installed: transformers wraps it
+            detail = [r.detail for r in dispatch_model(routed).routed if r.family == "rotary"]
+            assert detail and all("apply_rotary_pos_emb" in d for d in detail)

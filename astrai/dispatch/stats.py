@@ -10,7 +10,8 @@ user notices a silent fallback: ``stats().served("attention", "math")``.
 
 from __future__ import annotations
 
-__all__ = ["MISSES", "QUIET", "UNCACHED", "UsageStats", "counter", "reset_stats", "stats"]
+__all__ = ["MISSES", "MODEL_OWN", "QUIET", "UNCACHED", "UsageStats", "count_model_own", "counter",
+           "reset_stats", "stats"]
 
 import itertools
 from collections.abc import Mapping
@@ -29,6 +30,18 @@ def counter(family: str, row: str, origin: str) -> itertools.count[int]:
     if c is None:
         c = process.counters.setdefault(key, itertools.count())
     return c
+
+
+#: The row and origin under which a call astrai handed back to a model's own code is
+#: counted (``count_model_own``): ``stats().served(family, origin=MODEL_OWN)``.
+MODEL_OWN = "model"
+
+
+def count_model_own(family: str) -> None:
+    """Count one call of ``family`` that a routed model ran with its own code (no row
+    served it): row ``model``, origin ``model``. It made no decision-cache lookup."""
+    next(counter(family, MODEL_OWN, MODEL_OWN))
+    next(UNCACHED)  # a served count without a lookup: not a hit
 
 
 def _since_reset(c: itertools.count[int], key: object) -> int:

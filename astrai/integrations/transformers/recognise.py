@@ -16,9 +16,13 @@ the facade needs to serve the module (a ``NormForm``, a ``RotarySite``, an
 - **Rotary call sites** (``rotary_sites``): a global function a layer's ``forward``
   calls whose name says it applies a rotary embedding (``apply_...rotary...``,
   ``apply_...rope...``, ``...rotary_pos_emb...``) is called on random ``q``, ``k``, ``cos`` and
-  ``sin`` and must equal the half layout (``x * cos + rotate_half(x) * sin``); a
-  function that computes anything else (pairs, partial rotary, a multimodal variant)
-  is a reason.
+  ``sin`` (on the CPU, whatever the ambient device) and must compute one of the layouts
+  astrai serves (``ROTARY_LAYOUTS``: the half split, the half split over the part of a
+  head ``cos`` covers, or pairs regrouped into halves first); a function that computes
+  anything else (pairs with its own sin/cos convention, a multimodal variant) is a
+  reason. Its parameters are read through any wrapper (``call_signature``):
+  ``functools.wraps`` decorators, bound methods, and HF ``kernels``' function modules,
+  which transformers puts around ``apply_rotary_pos_emb`` when ``kernels`` is installed.
 - **Attention call sites** (``attention_site``): a ``forward`` that looks its attention
   function up in transformers' ``ALL_ATTENTION_FUNCTIONS``, in a model whose masks the
   adapter reads (``attn_implementation`` ``sdpa``, ``eager`` or ``astrai``).
@@ -36,16 +40,20 @@ __all__ = [
     "EAGER_ATTENTION",
     "EPS_NAMES",
     "READABLE_MASKS",
+    "ROTARY_LAYOUTS",
     "AttentionSite",
     "NormForm",
     "RotarySite",
     "attention_site",
+    "call_signature",
+    "deinterleave",
     "is_linear_kind",
     "is_norm_kind",
     "linear_reason",
     "not_linear_reason",
     "own_forward",
     "rms_norm_form",
+    "rotary_in_layout",
     "rotary_sites",
 ]
 
@@ -264,15 +272,69 @@ def _own_forward(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> An
 # -- rotary --------------------------------------------------------------------
 
 
+def call_signature(fn: Any) -> inspect.Signature | None:
+    """The parameters a call of ``fn`` takes, read through the wrappers models put
+    around their functions: ``functools.wraps`` decorators (``__wrapped__``), bound
+    methods, and a module that is called like a function and states its parameters on
+    its ``forward`` (HF ``kernels``' function modules, whose ``__call__`` takes
+    ``(*args, **kwargs)``). ``None`` when no layer of it says more than ``(*args,
+    **kwargs)``."""
+    candidates = [fn]
+    if isinstance(fn, nn.Module):
+        candidates.append(fn.forward)
+    for candidate in candidates:
+        try:
+            signature = inspect.signature(candidate)
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in signature.parameters.values()):
+            return signature
+    return None
+
+
+#: The rotary layouts a call site may compute, each served through
+#: ``ops.apply_rotary_half``:
+#: ``half`` - ``x * cos + rotate_half(x) * sin`` over the whole head_dim;
+#: ``partial`` - the same over the first ``cos.shape[-1]`` features of each head, the
+#: rest passed through (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``); a
+#: function that does this also computes ``half`` when ``cos`` covers head_dim;
+#: ``deinterleaved`` - adjacent pairs ``(2i, 2i+1)`` regrouped into halves first, then
+#: the half layout (DeepSeek's ``apply_rotary_pos_emb_interleave``).
+ROTARY_LAYOUTS = ("half", "partial", "deinterleaved")
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s last dim regrouped from adjacent pairs ``(2i, 2i+1)`` to halves
+    ``(i, i + d/2)``: ``[x0, x2, x4, ..., x1, x3, ...]``."""
+    d = x.shape[-1]
+    return x.reshape(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(x.shape)
+
+
+def rotary_in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, dim: int,
+                     half: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout`` computed through ``half(q, k, cos, sin, dim)`` (the half layout)."""
+    if layout == "deinterleaved":
+        return half(deinterleave(q), deinterleave(k), cos, sin, dim)  # type: ignore[no-any-return]
+    rot = cos.shape[-1]
+    if layout == "partial" and rot < q.shape[-1]:
+        q_rot, k_rot = half(q[..., :rot], k[..., :rot], cos, sin, dim)
+        return (torch.cat((q_rot, q[..., rot:]), dim=-1),
+                torch.cat((k_rot, k[..., rot:]), dim=-1))
+    return half(q, k, cos, sin, dim)  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True)
 class RotarySite:
     """A rotary function a layer's ``forward`` calls by its global name."""
 
     name: str  # the global name the forward reads
     owner: dict[str, Any]  # the globals it is read from
-    function: Any  # what the name holds: the model's own function
+    function: Any  # what the name holds: the model's own function (or its wrapper)
     unsqueeze_dim: int  # the default of its unsqueeze_dim
     signature: inspect.Signature  # the function's, to read the arguments of a call
+    layout: str = "half"  # one of ROTARY_LAYOUTS
 
     @property
     def label(self) -> str:
@@ -282,19 +344,22 @@ class RotarySite:
 
 def _label(fn: Any, name: str) -> str:
     """``module.function`` of ``fn``, found under the global ``name``."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', name)}"
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(qualname, str) or "<locals>" in qualname:
+        qualname = name  # a wrapper class made in a function: the name it is called by
+    return f"{getattr(fn, '__module__', '?')}.{qualname}"
 
 
 def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]:
-    """The rotary functions ``forward`` calls that compute the half layout, and
-    ``(label, reason)`` for those that compute something else."""
+    """The rotary functions ``forward`` calls that compute a layout astrai serves
+    (``ROTARY_LAYOUTS``), and ``(label, reason)`` for those that compute something else."""
     sites: list[RotarySite] = []
     refused: list[tuple[str, str]] = []
     for name, owner in global_names(forward):
         value = owner[name]
         if not _ROTARY_NAME.search(name) or isinstance(value, type) or not callable(value):
             continue
-        site = _half_layout_site(name, owner, value)
+        site = _rotary_site(name, owner, value)
         if isinstance(site, str):
             refused.append((_label(value, name), site))
         else:
@@ -302,11 +367,41 @@ def rotary_sites(forward: Any) -> tuple[list[RotarySite], list[tuple[str, str]]]
     return sites, refused
 
 
-def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
+def _rotary_probe(dim: int, rot: int) -> tuple[torch.Tensor, ...]:
+    """Random ``(q, k, cos, sin)``: q and k ``[2, heads, 5, 8]`` with heads at ``dim``,
+    ``cos`` and ``sin`` ``[2, 5, rot]``, on the CPU in float32 whatever the ambient
+    default device and dtype."""
+    g = torch.Generator().manual_seed(7 + rot)
+    made = [torch.randn(shape, generator=g, device="cpu", dtype=torch.float32)
+            for shape in ((2, 3, 5, 8), (2, 1, 5, 8), (2, 5, rot), (2, 5, rot))]
+    q, k, cos, sin = made
+    if dim != 1:  # heads where unsqueeze_dim puts them
+        q, k = q.movedim(1, dim), k.movedim(1, dim)
+    return q, k, cos, sin
+
+
+def _rotary_gap(fn: Any, layout: str, dim: int, rot: int) -> float | str:
+    """How far ``fn`` is from ``layout`` on a random call with ``cos`` of ``rot``
+    features, or why it could not be compared."""
+    q, k, cos, sin = _rotary_probe(dim, rot)
     try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return "its signature cannot be read"
+        with torch.no_grad():
+            got = fn(q, k, cos, sin)
+    except Exception as exc:
+        return f"called as (q, k, cos, sin) it raised {type(exc).__name__}: {exc}"
+    want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) and t.shape == w.shape
+                    for t, w in zip(got, want, strict=True))):
+        return "it does not return (q, k) rotated"
+    return max(float((a.float() - b.float()).abs().max().item())
+               for a, b in zip(got, want, strict=True))
+
+
+def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
+    signature = call_signature(fn)
+    if signature is None:
+        return "its signature cannot be read, through any wrapper"
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 4:
@@ -319,26 +414,19 @@ def _half_layout_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite |
     dim = dim_param.default if dim_param is not None else 1
     if isinstance(dim, bool) or not isinstance(dim, int):
         return f"its unsqueeze_dim default is {dim!r}"
-    g = torch.Generator().manual_seed(7)
-    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
-    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-    if dim != 1:  # heads where unsqueeze_dim puts them
-        q, k = q.movedim(1, dim), k.movedim(1, dim)
-    try:
-        with torch.no_grad():
-            got = fn(q, k, cos, sin)
-    except Exception as exc:
-        return f"called as (q, k, cos, sin) it raised {type(exc).__name__}: {exc}"
-    want = reference_rotary_half(q, k, cos, sin, dim)
-    if not (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(isinstance(t, torch.Tensor) and t.shape == w.shape
-                    for t, w in zip(got, want, strict=True))):
-        return "it does not return (q, k) rotated"
-    gap = max((a - b).abs().max().item() for a, b in zip(got, want, strict=True))
-    if not gap <= 1e-5:
-        return (f"it does not compute the half-split rotary x * cos + rotate_half(x) * sin "
-                f"(differs by {gap:.2g} on random inputs)")
-    return RotarySite(name, owner, fn, dim, signature)
+    gaps: dict[str, float | str] = {}
+    for layout in ("half", "deinterleaved"):
+        gaps[layout] = gap = _rotary_gap(fn, layout, dim, 8)
+        if isinstance(gap, str):
+            return gap
+        if gap <= 1e-5:
+            if layout == "half":  # does it also rotate part of a head, as cos says?
+                partial = _rotary_gap(fn, "partial", dim, 4)
+                if isinstance(partial, float) and partial <= 1e-5:
+                    layout = "partial"
+            return RotarySite(name, owner, fn, dim, signature, layout)
+    return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
+            f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
 
 
 # -- attention -----------------------------------------------------------------

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.stats import stats
+from astrai.dispatch.stats import MODEL_OWN, count_model_own, stats
 from astrai.integrations.transformers.attention import astrai_attention_forward
 from astrai.integrations.transformers.rebind import rebind
 from astrai.integrations.transformers.recognise import (
@@ -67,6 +67,7 @@ from astrai.integrations.transformers.recognise import (
     not_linear_reason,
     own_forward,
     rms_norm_form,
+    rotary_in_layout,
     rotary_sites,
 )
 from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
@@ -183,14 +184,17 @@ def _stand_in(real: Any, make: Callable[[], Any]) -> Any:
 
 
 def _rotary_router(site: RotarySite) -> Callable[..., Any]:
-    """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``,
-    or the function itself (warning once) for a call the half layout cannot express."""
+    """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``
+    in the site's layout, or the function itself (warning once, counted under the origin
+    ``model``) for a call the layout cannot express."""
     original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
+    layout = site.layout
 
     def own(q: Any, k: Any, cos: Any, sin: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any], why: str) -> Any:
         warn_once(f"astrai: a rotary call to {site.label} runs the model's own function: "
                   f"{why}")
+        count_model_own("rotary")
         return original(q, k, cos, sin, *args, **kwargs)
 
     def routed_rotary(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
@@ -202,13 +206,18 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
             if any(v is not None and v is not signature.parameters[n].default
                    for n, v in extra.items()):
                 return own(q, k, cos, sin, args, kwargs,
-                           f"it was called with {', '.join(extra)}, which the half layout "
-                           f"does not take")
-        if (isinstance(cos, torch.Tensor) and isinstance(q, torch.Tensor)
-                and cos.shape[-1] != q.shape[-1]):
-            return own(q, k, cos, sin, args, kwargs,
-                       f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]} (partial rotary)")
-        return apply_rotary_half(q, k, cos, sin, dim)
+                           f"it was called with {', '.join(extra)}, which its layout "
+                           f"({layout}) does not take")
+        if layout == "half":
+            if (isinstance(cos, torch.Tensor) and isinstance(q, torch.Tensor)
+                    and cos.shape[-1] != q.shape[-1]):
+                return own(q, k, cos, sin, args, kwargs,
+                           f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and the "
+                           f"function was not seen to rotate part of a head")
+            return apply_rotary_half(q, k, cos, sin, dim)
+        if not (isinstance(q, torch.Tensor) and isinstance(cos, torch.Tensor)):
+            return own(q, k, cos, sin, args, kwargs, "q or cos is not a tensor")
+        return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half)
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
     return routed_rotary
@@ -440,19 +449,59 @@ def restore_model(model: nn.Module) -> int:
     return restored
 
 
+def _served_now(families: Iterable[str]) -> dict[str, int]:
+    """Calls of each of ``families`` served by a row so far (the model's own code not
+    counted)."""
+    calls = stats().calls
+    out = dict.fromkeys(families, 0)
+    for (family, _row, origin), n in calls.items():
+        if family in out and origin != MODEL_OWN:
+            out[family] += n
+    return out
+
+
 def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     """Run ``model(*args, **kwargs)`` without autograd and count the calls each routed
-    family served; ``RoutingError`` when a family routed in the model served none (a
-    routing that did not take effect)."""
-    routed = {family for _, _, route in _live_routes(model) for family in route.families}
-    before = stats()
-    with torch.no_grad():
-        model(*args, **kwargs)
-    after = stats()
-    served = {family: after.served(family) - before.served(family) for family in FAMILIES
-              if family in routed}
-    idle = sorted(f for f, n in served.items() if n <= 0)
+    family served; ``RoutingError`` naming every routed module (for attention and rotary:
+    every call site) that served no call through a row - a routing that did not take
+    effect, or whose every call ran the model's own code."""
+    routes = list(_live_routes(model))
+    tally: dict[tuple[int, str], int] = {}
+    taken: dict[int, list[dict[str, int]]] = {}
+    handles = []
+    for _path, module, route in routes:
+        families = tuple(route.families)
+
+        def before(m: nn.Module, _args: Any, families: tuple[str, ...] = families) -> None:
+            taken.setdefault(id(m), []).append(_served_now(families))
+
+        def after(m: nn.Module, _args: Any, _out: Any,
+                  families: tuple[str, ...] = families) -> None:
+            then = taken[id(m)].pop()
+            for family, n in _served_now(families).items():
+                key = (id(m), family)
+                tally[key] = tally.get(key, 0) + n - then[family]
+
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    served: dict[str, int] = {}
+    idle: list[str] = []
+    for path, module, route in routes:
+        for family in FAMILIES:
+            if family not in route.families:
+                continue
+            n = tally.get((id(module), family), 0)
+            served[family] = served.get(family, 0) + n
+            if n <= 0:
+                idle.append(f"{family} ({path or '(the model)'} {type(module).__name__})")
     if idle:
-        raise RoutingError(f"routed but served no call: {', '.join(idle)} (the model does not "
-                           f"reach the routed modules, or its code changed under them)")
+        raise RoutingError(f"routed but served no call: {'; '.join(idle)} (the model does "
+                           f"not reach these modules, their code changed under them, or "
+                           f"every call ran the model's own code)")
     return served
