@@ -251,11 +251,11 @@ class TestAstraiAttentionForward:
     @pytest.mark.parametrize(
         ("kwargs", "feature"),
         [
-            ({"position_bias": torch.zeros(1, 4, 6, 6)}, "position bias"),
             ({"s_aux": torch.zeros(3)}, r"attention sinks other than one logit per head \(\[4\]\)"),
             ({"sinks": torch.zeros(1, 4, 6, 1)}, "attention sinks other than one logit per head"),
             ({"sliding_window": 2, "is_causal": False}, "sliding window on a non-causal layer"),
-            ({"position_bias": torch.zeros(1), "output_attentions": True}, "position bias"),
+            ({"position_bias": torch.zeros(1), "output_attentions": True},
+             "position bias that is not a 4-d float tensor"),
         ],
     )
     def test_error_unsupported_feature(self, kwargs: dict[str, object], feature: str) -> None:
@@ -266,6 +266,34 @@ class TestAstraiAttentionForward:
         assert isinstance(info.value, NotImplementedError)
         assert "attn_implementation='astrai' does not support" in str(info.value)
         assert dispatch.stats().served("attention") == 0
+
+    @pytest.mark.parametrize("mask", ["none", "bool", "float"])
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_position_bias_is_an_additive_mask(self, mask: str, causal: bool) -> None:
+        """T5's relative position bias: added to the scores where the call may attend, as
+        transformers' eager attention adds it (with its mask, or causal without one)."""
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(2, 4, 6, 16, generator=g) for _ in range(3))
+        bias = torch.randn(1, 4, 6, 6, generator=g)
+        allowed = torch.ones(6, 6, dtype=torch.bool).tril() if causal else torch.ones(
+            6, 6, dtype=torch.bool)
+        allowed = allowed.expand(2, 1, 6, 6).clone()
+        allowed[0, :, :, 1] = False  # a padded key in the first sequence
+        given: torch.Tensor | None = {
+            "none": None, "bool": allowed,
+            "float": torch.zeros(2, 1, 6, 6).masked_fill(~allowed, -1e9)}[mask]
+        if mask == "none":
+            allowed = torch.ones(6, 6, dtype=torch.bool).tril() if causal else torch.ones(
+                6, 6, dtype=torch.bool)
+        scores = q @ k.transpose(-1, -2) + bias
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        want = (scores.softmax(-1) @ v).transpose(1, 2)
+        dispatch.reset_stats()
+        out, weights = hf.astrai_attention_forward(None, q, k, v, given, scaling=1.0,
+                                                   is_causal=causal, position_bias=bias)
+        assert weights is None
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert dispatch.stats().served("attention") == 1
 
     def test_error_block_mask(self) -> None:
         """A mask that is not a tensor (flex_attention's BlockMask) is refused."""
@@ -851,7 +879,7 @@ class TestRunTransformersDemo:
         family, the decision of its most frequent call."""
         report = hf.run_transformers_demo()
         assert "then dispatch_model(model)" in report
-        assert "not routed: nothing" in report
+        assert "not routed:\n    embedding  model.embed_tokens (Embedding)" in report
         gap = re.search(r"max \|dispatched - plain\| = (\S+)", report)
         assert gap is not None and float(gap.group(1)) <= 1e-5  # float32 rounding at most
         assert "the plain model's: the same" in report

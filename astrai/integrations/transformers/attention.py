@@ -54,8 +54,12 @@ resolution: the chain skips rows that do not declare ``return_weights``, an
 ``op_backend`` scope forcing one is an ``ExplicitSelectionError``, an ``ASTR_OPS``
 entry naming one warns once and falls through - as for every feature.
 
+An additive position bias (T5's ``position_bias``) becomes part of a float mask: the
+bias where the call may attend, the lowest value elsewhere (transformers' sdpa path
+does the same), and the call is served like any masked one.
+
 What the facade cannot express is refused with ``UnsupportedFeatureError`` - never
-computed differently: position biases, ``BlockMask`` masks, sinks that are not one
+computed differently: ``BlockMask`` masks, sinks that are not one
 logit per head, and a sliding window on a non-causal layer without a mask.
 """
 
@@ -91,9 +95,7 @@ _INSTALL_HINT = (
 )
 
 # Keyword arguments some architectures pass that the facade cannot honour, with why.
-_REFUSED_KWARGS: dict[str, str] = {
-    "position_bias": "an additive position bias (e.g. T5 / ALiBi style)",
-}
+_REFUSED_KWARGS: dict[str, str] = {}
 
 
 def _plain(kwargs: dict[str, Any]) -> bool:
@@ -170,6 +172,79 @@ def _facade_arguments(
         causal,
         layer_causal,
     )
+
+
+def _collector() -> Any:
+    """transformers' collector of layer outputs (>= 5: ``output_attentions`` from the
+    call or the config is served by hooks on the attention layers, which record what
+    the layer returns), or ``None`` where transformers has none."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    return getattr(output_capturing, "_active_collector", None)
+
+
+#: transformers' collector, read once by ``watch_collector`` (``register`` and
+#: ``dispatch_model`` call it): then an eager layer's attention weights are returned
+#: whenever the collector asks for them.
+_COLLECTOR: Any = None
+
+
+def watch_collector() -> None:
+    """Look transformers' output collector up (once; transformers is imported by now)."""
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        _COLLECTOR = _collector()
+
+
+def _weights_collected(module: torch.nn.Module | None) -> bool:
+    """Whether transformers is collecting this eager-attention layer's weights now: the
+    layer would return them unrouted, so the adapter must too."""
+    collected = _COLLECTOR.get()
+    if not isinstance(collected, dict) or not (
+            "attentions" in collected or "cross_attentions" in collected):
+        return False
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) == "eager"
+
+
+def _with_position_bias(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    is_causal: bool | None,
+    bias: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key, value, mask)`` for a call with an additive position bias (T5's relative
+    bias, ``[batch or 1, heads, q_len, kv_len]``): one float mask that adds the bias
+    where the call may attend and the lowest value elsewhere, as transformers' sdpa
+    path builds it; the call is then not causal (the mask says it all)."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.dim() != 4:
+        raise _refuse("a position bias that is not a 4-d float tensor", _summary(bias))
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        _check_supported(attention_mask, {})
+    q_len, kv_len = query.shape[2], key.shape[2]
+    layer_causal = bool(is_causal if is_causal is not None
+                        else getattr(module, "is_causal", True))
+    causal = layer_causal and attention_mask is None and q_len > 1
+    if causal and kv_len > q_len:  # prefill into an empty static cache: its slots cut off
+        key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    bias = bias[..., :kv_len]
+    if attention_mask is not None and attention_mask.shape[-1] > kv_len:
+        attention_mask = attention_mask[..., :kv_len]
+    low = max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min)
+    if attention_mask is None:
+        if not causal:
+            return key, value, bias
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=bias.device).tril(
+            kv_len - q_len)
+        return key, value, bias.masked_fill(~allowed, low)
+    if attention_mask.dtype == torch.bool:
+        return key, value, bias.masked_fill(~attention_mask, low)
+    return key, value, bias + attention_mask
 
 
 def _sinks(value: Any, heads: int) -> torch.Tensor:
@@ -270,6 +345,13 @@ def astrai_attention_forward(
     express raises ``UnsupportedFeatureError``.
     """
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
+    if _COLLECTOR and not kwargs.get("output_attentions") and _weights_collected(module):
+        kwargs["output_attentions"] = True
+    bias = kwargs.pop("position_bias", None)
+    if bias is not None:
+        key, value, attention_mask = _with_position_bias(
+            module, query, key, value, attention_mask, is_causal, bias)
+        is_causal = False
     if (not dropout and (not kwargs or _plain(kwargs))
             and (scaling is None or _math.isclose(scaling, query.shape[-1] ** -0.5,
                                                   rel_tol=1e-6))
@@ -354,6 +436,7 @@ def register() -> None:
     registered by importing this module.
     """
     attention_interface, mask_interface, sdpa_mask = _interfaces()
+    watch_collector()
     attention_interface.register(ATTN_IMPLEMENTATION, astrai_attention_forward)
     if mask_interface is not None and sdpa_mask is not None:
         mask_interface.register(ATTN_IMPLEMENTATION, sdpa_mask)

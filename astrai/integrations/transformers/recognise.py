@@ -26,8 +26,11 @@ the facade needs to serve the module (a ``NormForm``, a ``RotarySite``, an
 - **Attention call sites** (``attention_site``): a ``forward`` that looks its attention
   function up in transformers' ``ALL_ATTENTION_FUNCTIONS``, in a model whose masks the
   adapter reads (``attn_implementation`` ``sdpa``, ``eager`` or ``astrai``).
-- **Linear layers** (``linear_reason``): ``torch.nn.Linear`` and subclasses that keep its
-  ``forward``, with a floating-point weight.
+- **Linear layers** (``linear_form``): ``torch.nn.Linear`` and subclasses that keep its
+  ``forward``, and any other module holding a 2-d weight (and a bias) whose own
+  ``forward``, run on random weights, computes ``x @ W.T + b`` (Falcon's
+  ``FalconLinear``) or ``x @ W + b`` with the weight stored ``[in, out]`` (GPT-2's
+  ``Conv1D``, served with a transposed view of the weight, never a copy).
 
 A module whose instance ``forward`` was already replaced by someone else (accelerate's
 offloading hooks do this) is never routed: its replacement stays in charge.
@@ -42,6 +45,7 @@ __all__ = [
     "READABLE_MASKS",
     "ROTARY_LAYOUTS",
     "AttentionSite",
+    "LinearForm",
     "NormForm",
     "RotarySite",
     "attention_site",
@@ -49,8 +53,7 @@ __all__ = [
     "deinterleave",
     "is_linear_kind",
     "is_norm_kind",
-    "linear_reason",
-    "not_linear_reason",
+    "linear_form",
     "own_forward",
     "rms_norm_form",
     "rotary_in_layout",
@@ -68,7 +71,7 @@ import torch
 from torch import nn
 
 from astrai.backends.rms_norm import reference_rms_norm
-from astrai.backends.rotary import reference_rotary_half
+from astrai.backends.rotary import reference_rotary, reference_rotary_half
 from astrai.integrations.transformers.rebind import global_names
 
 #: The epsilon attributes RMS norms carry, in the order they are tried.
@@ -154,9 +157,8 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
     extra += [n for n, b in module.named_buffers(recurse=True) if b is not None]
     if extra:
         return f"it holds more than a weight ({', '.join(extra)}), which astrai would ignore"
-    if weight.is_meta or not weight.is_floating_point():
-        return f"its weight is {'on the meta device' if weight.is_meta else weight.dtype}, " \
-               "so what it computes cannot be checked"
+    if not weight.is_floating_point():
+        return f"its weight is {weight.dtype}, so what it computes cannot be checked"
     if isinstance(module, nn.RMSNorm) and tuple(module.normalized_shape) != tuple(weight.shape):
         return f"it normalises over {tuple(module.normalized_shape)}, more than the last dim"
     eps_names = [n for n in EPS_NAMES if _eps_value(module, n) is not _NO_EPS]
@@ -198,7 +200,7 @@ def _eps_value(module: nn.Module, name: str) -> Any:
 def _probe_inputs(hidden: int, eps: float, dtype: torch.dtype, device: torch.device
                   ) -> torch.Tensor:
     g = torch.Generator().manual_seed(hidden)
-    x = torch.randn(4, hidden, generator=g)
+    x = torch.randn(4, hidden, generator=g, device="cpu")
     x[0] *= math.sqrt(eps) if eps > 0 else 1e-3  # a row whose mean square is about eps
     return x.to(device=device, dtype=dtype)
 
@@ -216,9 +218,9 @@ def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool) -> list[_Pro
     with), a random weight in its copy."""
     weight = module._parameters["weight"]
     assert weight is not None
-    device, hidden = weight.device, weight.shape[0]
+    device, hidden = torch.device("cpu"), weight.shape[0]  # a meta weight is probed too
     g = torch.Generator().manual_seed(hidden + 1)
-    random_weight = torch.randn(hidden, generator=g).to(device)
+    random_weight = torch.randn(hidden, generator=g, device=device)
     probes: list[_Probe] = []
     for x_dtype, w_dtype in _PROBE_DTYPES:
         eps = torch.finfo(x_dtype).eps if eps_from_dtype else float(getattr(module, eps_attr))
@@ -293,15 +295,18 @@ def call_signature(fn: Any) -> inspect.Signature | None:
     return None
 
 
-#: The rotary layouts a call site may compute, each served through
-#: ``ops.apply_rotary_half``:
+#: The rotary layouts a call site may compute, each served through astrai's rotary
+#: facades (``half`` for ``ops.apply_rotary_half``, ``pairs`` for ``ops.apply_rotary``):
 #: ``half`` - ``x * cos + rotate_half(x) * sin`` over the whole head_dim;
 #: ``partial`` - the same over the first ``cos.shape[-1]`` features of each head, the
 #: rest passed through (GPT-NeoX's ``rotary_pct``, ``partial_rotary_factor``); a
 #: function that does this also computes ``half`` when ``cos`` covers head_dim;
-#: ``deinterleaved`` - adjacent pairs ``(2i, 2i+1)`` regrouped into halves first, then
-#: the half layout (DeepSeek's ``apply_rotary_pos_emb_interleave``).
-ROTARY_LAYOUTS = ("half", "partial", "deinterleaved")
+#: ``interleaved`` - adjacent pairs ``(2i, 2i+1)`` turned by the angle in ``cos[i]`` /
+#: ``sin[i]`` (the first half of transformers' ``cat(freqs, freqs)``), over the first
+#: ``cos.shape[-1]`` features, the rest passed through (GLM, GLM-4);
+#: ``deinterleaved`` - adjacent pairs regrouped into halves, then turned by the angles
+#: of the first half of ``cos`` (DeepSeek's ``apply_rotary_pos_emb_interleave``).
+ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved")
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -311,13 +316,29 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], d // 2, 2).transpose(-1, -2).reshape(x.shape)
 
 
+def _first_half(t: torch.Tensor) -> torch.Tensor:
+    return t[..., : t.shape[-1] // 2]
+
+
 def rotary_in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, dim: int,
-                     half: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layout`` computed through ``half(q, k, cos, sin, dim)`` (the half layout)."""
+                     sin: torch.Tensor, dim: int, half: Any,
+                     pairs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layout`` computed through ``half(q, k, cos, sin, dim)`` (the half layout) or
+    ``pairs(x, freqs_cis)`` (adjacent pairs, ``x`` ``[batch, seq, heads, head_dim]``)."""
     if layout == "deinterleaved":
-        return half(deinterleave(q), deinterleave(k), cos, sin, dim)  # type: ignore[no-any-return]
+        c, s = _first_half(cos), _first_half(sin)
+        return half(deinterleave(q), deinterleave(k),  # type: ignore[no-any-return]
+                    torch.cat((c, c), -1), torch.cat((s, s), -1), dim)
     rot = cos.shape[-1]
+    if layout == "interleaved":
+        freqs = torch.stack((_first_half(cos), _first_half(sin)), -1)
+        heads = dim % q.dim()
+        outs = []
+        for x in (q, k):
+            turned = pairs(x[..., :rot].movedim(heads, -2), freqs).movedim(-2, heads)
+            outs.append(torch.cat((turned, x[..., rot:]), -1) if rot < x.shape[-1]
+                        else turned)
+        return outs[0], outs[1]
     if layout == "partial" and rot < q.shape[-1]:
         q_rot, k_rot = half(q[..., :rot], k[..., :rot], cos, sin, dim)
         return (torch.cat((q_rot, q[..., rot:]), dim=-1),
@@ -389,7 +410,8 @@ def _rotary_gap(fn: Any, layout: str, dim: int, rot: int) -> float | str:
             got = fn(q, k, cos, sin)
     except Exception as exc:
         return f"called as (q, k, cos, sin) it raised {type(exc).__name__}: {exc}"
-    want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half)
+    want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half,
+                            reference_rotary)
     if not (isinstance(got, (tuple, list)) and len(got) == 2
             and all(isinstance(t, torch.Tensor) and t.shape == w.shape
                     for t, w in zip(got, want, strict=True))):
@@ -415,7 +437,7 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
     if isinstance(dim, bool) or not isinstance(dim, int):
         return f"its unsqueeze_dim default is {dim!r}"
     gaps: dict[str, float | str] = {}
-    for layout in ("half", "deinterleaved"):
+    for layout in ("half", "interleaved", "deinterleaved"):
         gaps[layout] = gap = _rotary_gap(fn, layout, dim, 8)
         if isinstance(gap, str):
             return gap
@@ -424,6 +446,10 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
                 partial = _rotary_gap(fn, "partial", dim, 4)
                 if isinstance(partial, float) and partial <= 1e-5:
                     layout = "partial"
+            if layout == "interleaved":  # part of a head, as cos says?
+                partial = _rotary_gap(fn, "interleaved", dim, 4)
+                if not (isinstance(partial, float) and partial <= 1e-5):
+                    continue  # pairs over the whole head only: not a layout astrai has
             return RotarySite(name, owner, fn, dim, signature, layout)
     return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
             f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
@@ -460,34 +486,92 @@ def attention_site(forward: Any, implementation: Any) -> AttentionSite | str | N
 # -- linear --------------------------------------------------------------------
 
 
-def linear_reason(module: nn.Module) -> str | None:
-    """Why ``module`` (an ``nn.Linear``) cannot be routed, or ``None`` when it can."""
-    if type(module).forward is not nn.Linear.forward:
-        return (f"{type(module).__qualname__} overrides nn.Linear.forward (a quantized or "
-                f"adapted layer?), so astrai cannot tell what it computes")
+@dataclass(frozen=True)
+class LinearForm:
+    """How to serve one linear-like module through ``astrai.ops.linear``."""
+
+    transposed: bool  # the weight is stored [in, out] (GPT-2's Conv1D): passed as W.T
+
+    def describe(self) -> str:
+        """The form in words, for the report."""
+        return ("x @ W + b, weight stored [in, out] (passed as a transposed view)"
+                if self.transposed else "")
+
+
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def is_linear_kind(module: nn.Module) -> bool:
+    """Whether ``module`` may compute a linear layer: an ``nn.Linear``, or any module
+    (no embedding, no norm) that holds a 2-d floating-point ``weight`` of its own."""
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, _EMBEDDINGS) or is_norm_kind(module):
+        return False
+    weight = module._parameters.get("weight")
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def linear_form(module: nn.Module) -> LinearForm | str:
+    """``module``'s ``LinearForm`` (``x @ W.T + b`` as ``nn.Linear``, or ``x @ W + b`` with
+    the weight stored ``[in, out]``), or why it cannot be served by ``ops.linear``.
+
+    ``nn.Linear`` and subclasses that keep its ``forward`` are linear by definition; any
+    other module holding a 2-d weight (and at most a bias) is run - its class's own
+    ``forward``, on a copy holding random weights on the CPU - and compared with both
+    forms."""
     weight = module._parameters.get("weight")
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         what = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         return f"its weight is {what}, not floating point"
-    return None
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return LinearForm(False)
+    extra = [n for n, p in module.named_parameters(recurse=True) if n not in ("weight", "bias")]
+    extra += [n for n, b in module.named_buffers(recurse=True) if b is not None]
+    bias = module._parameters.get("bias")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1):
+        extra.append("bias")
+    who = (f"{type(module).__qualname__} overrides nn.Linear.forward and"
+           if isinstance(module, nn.Linear) else type(module).__qualname__)
+    if extra:
+        return (f"{who} holds more than a weight and a bias ({', '.join(extra)}), so "
+                f"astrai cannot tell what it computes")
+    failures: list[str] = []
+    for transposed in (False, True):
+        got = _linear_gap(module, transposed)
+        if isinstance(got, float) and got <= 1e-5:
+            return LinearForm(transposed)
+        failures.append(got if isinstance(got, str) else f"differs by {got:.2g}")
+    return (f"{who} computes neither x @ W.T + b nor x @ W + b "
+            f"({'; '.join(dict.fromkeys(failures))}): a quantized, adapted or routing "
+            f"layer?")
 
 
-def is_linear_kind(module: nn.Module) -> bool:
-    """Whether the report must account for ``module`` as a linear layer: an
-    ``nn.Linear``, or a class named ``...Linear...`` or ``Conv1D`` (GPT-2's transposed
-    linear) that holds a 2-d weight of its own."""
-    if isinstance(module, nn.Linear):
-        return True
-    name = type(module).__name__
-    weight = module._parameters.get("weight")
-    return ("linear" in name.lower() or name == "Conv1D") and isinstance(
-        weight, torch.Tensor) and weight.dim() == 2
-
-
-def not_linear_reason(module: nn.Module) -> str:
-    """Why a linear-kind module that is no ``nn.Linear`` is not routed."""
-    if type(module).__name__ == "Conv1D":
-        return ("transformers' Conv1D multiplies by a weight of [in, out]; the linear "
-                "family takes nn.Linear's [out, in]")
-    return f"{type(module).__qualname__} is not a torch.nn.Linear"
-
+def _linear_gap(module: nn.Module, transposed: bool) -> float | str:
+    """How far ``module``'s forward is from the form on a random call, or why it could
+    not be compared."""
+    weight = module._parameters["weight"]
+    assert weight is not None
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(tuple(weight.shape), generator=g, device="cpu", dtype=torch.float32)
+    bias = module._parameters.get("bias")
+    b = None if bias is None else torch.randn(tuple(bias.shape), generator=g, device="cpu",
+                                               dtype=torch.float32)
+    features = w.shape[0] if transposed else w.shape[1]
+    x = torch.randn(2, 3, features, generator=g, device="cpu", dtype=torch.float32)
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        probe._parameters["bias"] = nn.Parameter(b, requires_grad=False)  # type: ignore[arg-type]
+    probe._forward_hooks, probe._forward_pre_hooks = type(probe._forward_hooks)(), type(
+        probe._forward_pre_hooks)()
+    try:
+        with torch.no_grad():
+            got = type(module).forward(probe, x)
+    except Exception as exc:
+        return f"called on [..., {features}] it raised {type(exc).__name__}"
+    want = torch.nn.functional.linear(x, w.t() if transposed else w, b)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return "it does not return one tensor of the linear's shape"
+    return float((got - want).abs().max().item()) / (1.0 + float(want.abs().max().item()))

@@ -43,6 +43,13 @@ class DispatchReport:
     not_routed: tuple[NotRouted, ...]
     changed: int
     families: frozenset[str]
+    #: ``(reaching astrai, in all)``: the model's parameters (each tensor once), and the
+    #: multiply-adds x 2 per token of its weight matmuls (linear layers; an expert stack
+    #: counts the share of experts a token runs; attention's own products aside).
+    parameters: tuple[int, int] = (0, 0)
+    matmul_flops: tuple[int, int] = (0, 0)
+    #: What else the report must say about the model as a whole (hub kernels asked for).
+    notes: tuple[str, ...] = ()
 
     def counts(self) -> dict[str, int]:
         """Modules (call sites) routed, per family, every family asked for included."""
@@ -61,7 +68,17 @@ class DispatchReport:
             "counts": self.counts(),
             "routed": [vars(r) for r in self.routed],
             "not_routed": [vars(n) for n in self.not_routed],
+            "parameters": list(self.parameters),
+            "matmul_flops": list(self.matmul_flops),
+            "notes": list(self.notes),
         }
+
+    def shares(self) -> dict[str, float]:
+        """The share (0..1) of the model's parameters and weight-matmul FLOPs per token
+        that reach astrai (1.0 for a model with none)."""
+        return {name: (got / total if total else 1.0)
+                for name, (got, total) in (("parameters", self.parameters),
+                                           ("matmul_flops", self.matmul_flops))}
 
     def __str__(self) -> str:
         lines = [f"astrai dispatch_model: {self.model} "
@@ -73,6 +90,10 @@ class DispatchReport:
             lines.append(f"  {family:<10} {n:>4} {what} routed")
             lines += [f"      {count} x {kind}" + (f": {detail}" if detail else "")
                       for (kind, detail), count in sorted(kinds.items())]
+        lines += [f"  note: {note}" for note in self.notes]
+        share = self.shares()
+        lines.append(f"  reaching astrai: {share['matmul_flops']:.1%} of the weight matmul "
+                     f"FLOPs per token, {share['parameters']:.1%} of the parameters")
         if self.not_routed:
             lines.append("  not routed:")
             lines += [f"    {n.family:<10} {n.path} ({n.kind}): {n.reason}"

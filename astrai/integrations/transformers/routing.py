@@ -52,26 +52,27 @@ from torch import nn
 
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import MODEL_OWN, count_model_own, stats
-from astrai.integrations.transformers.attention import astrai_attention_forward
+from astrai.integrations.transformers.attention import astrai_attention_forward, watch_collector
+from astrai.integrations.transformers.coverage import shares, unaccounted
 from astrai.integrations.transformers.rebind import rebind
 from astrai.integrations.transformers.recognise import (
     ATTENTION_INTERFACE,
     EAGER_ATTENTION,
     AttentionSite,
+    LinearForm,
     NormForm,
     RotarySite,
     attention_site,
     is_linear_kind,
     is_norm_kind,
-    linear_reason,
-    not_linear_reason,
+    linear_form,
     own_forward,
     rms_norm_form,
     rotary_in_layout,
     rotary_sites,
 )
 from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
-from astrai.ops import apply_rotary_half, linear
+from astrai.ops import apply_rotary, apply_rotary_half, linear
 from astrai.ops import rms_norm_form as rms_norm_call
 
 #: The families ``dispatch_model`` routes, in the order it reports them.
@@ -93,6 +94,7 @@ class Route:
     # forward someone else set is never routed, so restoring is removing this one).
     installed: Any = None
     norm: NormForm | None = None
+    linear: LinearForm | None = None
     rotary: tuple[RotarySite, ...] = ()
     attention: AttentionSite | None = None
     forward: Callable[..., Any] | None = None  # an attention layer's rebuilt forward
@@ -101,7 +103,7 @@ class Route:
         # The installed forward is bound to the module: copy it (the module's copy binds
         # it to itself); the rest is code, shared.
         return Route(self.families, copy.deepcopy(self.installed, memo), self.norm,
-                     self.rotary, self.attention, self.forward)
+                     self.linear, self.rotary, self.attention, self.forward)
 
     def __reduce__(self) -> Any:
         raise TypeError("a module routed by astrai's dispatch_model cannot be pickled: call "
@@ -135,9 +137,21 @@ def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` through ``ops.linear``."""
     params = self._parameters
     try:
-        return linear(input, params["weight"], params["bias"])  # type: ignore[arg-type]
+        return linear(input, params["weight"], params.get("bias"))  # type: ignore[arg-type]
     except KeyError:  # parametrized since: its weight is a property
-        return linear(input, self.weight, self.bias)  # type: ignore[arg-type]
+        return linear(input, self.weight, getattr(self, "bias", None))  # type: ignore[arg-type]
+
+
+def _transposed_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``x @ W + b`` (the weight stored ``[in, out]``, GPT-2's ``Conv1D``) through
+    ``ops.linear``, with a transposed view of the weight."""
+    params = self._parameters
+    weight: Any
+    try:
+        weight = params["weight"]
+    except KeyError:  # parametrized since: its weight is a property
+        weight = self.weight
+    return linear(input, weight.t(), params.get("bias"))
 
 
 def _layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -217,7 +231,7 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
             return apply_rotary_half(q, k, cos, sin, dim)
         if not (isinstance(q, torch.Tensor) and isinstance(cos, torch.Tensor)):
             return own(q, k, cos, sin, args, kwargs, "q or cos is not a tensor")
-        return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half)
+        return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half, apply_rotary)
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
     return routed_rotary
@@ -291,6 +305,12 @@ class _Dispatch:
 
     def _foreign(self, family: str, path: str, module: nn.Module, route: Route | None) -> bool:
         """Whether someone else set this module's forward (then it is refused)."""
+        if route is None and "_kernel_repo" in module.__dict__:
+            self.refuse(family, path, module,
+                        f"transformers' use_kernels=True put a hub kernel "
+                        f"({module.__dict__['_kernel_repo']!r}) in its forward; astrai leaves "
+                        f"that kernel in charge")
+            return True
         if route is None and own_forward(module) is not None:
             self.refuse(family, path, module,
                         f"its forward is already replaced on the instance "
@@ -302,16 +322,14 @@ class _Dispatch:
     def linear(self, path: str, module: nn.Module, route: Route | None) -> None:
         if "linear" not in self.wanted or route is not None:
             return
-        if not isinstance(module, nn.Linear):
-            self.refuse("linear", path, module, not_linear_reason(module))
-            return
         if self._foreign("linear", path, module, route):
             return
-        reason = linear_reason(module)
-        if reason is not None:
-            self.refuse("linear", path, module, reason)
+        form = linear_form(module)
+        if isinstance(form, str):
+            self.refuse("linear", path, module, form)
             return
-        _install(module, _linear_forward, Route(frozenset({"linear"})))
+        forward = _transposed_linear_forward if form.transposed else _linear_forward
+        _install(module, forward, Route(frozenset({"linear"}), linear=form))
         self.changed += 1
 
     def norm(self, path: str, module: nn.Module, route: Route | None) -> None:
@@ -339,12 +357,18 @@ class _Dispatch:
                 self.refuse("attention", path, module, found)
             else:
                 attention = found
+                watch_collector()
             if found is None and "attention" in type(module).__name__.lower():
                 self.attention_named.append(path)
         if "rotary" in wanted:
             sites, refused = rotary_sites(forward)
             for label, reason in refused:
                 self.refuse("rotary", path, module, f"{label}: {reason}")
+            if sites and module.__dict__.get("use_rope", True) in (False, 0):
+                self.refuse("rotary", path, module, "the layer applies no rotary (its "
+                            "use_rope is off: a NoPE layer), so its rotary functions "
+                            "are not routed")
+                sites = []
         families = frozenset({"attention"} if attention is not None else set()) | (
             frozenset({"rotary"}) if sites else frozenset())
         if route is not None:  # routed before: add what it did not route then
@@ -397,6 +421,8 @@ class _Dispatch:
                     continue
                 if family == "rms_norm" and route.norm is not None:
                     detail = route.norm.describe()
+                elif family == "linear" and route.linear is not None:
+                    detail = route.linear.describe()
                 elif family == "rotary":
                     detail = ", ".join(s.label for s in route.rotary)
                 elif family == "attention":
@@ -413,8 +439,20 @@ class _Dispatch:
                                          type(module).__name__,
                                          "its forward does not go through transformers' "
                                          "attention interface (it computes attention itself)"))
+        seen = {r.path for r in routed} | {n.path for n in refused}
+        refused += unaccounted(self.model, seen)
+        params, flops = shares(self.model, {r.path for r in routed
+                                            if r.family in ("linear", "rms_norm")})
+        notes: list[str] = []
+        if getattr(self.model, "use_kernels", False) is True:
+            hub = sum("_kernel_repo" in m.__dict__ for m in self.model.modules())
+            notes.append(
+                f"the model was built with use_kernels=True: {hub} module(s) run a hub "
+                f"kernel in their forward and are left to it (listed below); the rotary "
+                f"call sites astrai routes are served by astrai's tables, not by the hub "
+                f"functions transformers attached to the layers")
         return DispatchReport(type(self.model).__name__, tuple(routed), tuple(refused),
-                              self.changed, self.wanted)
+                              self.changed, self.wanted, params, flops, tuple(notes))
 
 
 def dispatch_model(model: nn.Module, families: Iterable[str] | None = None) -> DispatchReport:
@@ -425,8 +463,11 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None) -> D
         raise TypeError(f"dispatch_model takes a torch.nn.Module, got {type(model).__name__}")
     wanted = _families(families)
     run = _Dispatch(model, wanted)
-    for path, module in model.named_modules():
-        run.module(path, module)
+    # Recognition runs each module's own code on small random CPU tensors: whatever
+    # device the model lives on (meta included) or the caller made the default.
+    with torch.device("cpu"):
+        for path, module in model.named_modules():
+            run.module(path, module)
     return run.report()
 
 

@@ -1,0 +1,82 @@
+"""The model zoo: ``dispatch_model`` on a tiny random model of every architecture users
+run that the installed transformers has (``tests._zoo``), each compared with an
+untouched copy of itself: logits within float32 tolerance, greedy tokens identical,
+``verify_model`` passing, ``restore_model`` exact, and a report that accounts for every
+module holding a weight and every norm. ``test_coverage_table`` prints the table
+docs/transformers.md shows (``pytest -s``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
+from astrai.integrations.transformers.recognise import is_norm_kind
+from tests import _zoo
+
+NAMES = [n for n in _zoo.ZOO if _zoo.available(n)]
+_REPORTS: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caplog.set_level(logging.ERROR, logger="transformers")
+        yield
+
+
+def test_the_zoo_is_large() -> None:
+    """At least 25 architectures of the list are in the installed transformers."""
+    assert len(NAMES) >= 25, NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dispatched_model_is_the_model(name: str) -> None:
+    plain = _zoo.build(name)
+    routed = copy.deepcopy(plain)
+    report = dispatch_model(routed)
+    _REPORTS[name] = report
+    feed = _zoo.inputs(plain)
+
+    # the same numbers, the same tokens
+    torch.testing.assert_close(_zoo.logits(routed, feed), _zoo.logits(plain, feed),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
+
+    # every module routed serves a call through a row
+    counts = verify_model(routed, **feed)
+    assert counts and min(counts.values()) > 0
+    assert counts["linear"] > 0 and counts["attention"] > 0
+
+    # the report accounts for every weight and every norm
+    named = {r.path for r in report.routed} | {n.path for n in report.not_routed}
+    for path, module in routed.named_modules():
+        holds = any(p is not None for p in module._parameters.values())
+        if (holds or is_norm_kind(module)) and "_astrai_route" not in module.__dict__:
+            assert (path or "(the model)") in named, f"{path} ({type(module).__name__})"
+    got, total = report.parameters
+    assert 0 < got <= total == len({id(p) for p in routed.parameters()}) or total == sum(
+        p.numel() for p in {id(p): p for p in routed.parameters()}.values())
+
+    # restore puts the model back exactly
+    assert restore_model(routed) > 0
+    assert not [m for m in routed.modules() if "forward" in m.__dict__]
+    assert torch.equal(_zoo.logits(routed, feed), _zoo.logits(plain, feed))
+
+
+def test_coverage_table() -> None:
+    """The table of what reaches astrai in each architecture (printed)."""
+    rows = []
+    for name in NAMES:
+        report = _REPORTS.get(name) or dispatch_model(_zoo.build(name))
+        rows.append(_zoo.coverage_row(name, report))
+    print("\n" + _zoo.TABLE_HEAD + "\n" + "\n".join(rows))
+    assert len(rows) == len(NAMES)
