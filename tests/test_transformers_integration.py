@@ -26,10 +26,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
-    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -39,6 +39,11 @@ from transformers import (
 import astrai.dispatch as dispatch
 from astrai.backends.native import native_available
 from astrai.integrations import transformers as hf
+
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip(f"attn_implementation='astrai' needs transformers >= 4.51 (this is "
+                f"{transformers.__version__}); dispatch_model's tests cover older ones",
+                allow_module_level=True)
 
 SEQ = 12
 WINDOW = 4
@@ -790,9 +795,12 @@ def with_sinks(model: PreTrainedModel) -> None:
 
 def gpt_oss_config() -> PretrainedConfig:
     """gpt-oss: a sink logit per head, sliding window of 4 on every other layer, 4 experts."""
-    return GptOssConfig(**TINY, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                        num_local_experts=4, num_experts_per_tok=2,
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss")
+    return transformers.GptOssConfig(
+        **TINY, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 class TestGemma2:

@@ -198,9 +198,11 @@ def watch_collector() -> None:
         _COLLECTOR = _collector()
 
 
-def _weights_collected(module: torch.nn.Module | None) -> bool:
+def weights_collected(module: torch.nn.Module | None) -> bool:
     """Whether transformers is collecting this eager-attention layer's weights now: the
     layer would return them unrouted, so the adapter must too."""
+    if _COLLECTOR is None:
+        return False
     collected = _COLLECTOR.get()
     if not isinstance(collected, dict) or not (
             "attentions" in collected or "cross_attentions" in collected):
@@ -345,7 +347,7 @@ def astrai_attention_forward(
     express raises ``UnsupportedFeatureError``.
     """
     batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
-    if _COLLECTOR and not kwargs.get("output_attentions") and _weights_collected(module):
+    if _COLLECTOR and not kwargs.get("output_attentions") and weights_collected(module):
         kwargs["output_attentions"] = True
     bias = kwargs.pop("position_bias", None)
     if bias is not None:

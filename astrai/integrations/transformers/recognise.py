@@ -53,6 +53,7 @@ __all__ = [
     "deinterleave",
     "is_linear_kind",
     "is_norm_kind",
+    "is_rms_kind",
     "linear_form",
     "own_forward",
     "rms_norm_form",
@@ -128,6 +129,12 @@ class NormForm:
         if self.cast_before_weight:
             out["cast_before_weight"] = True
         return out
+
+
+def is_rms_kind(module: nn.Module) -> bool:
+    """Whether ``module`` is an RMS norm by class (``torch.nn.RMSNorm``, or a class named
+    ``...RMSNorm...``)."""
+    return isinstance(module, nn.RMSNorm) or bool(_RMS_NAME.search(type(module).__name__))
 
 
 def is_norm_kind(module: nn.Module) -> bool:
@@ -466,9 +473,11 @@ class AttentionSite:
     names: tuple[str, ...]  # which of ATTENTION_INTERFACE / EAGER_ATTENTION it reads
 
 
-def attention_site(forward: Any, implementation: Any) -> AttentionSite | str | None:
+def attention_site(forward: Any, implementation: Any,
+                   config: Any = None) -> AttentionSite | str | None:
     """The site, the reason it cannot be routed, or ``None`` when ``forward`` does not use
-    transformers' attention interface at all."""
+    transformers' attention interface at all. ``config`` is the layer's (or the model's)
+    configuration, read for what the layer asks of its attention function."""
     found = [(n, g) for n, g in global_names(forward) if n in (ATTENTION_INTERFACE,
                                                                   EAGER_ATTENTION)]
     if not found:
@@ -480,7 +489,29 @@ def attention_site(forward: Any, implementation: Any) -> AttentionSite | str | N
     owners = {id(g): g for _, g in found}
     if len(owners) > 1:
         return "its forward reads the attention interface from more than one module"
-    return AttentionSite(found[0][1], tuple(dict.fromkeys(n for n, _ in found)))
+    owner = found[0][1]
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and implementation == "sdpa" and _drops(owner, "softcap"):
+        return (f"the model's sdpa attention ignores the soft-capping ({softcap}) the layer "
+                f"asks for (this transformers' sdpa_attention_forward never reads softcap), "
+                f"and astrai would apply it, changing the model's output; build it with "
+                f"attn_implementation='eager' to have it applied")
+    return AttentionSite(owner, tuple(dict.fromkeys(n for n, _ in found)))
+
+
+def _drops(owner: dict[str, Any], keyword: str) -> bool:
+    """Whether the ``sdpa`` function of the interface ``owner`` reads never reads
+    ``keyword`` (neither a parameter nor a name or constant of its code)."""
+    interface = owner.get(ATTENTION_INTERFACE)
+    try:
+        fn = interface["sdpa"]  # type: ignore[index]
+    except Exception:
+        return False
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    return keyword not in code.co_varnames and keyword not in code.co_consts and (
+        keyword not in code.co_names)
 
 
 # -- linear --------------------------------------------------------------------

@@ -11,17 +11,23 @@ as they are.
 How each kind is routed (``recognise`` says how each is found):
 
 - **RMS norms and linear layers**: the instance's ``forward`` becomes astrai's
-  (``_rms_norm_forward(form)`` / ``_linear_forward``), reading the module's weight, bias and
-  epsilon attribute on every call; for a norm, the form its own forward computes
-  (weight in float32 or after the cast back, ``1 + weight``) is the call's features.
+  (``_rms_norm_forward(form)`` / ``_linear_forward`` / ``_transposed_linear_forward``),
+  reading the module's weight, bias and epsilon attribute on every call; for a norm, the
+  form its own forward computes (weight in float32 or after the cast back,
+  ``1 + weight``) is the call's features.
 - **Attention layers**: the instance's ``forward`` becomes a copy of its class's
   (``rebind``), decorators included, that sees the rotary function it calls by name as
-  a router to ``ops.apply_rotary_half``, and transformers' ``ALL_ATTENTION_FUNCTIONS``
-  as an interface whose every implementation is astrai's adapter. The model's masks
-  stay as its ``attn_implementation`` builds them (sdpa's or eager's, which the adapter
-  reads). A rotary call the half layout cannot express (partial rotary: ``cos`` shorter
-  than ``head_dim``; an argument it does not know) runs the model's own function and
-  warns once, naming the layer.
+  a router to astrai's rotary facades in the function's layout, and transformers'
+  ``ALL_ATTENTION_FUNCTIONS`` as an interface whose every implementation is astrai's
+  adapter. The model's masks stay as its ``attn_implementation`` builds them (sdpa's or
+  eager's, which the adapter reads). A rotary call its layout cannot express (a ``cos``
+  shorter than ``head_dim`` for a function not seen to rotate part of a head; an argument
+  it does not know) runs the model's own function, warns once naming the function, and is
+  counted as row and origin ``model``. A layer computing ALiBi attention itself (Bloom)
+  gets ``alibi_attention_forward`` instead.
+- **The rest**: every module holding a weight that no family serves (embeddings, MoE
+  experts, routers) is listed with the reason (``coverage``), beside the shares of
+  parameters and weight-matmul FLOPs reaching astrai.
 
 Each routed module carries its ``Route`` (``_astrai_route``): what was routed, the
 ``forward`` it had of its own before (usually none) and the one installed.
@@ -52,6 +58,7 @@ from torch import nn
 
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import MODEL_OWN, count_model_own, stats
+from astrai.integrations.transformers.alibi import alibi_attention_forward, alibi_form
 from astrai.integrations.transformers.attention import astrai_attention_forward, watch_collector
 from astrai.integrations.transformers.coverage import shares, unaccounted
 from astrai.integrations.transformers.rebind import rebind
@@ -65,6 +72,7 @@ from astrai.integrations.transformers.recognise import (
     attention_site,
     is_linear_kind,
     is_norm_kind,
+    is_rms_kind,
     linear_form,
     own_forward,
     rms_norm_form,
@@ -339,7 +347,7 @@ class _Dispatch:
             return
         form = rms_norm_form(module)
         if isinstance(form, str):
-            self.refuse("rms_norm", path, module, form)
+            self.refuse("rms_norm" if is_rms_kind(module) else "norm", path, module, form)
             return
         _install(module, _rms_norm_forward(form), Route(frozenset({"rms_norm"}), norm=form))
         self.changed += 1
@@ -348,11 +356,23 @@ class _Dispatch:
         wanted = self.wanted & {"attention", "rotary"}
         if not wanted:
             return
+        if "attention" in wanted and route is None:
+            alibi = alibi_form(module)
+            if isinstance(alibi, str):
+                self.refuse("attention", path, module, alibi)
+                return
+            if alibi and not self._foreign("attention", path, module, route):
+                _install(module, alibi_attention_forward, Route(frozenset({"attention"})))
+                self.changed += 1
+            if alibi is not None:
+                return
         forward = type(module).forward
         attention: AttentionSite | None = None
         sites: list[RotarySite] = []
         if "attention" in wanted:
-            found = attention_site(forward, _implementation(module, self.model))
+            found = attention_site(forward, _implementation(module, self.model),
+                                   getattr(module, "config", None)
+                                   or getattr(self.model, "config", None))
             if isinstance(found, str):
                 self.refuse("attention", path, module, found)
             else:
@@ -426,7 +446,8 @@ class _Dispatch:
                 elif family == "rotary":
                     detail = ", ".join(s.label for s in route.rotary)
                 elif family == "attention":
-                    detail = "astrai's attention adapter"
+                    detail = ("ALiBi as an additive mask" if route.forward is None
+                              else "astrai's attention adapter")
                     attention_paths.append(path)
                 else:
                     detail = ""
