@@ -621,3 +621,61 @@ class TestWrappedRotary:
         if isinstance(fn, nn.Module):  # HF kernels is installed: transformers wraps it
             detail = [r.detail for r in dispatch_model(routed).routed if r.family == "rotary"]
             assert detail and all("apply_rotary_pos_emb" in d for d in detail)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor,
+                     freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's complex rotary, pairs times complex angles."""
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis[:, :, None, :]).flatten(3).type_as(x)
+    return turn(xq), turn(xk)
+
+
+def apply_rotary_pos_emb_one(x: torch.Tensor, sin: torch.Tensor,
+                             cos: torch.Tensor) -> torch.Tensor:
+    """GPT-J's rotary of one tensor, sin and cos per pair."""
+    s = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    c = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    turned = torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+    return x * c + turned * s
+
+
+class ToyThreeArgumentAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor,
+                sin: torch.Tensor, cos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k = apply_rotary_emb(q, k, freqs)
+        return apply_rotary_pos_emb_one(q, sin, cos), apply_rotary_pos_emb_one(k, sin, cos)
+
+
+class TestThreeArgumentRotary:
+    def call(self) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(4)
+        q, k = torch.randn(1, 3, 4, 8, generator=g), torch.randn(1, 3, 2, 8, generator=g)
+        angles = torch.randn(1, 3, 4, generator=g)
+        return q, k, torch.polar(torch.ones_like(angles), angles), angles.sin(), angles.cos()
+
+    def test_complex_and_pairs_layouts_served(self) -> None:
+        toy = ToyThreeArgumentAttention()
+        args = self.call()
+        want = type(toy).forward(toy, *args)
+        report = dispatch_model(toy, ["rotary"])
+        layouts = sorted(s.layout for s in toy.__dict__["_astrai_route"].rotary)
+        assert report.counts() == {"rotary": 1} and layouts == ["complex", "pairs"]
+        dispatch.reset_stats()
+        got = toy(*args)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert dispatch.stats().served("rotary") == 4  # q and k through each
+        assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_a_call_of_another_shape_runs_its_own(self) -> None:
+        toy = ToyThreeArgumentAttention()
+        dispatch_model(toy, ["rotary"])
+        q, k, freqs, sin, cos = self.call()
+        dispatch.reset_stats()
+        with pytest.raises(IndexError):  # freqs without its batch axis: raises as unrouted
+            toy(q, k, freqs[0], sin, cos)
+        with pytest.raises(IndexError):
+            type(toy).forward(toy, q, k, freqs[0], sin, cos)
+        assert dispatch.stats().served("rotary", origin="model") == 1

@@ -15,14 +15,15 @@ the facade needs to serve the module (a ``NormForm``, a ``RotarySite``, an
   is a reason.
 - **Rotary call sites** (``rotary_sites``): a global function a layer's ``forward``
   calls whose name says it applies a rotary embedding (``apply_...rotary...``,
-  ``apply_...rope...``, ``...rotary_pos_emb...``) is called on random ``q``, ``k``, ``cos`` and
-  ``sin`` (on the CPU, whatever the ambient device) and must compute one of the layouts
-  astrai serves (``ROTARY_LAYOUTS``: the half split, the half split over the part of a
-  head ``cos`` covers, or pairs regrouped into halves first); a function that computes
-  anything else (pairs with its own sin/cos convention, a multimodal variant) is a
-  reason. Its parameters are read through any wrapper (``call_signature``):
-  ``functools.wraps`` decorators, bound methods, and HF ``kernels``' function modules,
-  which transformers puts around ``apply_rotary_pos_emb`` when ``kernels`` is installed.
+  ``apply_...rope...``, ``...rotary_pos_emb...``) is called on random inputs (on the CPU,
+  whatever the ambient device) - ``(q, k, cos, sin)``, or for a function of three
+  arguments ``(q, k, freqs_cis)`` and ``(x, sin, cos)`` - and must compute one of the
+  layouts astrai serves (``ROTARY_LAYOUTS``); a function that computes anything else
+  (Cohere's, which relies on each angle appearing twice in ``cos``; a multimodal
+  variant) is a reason. Its parameters are read through any wrapper
+  (``call_signature``): ``functools.wraps`` decorators, bound methods, and HF
+  ``kernels``' function modules, which transformers puts around
+  ``apply_rotary_pos_emb`` when ``kernels`` is installed.
 - **Attention call sites** (``attention_site``): a ``forward`` that looks its attention
   function up in transformers' ``ALL_ATTENTION_FUNCTIONS``, in a model whose masks the
   adapter reads (``attn_implementation`` ``sdpa``, ``eager`` or ``astrai``).
@@ -313,7 +314,12 @@ def call_signature(fn: Any) -> inspect.Signature | None:
 #: ``cos.shape[-1]`` features, the rest passed through (GLM, GLM-4);
 #: ``deinterleaved`` - adjacent pairs regrouped into halves, then turned by the angles
 #: of the first half of ``cos`` (DeepSeek's ``apply_rotary_pos_emb_interleave``).
-ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved")
+#: Two more are called otherwise: ``complex`` - ``(q, k, freqs_cis)``, adjacent pairs
+#: multiplied by complex ``freqs_cis [batch, seq, head_dim/2]`` (Llama 4), q and k
+#: ``[batch, seq, heads, head_dim]``; ``pairs`` - one tensor ``(x, sin, cos)``, adjacent
+#: pairs turned by ``sin``/``cos [batch, seq, head_dim/2]`` (GPT-J); both through
+#: ``ops.apply_rotary``.
+ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "complex", "pairs")
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -433,8 +439,11 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
         return "its signature cannot be read, through any wrapper"
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) == 3 and len(positional) == 3:
+        return _three_argument_site(name, owner, fn, signature)
     if len(positional) < 4:
-        return "it does not take (q, k, cos, sin)"
+        return "it does not take (q, k, cos, sin), (q, k, freqs_cis) or (x, sin, cos)"
     rest = params[4:] if params[:4] == positional[:4] else []
     if any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
            for p in rest):
@@ -460,6 +469,51 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
             return RotarySite(name, owner, fn, dim, signature, layout)
     return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
             f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
+
+
+def _three_argument_probe(layout: str) -> tuple[tuple[torch.Tensor, ...],
+                                               tuple[torch.Tensor, ...]]:
+    """Random arguments of a three-argument rotary call in ``layout``, and what it must
+    return (through ``reference_rotary``, the pairs layout), on the CPU."""
+    g = torch.Generator().manual_seed(17)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device="cpu", dtype=torch.float32)
+
+    if layout == "complex":
+        q, k = rand(2, 5, 3, 8), rand(2, 5, 1, 8)
+        freqs = torch.complex(rand(2, 5, 4), rand(2, 5, 4))
+        table = torch.view_as_real(freqs)
+        return (q, k, freqs), (reference_rotary(q, table), reference_rotary(k, table))
+    x, sin, cos = rand(2, 5, 3, 8), rand(2, 5, 4), rand(2, 5, 4)
+    return (x, sin, cos), (reference_rotary(x, torch.stack((cos, sin), -1)),)
+
+
+def _three_argument_site(name: str, owner: dict[str, Any], fn: Any,
+                         signature: inspect.Signature) -> RotarySite | str:
+    """A rotary function of three arguments: ``complex`` ``(q, k, freqs_cis)`` or ``pairs``
+    ``(x, sin, cos)``, told apart by what it returns on random inputs."""
+    failures: list[str] = []
+    for layout in ("complex", "pairs"):
+        args, want = _three_argument_probe(layout)
+        try:
+            with torch.no_grad():
+                got = fn(*args)
+        except Exception as exc:
+            failures.append(f"as {layout} it raised {type(exc).__name__}")
+            continue
+        outs = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        if len(outs) != len(want) or not all(
+                isinstance(o, torch.Tensor) and o.shape == w.shape
+                for o, w in zip(outs, want, strict=True)):
+            failures.append(f"as {layout} it returns another shape")
+            continue
+        gap = max(float((o.float() - w).abs().max()) for o, w in zip(outs, want, strict=True))
+        if gap <= 1e-5:
+            return RotarySite(name, owner, fn, 2, signature, layout)
+        failures.append(f"as {layout} it differs by {gap:.2g}")
+    return (f"it computes none of the rotary layouts astrai serves "
+            f"({'; '.join(failures)} on random inputs)")
 
 
 # -- attention -----------------------------------------------------------------

@@ -242,6 +242,61 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
         return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half, apply_rotary)
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
+    if layout == "complex":
+        return _complex_router(site)
+    if layout == "pairs":
+        return _pairs_router(site)
+    return routed_rotary
+
+
+def _own_rotary(site: RotarySite, args: tuple[Any, ...], kwargs: dict[str, Any],
+                why: str) -> Any:
+    """``site``'s own function on a call astrai cannot serve: warned once, counted."""
+    warn_once(f"astrai: a rotary call to {site.label} runs the model's own function: {why}")
+    count_model_own("rotary")
+    return site.function(*args, **kwargs)
+
+
+def _complex_router(site: RotarySite) -> Callable[..., Any]:
+    """``(q, k, freqs_cis)`` (Llama 4) through ``ops.apply_rotary``: ``freqs_cis`` is
+    ``[batch, seq, head_dim/2]`` complex, q and k ``[batch, seq, heads, head_dim]``."""
+
+    def routed_rotary(*args: Any, **kwargs: Any) -> Any:
+        if len(args) != 3 or kwargs:
+            return _own_rotary(site, args, kwargs, "it was not called as (q, k, freqs_cis)")
+        q, k, freqs = args
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and isinstance(freqs, torch.Tensor) and freqs.is_complex()
+                and q.dim() == k.dim() == 4 and freqs.dim() == 3
+                and 2 * freqs.shape[-1] == q.shape[-1] == k.shape[-1]):
+            return _own_rotary(site, args, kwargs, "its arguments are not q, k "
+                               "[batch, seq, heads, head_dim] and complex freqs_cis "
+                               "[batch, seq, head_dim/2]")
+        table = torch.view_as_real(freqs)
+        return apply_rotary(q, table), apply_rotary(k, table)
+
+    routed_rotary.__qualname__ = f"astrai routed {site.name}"
+    return routed_rotary
+
+
+def _pairs_router(site: RotarySite) -> Callable[..., Any]:
+    """``(x, sin, cos)`` (GPT-J) through ``ops.apply_rotary``: ``sin`` and ``cos`` are
+    ``[batch, seq, head_dim/2]``, ``x`` ``[batch, seq, heads, head_dim]``."""
+
+    def routed_rotary(*args: Any, **kwargs: Any) -> Any:
+        if len(args) != 3 or kwargs:
+            return _own_rotary(site, args, kwargs, "it was not called as (x, sin, cos)")
+        x, sin, cos = args
+        if not (isinstance(x, torch.Tensor) and isinstance(sin, torch.Tensor)
+                and isinstance(cos, torch.Tensor) and x.dim() == 4
+                and sin.dim() == cos.dim() == 3 and sin.shape == cos.shape
+                and 2 * sin.shape[-1] == x.shape[-1]):
+            return _own_rotary(site, args, kwargs, "its arguments are not x "
+                               "[batch, seq, heads, head_dim] and sin, cos "
+                               "[batch, seq, head_dim/2]")
+        return apply_rotary(x, torch.stack((cos, sin), -1))
+
+    routed_rotary.__qualname__ = f"astrai routed {site.name}"
     return routed_rotary
 
 
