@@ -588,10 +588,10 @@ _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 
 def is_linear_kind(module: nn.Module) -> bool:
     """Whether ``module`` may compute a linear layer: an ``nn.Linear``, or any module
-    (no embedding, no norm) that holds a 2-d floating-point ``weight`` of its own."""
+    without children (no embedding, no norm) that holds a 2-d ``weight`` of its own."""
     if isinstance(module, nn.Linear):
         return True
-    if isinstance(module, _EMBEDDINGS) or is_norm_kind(module):
+    if isinstance(module, _EMBEDDINGS) or is_norm_kind(module) or module._modules:
         return False
     weight = module._parameters.get("weight")
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
