@@ -412,6 +412,27 @@ def pairs_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return turn(q), turn(k)
 
 
+def cohere_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, unsqueeze_dim: int = 1
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cohere's form: ``x * cos + rotate_interleaved(x) * sin``, in float32."""
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        w = x.float()
+        rot = torch.stack((-w[..., 1::2], w[..., 0::2]), -1).flatten(-2)
+        return (w * c + rot * s).to(q.dtype)
+    return turn(q), turn(k)
+
+
+def upcast_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, unsqueeze_dim: int = 1
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's half layout computed in float32 and cast back."""
+    a, b = half_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float(), unsqueeze_dim)
+    return a.to(q.dtype), b.to(k.dtype)
+
+
 def apply_partial_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                                  sin: torch.Tensor, unsqueeze_dim: int = 1
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,6 +477,18 @@ class ToyPairsAttention(nn.Module):
         return pairs_rotary_pos_emb(q, k, cos, sin)
 
 
+class ToyCohereAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cohere_rotary_pos_emb(q, k, cos, sin)
+
+
+class ToyUpcastAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return upcast_rotary_pos_emb(q, k, cos, sin)
+
+
 class ToyBranchAttention(nn.Module):
     """Reads two rotary functions and calls one of them, as DeepSeek-V3's layers do;
     or none, when ``rotate`` is off."""
@@ -489,11 +522,51 @@ class TestRotarySites:
                 torch.randn(1, 3, 16, generator=g), torch.randn(1, 3, 16, generator=g))
 
     def test_other_rotary_reported(self) -> None:
-        toy = ToyPairsAttention()
+        toy = ToyPairsAttention()  # pairs turned by their even feature's angle alone
         report = dispatch_model(toy, ["rotary"])
         assert report.counts() == {"rotary": 0}
         (refused,) = [n for n in report.not_routed if "pairs_rotary_pos_emb" in n.reason]
         assert "computes none of the rotary layouts astrai serves" in refused.reason
+
+    def test_pairwise_layout_served(self) -> None:
+        toy = ToyCohereAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].rotary
+        assert (site.layout, site.upcast, site.partial) == ("pairwise", True, False)
+        for dtype in (torch.float32, torch.bfloat16):
+            args = tuple(t.to(dtype) for t in self.toy_call())
+            want = type(toy).forward(toy, *args)
+            dispatch.reset_stats()
+            got = toy(*args)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == dtype
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+            assert served() == {"rotary": {n: 1 for n in served()["rotary"]}}
+            assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_a_whole_head_layout_given_part_of_a_head_runs_its_own(self) -> None:
+        toy = ToyCohereAttention()
+        dispatch_model(toy, ["rotary"])
+        q, k, cos, sin = self.toy_call()
+        dispatch.reset_stats()
+        with pytest.raises(RuntimeError, match="size of tensor"):  # as it does unrouted
+            toy(q, k, cos[..., :8], sin[..., :8])
+        assert served() == {"rotary": {"model": 1}}
+
+    def test_a_function_computing_in_float32_is_served_in_float32(self) -> None:
+        plain, wide = ToyHalfAttention(), ToyUpcastAttention()
+        dispatch_model(plain, ["rotary"])
+        dispatch_model(wide, ["rotary"])
+        (narrow_site,) = plain.__dict__["_astrai_route"].rotary
+        (wide_site,) = wide.__dict__["_astrai_route"].rotary
+        assert (narrow_site.layout, narrow_site.upcast) == ("half", False)
+        assert (wide_site.layout, wide_site.upcast) == ("half", True)
+        q, k, cos, sin = (t.to(torch.bfloat16) for t in self.toy_call())
+        want = type(wide).forward(wide, q, k, cos, sin)
+        got = wide(q, k, cos, sin)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == torch.bfloat16
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
 
     def test_partial_rotary_is_served(self, caplog: pytest.LogCaptureFixture) -> None:
         toy = ToyAttention()

@@ -313,13 +313,19 @@ def call_signature(fn: Any) -> inspect.Signature | None:
 #: ``sin[i]`` (the first half of transformers' ``cat(freqs, freqs)``), over the first
 #: ``cos.shape[-1]`` features, the rest passed through (GLM, GLM-4);
 #: ``deinterleaved`` - adjacent pairs regrouped into halves, then turned by the angles
-#: of the first half of ``cos`` (DeepSeek's ``apply_rotary_pos_emb_interleave``).
+#: of the first half of ``cos`` (DeepSeek's ``apply_rotary_pos_emb_interleave``);
+#: ``pairwise`` - ``x * cos + rotate_pairs(x) * sin``, where ``rotate_pairs`` turns each
+#: adjacent pair ``(a, b)`` into ``(-b, a)`` (Cohere, whose ``cos`` holds each angle twice),
+#: over the first ``cos.shape[-1]`` features, served as the half layout on features
+#: regrouped into halves. A function seen to compute in float32 whatever its inputs'
+#: precision (``RotarySite.upcast``) is served the same way.
 #: Two more are called otherwise: ``complex`` - ``(q, k, freqs_cis)``, adjacent pairs
 #: multiplied by complex ``freqs_cis [batch, seq, head_dim/2]`` (Llama 4), q and k
 #: ``[batch, seq, heads, head_dim]``; ``pairs`` - one tensor ``(x, sin, cos)``, adjacent
 #: pairs turned by ``sin``/``cos [batch, seq, head_dim/2]`` (GPT-J); both through
 #: ``ops.apply_rotary``.
-ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "complex", "pairs")
+ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "pairwise", "complex",
+                  "pairs")
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -333,6 +339,12 @@ def _first_half(t: torch.Tensor) -> torch.Tensor:
     return t[..., : t.shape[-1] // 2]
 
 
+def interleave(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``deinterleave``: halves ``(i, i + d/2)`` back to adjacent pairs."""
+    d = x.shape[-1]
+    return x.reshape(*x.shape[:-1], 2, d // 2).transpose(-1, -2).reshape(x.shape)
+
+
 def rotary_in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, dim: int, half: Any,
                      pairs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,20 +355,28 @@ def rotary_in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, cos: torch.T
         return half(deinterleave(q), deinterleave(k),  # type: ignore[no-any-return]
                     torch.cat((c, c), -1), torch.cat((s, s), -1), dim)
     rot = cos.shape[-1]
+    if layout == "pairwise":
+        q_out, k_out = half(deinterleave(q[..., :rot]), deinterleave(k[..., :rot]),
+                            deinterleave(cos), deinterleave(sin), dim)
+        return _rest(interleave(q_out), q, rot), _rest(interleave(k_out), k, rot)
     if layout == "interleaved":
         freqs = torch.stack((_first_half(cos), _first_half(sin)), -1)
         heads = dim % q.dim()
         outs = []
         for x in (q, k):
             turned = pairs(x[..., :rot].movedim(heads, -2), freqs).movedim(-2, heads)
-            outs.append(torch.cat((turned, x[..., rot:]), -1) if rot < x.shape[-1]
-                        else turned)
+            outs.append(_rest(turned, x, rot))
         return outs[0], outs[1]
     if layout == "partial" and rot < q.shape[-1]:
         q_rot, k_rot = half(q[..., :rot], k[..., :rot], cos, sin, dim)
         return (torch.cat((q_rot, q[..., rot:]), dim=-1),
                 torch.cat((k_rot, k[..., rot:]), dim=-1))
     return half(q, k, cos, sin, dim)  # type: ignore[no-any-return]
+
+
+def _rest(turned: torch.Tensor, x: torch.Tensor, rot: int) -> torch.Tensor:
+    """``turned`` (``x``'s first ``rot`` features rotated) with the rest of ``x`` after it."""
+    return torch.cat((turned, x[..., rot:]), -1) if rot < x.shape[-1] else turned
 
 
 @dataclass(frozen=True)
@@ -369,6 +389,8 @@ class RotarySite:
     unsqueeze_dim: int  # the default of its unsqueeze_dim
     signature: inspect.Signature  # the function's, to read the arguments of a call
     layout: str = "half"  # one of ROTARY_LAYOUTS
+    upcast: bool = False  # it computes in float32 and casts back to q's dtype
+    partial: bool = False  # seen to rotate part of a head when cos covers part of it
 
     @property
     def label(self) -> str:
@@ -414,17 +436,25 @@ def _rotary_probe(dim: int, rot: int) -> tuple[torch.Tensor, ...]:
     return q, k, cos, sin
 
 
-def _rotary_gap(fn: Any, layout: str, dim: int, rot: int) -> float | str:
+def _rotary_gap(fn: Any, layout: str, dim: int, rot: int,
+                dtype: torch.dtype = torch.float32, upcast: bool = False) -> float | str:
     """How far ``fn`` is from ``layout`` on a random call with ``cos`` of ``rot``
-    features, or why it could not be compared."""
+    features in ``dtype`` (computed in float32 and cast back when ``upcast``), or why it
+    could not be compared."""
     q, k, cos, sin = _rotary_probe(dim, rot)
+    q, k, cos, sin = (t.to(dtype) for t in (q, k, cos, sin))
     try:
         with torch.no_grad():
             got = fn(q, k, cos, sin)
     except Exception as exc:
         return f"called as (q, k, cos, sin) it raised {type(exc).__name__}: {exc}"
-    want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half,
-                            reference_rotary)
+    if upcast:
+        want = tuple(t.to(dtype) for t in rotary_in_layout(
+            layout, q.float(), k.float(), cos.float(), sin.float(), dim,
+            reference_rotary_half, reference_rotary))
+    else:
+        want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half,
+                                reference_rotary)
     if not (isinstance(got, (tuple, list)) and len(got) == 2
             and all(isinstance(t, torch.Tensor) and t.shape == w.shape
                     for t, w in zip(got, want, strict=True))):
@@ -453,7 +483,7 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
     if isinstance(dim, bool) or not isinstance(dim, int):
         return f"its unsqueeze_dim default is {dim!r}"
     gaps: dict[str, float | str] = {}
-    for layout in ("half", "interleaved", "deinterleaved"):
+    for layout in ("half", "interleaved", "deinterleaved", "pairwise"):
         gaps[layout] = gap = _rotary_gap(fn, layout, dim, 8)
         if isinstance(gap, str):
             return gap
@@ -462,13 +492,22 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
                 partial = _rotary_gap(fn, "partial", dim, 4)
                 if isinstance(partial, float) and partial <= 1e-5:
                     layout = "partial"
-            if layout == "interleaved":  # part of a head, as cos says?
-                partial = _rotary_gap(fn, "interleaved", dim, 4)
-                if not (isinstance(partial, float) and partial <= 1e-5):
-                    continue  # pairs over the whole head only: not a layout astrai has
-            return RotarySite(name, owner, fn, dim, signature, layout)
+            part = layout == "partial"
+            if layout in ("interleaved", "pairwise"):  # part of a head, as cos says?
+                partial = _rotary_gap(fn, layout, dim, 4)
+                part = isinstance(partial, float) and partial <= 1e-5
+            return RotarySite(name, owner, fn, dim, signature, layout,
+                              _upcasts(fn, layout, dim), part)
     return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
             f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
+
+
+def _upcasts(fn: Any, layout: str, dim: int) -> bool:
+    """Whether ``fn`` computes ``layout`` in float32 on bfloat16 inputs (closer to that than
+    to computing in bfloat16), as Cohere's function does."""
+    native = _rotary_gap(fn, layout, dim, 8, torch.bfloat16)
+    wide = _rotary_gap(fn, layout, dim, 8, torch.bfloat16, upcast=True)
+    return isinstance(native, float) and isinstance(wide, float) and wide < native
 
 
 def _three_argument_probe(layout: str) -> tuple[tuple[torch.Tensor, ...],

@@ -205,12 +205,16 @@ def _stand_in(real: Any, make: Callable[[], Any]) -> Any:
     return got[1]
 
 
+#: dtypes a float32-computing rotary function does not widen
+_WIDE = (torch.float32, torch.float64)
+
+
 def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``
     in the site's layout, or the function itself (warning once, counted under the origin
     ``model``) for a call the layout cannot express."""
     original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
-    layout = site.layout
+    layout, upcast, partial = site.layout, site.upcast, site.partial
 
     def own(q: Any, k: Any, cos: Any, sin: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any], why: str) -> Any:
@@ -230,15 +234,20 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
                 return own(q, k, cos, sin, args, kwargs,
                            f"it was called with {', '.join(extra)}, which its layout "
                            f"({layout}) does not take")
-        if layout == "half":
-            if (isinstance(cos, torch.Tensor) and isinstance(q, torch.Tensor)
-                    and cos.shape[-1] != q.shape[-1]):
-                return own(q, k, cos, sin, args, kwargs,
-                           f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and the "
-                           f"function was not seen to rotate part of a head")
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+            return own(q, k, cos, sin, args, kwargs, "q, k, cos or sin is not a tensor")
+        if not partial and cos.shape[-1] != q.shape[-1]:
+            return own(q, k, cos, sin, args, kwargs,
+                       f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and the "
+                       f"function was not seen to rotate part of a head")
+        if layout == "half" and not upcast:
             return apply_rotary_half(q, k, cos, sin, dim)
-        if not (isinstance(q, torch.Tensor) and isinstance(cos, torch.Tensor)):
-            return own(q, k, cos, sin, args, kwargs, "q or cos is not a tensor")
+        if upcast and q.dtype not in _WIDE:
+            dtype = q.dtype
+            q_out, k_out = rotary_in_layout(layout, q.float(), k.float(), cos.float(),
+                                            sin.float(), dim, apply_rotary_half, apply_rotary)
+            return q_out.to(dtype), k_out.to(dtype)
         return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half, apply_rotary)
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
