@@ -15,11 +15,11 @@ import time
 
 import torch
 
+from astrai import native
 from astrai.dispatch import stats
 from astrai.dispatch.registry import current
 from astrai.dispatch.scopes import active_view
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
-from astrai.ops import native
 
 PROMPT_LENS = (5, 11, 17)
 DECODE_STEPS = 32

@@ -81,8 +81,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import astrai.dispatch as d
+    from astrai import native
     from astrai.integrations.transformers import dispatch_model, restore_model
-    from astrai.ops import native
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ same call again).
 
 Targets: a miss enters at most 8 astrai modules with at most 20 moves; a hit makes at most
 4 moves. The path traced is the pure-Python one (the compiled hot path,
-``astrai.ops.native``, enters no Python function). ``--path`` prints the sequences.
+``astrai.native``, enters no Python function). ``--path`` prints the sequences.
 Exit status 1 when a target is missed.
 """
 

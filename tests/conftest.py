@@ -99,7 +99,7 @@ def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def built() -> ModuleType:
     """astrai's native extension, built once (about 15 s) with the machine's C++ compiler
     and loaded; the test skips, saying why, where it cannot be built."""
-    from astrai.ops import native
+    from astrai import native
 
     try:
         path = native.build()

@@ -1,4 +1,4 @@
-"""The compiled hot path (``astrai.ops.native``): it answers a call only with the decision
+"""The compiled hot path (``astrai.native``): it answers a call only with the decision
 the Python route took for that very call in the world in force, and declines (``None``)
 every call it cannot read exactly as Python does - malformed ones included, which the
 route then refuses as before.
@@ -24,9 +24,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import astrai.dispatch as d
-from astrai import ops
+from astrai import native, ops
 from astrai.dispatch import state
-from astrai.ops import native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -325,7 +324,7 @@ def _run(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
 
 
-STATUS = "from astrai.ops import native; print(native.status())"
+STATUS = "from astrai import native; print(native.status())"
 
 
 def test_off_is_never_loaded_and_on_warns_when_it_cannot_build(tmp_path: Path) -> None:

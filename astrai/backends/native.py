@@ -3,8 +3,8 @@
 Small calls - a decode step's norm of one token, its rotary of one position - cost
 torch more in launching operations than in arithmetic: ``LlamaRMSNorm`` is eight
 operations, ``torch.rms_norm`` on CPU six more inside, transformers' rotary ten. The
-kernels of astrai's native extension (``astrai/backends/_kernels.cpp``, built with
-``astrai-ops native --build``; see ``astrai.ops.native``) compute the same result in one
+kernels of astrai's native extension (``astrai/native/kernels.cpp``, built with
+``astrai-ops native --build``; see ``astrai.native``) compute the same result in one
 call, one pass over memory:
 
 - ``native_rms_norm``: every form of the ``rms_norm`` family (the plain norm, Gemma's
@@ -23,7 +23,7 @@ tangent, a dispatch mode, a JIT trace - is computed with the torch row's operati
 row's answer never depends on where it ran, and whatever watches torch's operations sees
 them. The tables give these rows
 the calls where they were measured to win (``not grad_enabled``, small token counts);
-without the extension they are unavailable, with the reason ``astrai.ops.native`` gives.
+without the extension they are unavailable, with the reason ``astrai.native`` gives.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
+from astrai import native as extension
 from astrai.backends.rms_norm import torch_rms_norm
 from astrai.backends.rotary import torch_rotary, torch_rotary_half
 from astrai.dispatch.tables.model import Unavailable
 from astrai.dispatch.torch_compile import compiling
-from astrai.ops import native as extension
 
 #: The extension's module once this process decided to load it or not (``[module]``).
 _loaded: list[ModuleType | None] = []

@@ -12,7 +12,7 @@ from astrai.cli.output import OK, PROBLEMS
 
 
 def cmd_native(args: argparse.Namespace) -> int:
-    from astrai.ops import native
+    from astrai import native
 
     if args.build:
         try:

@@ -81,7 +81,7 @@ RECORD_OWNER_ENV = "ASTR_RECORD_OWNER"
 LOCK_ENV = "ASTR_LOCK"
 LOCK_MODE_ENV = "ASTR_LOCK_MODE"
 #: Whether the facades use the compiled hot path (``auto``, ``on``, ``off``;
-#: ``astrai.ops.native``) and where it is built (a folder).
+#: ``astrai.native``) and where it is built (a folder).
 NATIVE_ENV = "ASTR_NATIVE"
 NATIVE_DIR_ENV = "ASTR_NATIVE_DIR"
 

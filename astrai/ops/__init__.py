@@ -3,7 +3,7 @@
 Each facade is its family's signature and call line; everything between - input
 validation, the decision (baked in at trace time under ``torch.compile``, else
 cached), the usage count - is the one hot path ``astrai.ops._facade.route`` builds.
-Where the compiled hot path is loaded (``astrai.ops.native``), a facade first asks it,
+Where the compiled hot path is loaded (``astrai.native``), a facade first asks it,
 inline (a function call more would cost what it saves), for the decision its route
 already took for the call in the world in force; on ``None`` the route serves the call.
 ``backend=`` is the explicit selection of contract §3 (a row name or an implementation
@@ -24,6 +24,7 @@ import torch
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+from astrai import native
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import RECORD_ENV
@@ -32,7 +33,6 @@ from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import in_force, world_now
-from astrai.ops import native
 from astrai.ops._contexts import generic_context
 from astrai.ops._facade import FamilyCall, Route, keep, recording, route
 from astrai.ops._families import (
@@ -251,7 +251,7 @@ _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
 #: Each facade's last world (``route``), shared with the compiled hot path.
 _LAST: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _CALLS}
 _PLAIN: dict[str, Route] = {name: route(fc, _LAST[name]) for name, fc in _CALLS.items()}
-#: The compiled hot path (``astrai.ops.native``) when it is loaded and no recording is in
+#: The compiled hot path (``astrai.native``) when it is loaded and no recording is in
 #: force, else ``None``: every call then takes its route.
 _NATIVE = native.load()
 _hot: Any = _NATIVE

@@ -56,7 +56,7 @@ class FamilyCall:
     check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
     # Parameters that do not make recorded calls distinct (an attention layer's index).
     incidental: tuple[str, ...] = ()
-    # The lazy axes the compiled hot path reads, in its order (``astrai.ops.native``).
+    # The lazy axes the compiled hot path reads, in its order (``astrai.native``).
     hot: tuple[str, ...] = ()
     #: Every lazy axis of a call given as the full argument tuple, in order.
     shape: Callable[..., tuple[Any, ...]] = field(init=False, repr=False, compare=False)

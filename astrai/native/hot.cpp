@@ -406,16 +406,16 @@ PyMethodDef methods[] = {
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
                       "astrai's native extension: the facades' hot path and the native rows' "
-                      "CPU kernels (astrai.ops.native).",
+                      "CPU kernels (astrai.native).",
                       -1, methods};
 
 }  // namespace
 
-// ``plain`` for the native rows' kernels (astrai/backends/_kernels.cpp): whether ``obj``
+// ``plain`` for the native rows' kernels (astrai/native/kernels.cpp): whether ``obj``
 // is a tensor this file reads as Python would.
 bool astrai_plain_tensor(PyObject* obj) { return plain(obj) != nullptr; }
 
-// The native rows' CPU kernels (astrai/backends/_kernels.cpp), linked into this module.
+// The native rows' CPU kernels (astrai/native/kernels.cpp), linked into this module.
 extern PyMethodDef astrai_kernel_methods[];
 
 PyMODINIT_FUNC PyInit__astrai_hot(void) {

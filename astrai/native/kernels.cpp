@@ -1,5 +1,5 @@
 // CPU kernels of the ``native`` rows (astrai.backends.native), compiled into astrai's
-// native extension beside the facades' hot path (astrai.ops.native builds both).
+// native extension beside the facades' hot path (astrai.native builds both).
 //
 // Each kernel computes, in one pass over memory, exactly what the reference rows write
 // out op by op - the same operations in the same types, each result rounded where the
@@ -24,7 +24,7 @@
 #include <cstring>
 #include <vector>
 
-// _hot.cpp's reading of a plain tensor: exactly a Tensor or Parameter, strided, not
+// hot.cpp's reading of a plain tensor: exactly a Tensor or Parameter, strided, not
 // nested, no Python dispatch, no symbolic sizes, no __torch_function__ mode in force.
 bool astrai_plain_tensor(PyObject* obj);
 
@@ -367,7 +367,7 @@ PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
 #define KERNEL(name, doc) \
   {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(name)), METH_FASTCALL, doc}
 
-// Added to the native extension's module by its init (astrai/ops/_hot.cpp).
+// Added to the native extension's module by its init (astrai/native/hot.cpp).
 PyMethodDef astrai_kernel_methods[] = {
     KERNEL(rms_norm_kernel, "rms_norm_kernel(x, weight, eps, weight_offset, cast_before_weight)"
                             " -> Tensor: the reference RMS norm in one pass (CPU)"),

@@ -1,5 +1,5 @@
-"""astrai's optional native extension: the facades' compiled hot path (``_hot.cpp``) and
-the CPU kernels of the ``native`` rows (``astrai/backends/_kernels.cpp``).
+"""astrai's optional native extension: the facades' compiled hot path (``hot.cpp``) and
+the CPU kernels of the ``native`` rows (``astrai/native/kernels.cpp``).
 
 The pure-Python path is complete on its own; the compiled one only answers, for a call
 in a facade's last world, the decision the Python route already took for that call's
@@ -37,9 +37,9 @@ import torch
 
 from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
 
-_SOURCE = Path(__file__).with_name("_hot.cpp")
+_SOURCE = Path(__file__).with_name("hot.cpp")
 #: Every source of the extension: the hot path (which defines the module) and the kernels.
-_SOURCES = (_SOURCE, Path(__file__).parent.parent / "backends" / "_kernels.cpp")
+_SOURCES = (_SOURCE, Path(__file__).with_name("kernels.cpp"))
 _NAME = "_astrai_hot"
 _OFF = {"0", "off", "no", "false"}
 _ON = {"1", "on", "yes", "true"}
