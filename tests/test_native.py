@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -343,17 +344,136 @@ def test_off_is_never_loaded_and_on_warns_when_it_cannot_build(tmp_path: Path) -
     assert "ASTR_NATIVE='maybe' is not one of auto, on (1), off (0)" in odd.stderr
 
 
+def _leftovers(folder: Path) -> list[str]:
+    """What a failed build left in ``folder`` apart from its lock file."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
+def _fake_compiler(tmp_path: Path, body: str) -> Path:
+    """An executable standing in for the C++ compiler: it notes each run, then ``body``."""
+    script = tmp_path / "cxx"
+    script.write_text(f"#!/bin/sh\necho run >> {tmp_path / 'runs'}\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
 def test_a_compiler_that_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                         ) -> None:
-    """CXX may carry arguments; one that succeeds without writing the file is an error."""
-    monkeypatch.setenv("ASTR_NATIVE_DIR", str(tmp_path))
+    """CXX may carry arguments; a compiler that succeeds without writing anything is a
+    failed build, leaving nothing behind; CXX that is not a command line is an error."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(cache))
     monkeypatch.setenv("CXX", "true --no-such-flag")
-    with pytest.raises(native.NativeBuildError, match="reported success but wrote no"):
+    with pytest.raises(native.NativeBuildError, match="failed"):
         native.build()
-    assert not list(tmp_path.iterdir())
+    assert _leftovers(cache) == []
     monkeypatch.setenv("CXX", '"g++')
     with pytest.raises(native.NativeBuildError, match="is not a command line"):
         native.build()
+
+
+def test_a_hung_compiler_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that takes longer than ASTR_NATIVE_BUILD_TIMEOUT is stopped with every
+    process it started, and its work folder removed."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(cache))
+    monkeypatch.setenv("CXX", str(_fake_compiler(tmp_path, "sleep 60")))
+    monkeypatch.setenv("ASTR_NATIVE_BUILD_TIMEOUT", "3")
+    started = time.monotonic()
+    with pytest.raises(native.NativeBuildError, match="took more than 3 s and was stopped"):
+        native.build()
+    assert time.monotonic() - started < 30
+    assert _leftovers(cache) == []
+    assert (tmp_path / "runs").exists()  # it did start the compiler
+    gone = subprocess.run(["pgrep", "-f", str(tmp_path / "cxx")], capture_output=True)
+    assert gone.returncode != 0, gone.stdout  # no compiler left running
+    monkeypatch.setenv("ASTR_NATIVE_BUILD_TIMEOUT", "soon")
+    with pytest.raises(native.NativeBuildError, match="is not a number of seconds"):
+        native.build()
+
+
+def test_concurrent_builds_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    """A build waits for another process's build of the same version (the file lock) and
+    then uses its file instead of compiling again."""
+    import threading
+
+    from astrai.native import building
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(cache))
+    monkeypatch.setenv("CXX", str(_fake_compiler(tmp_path, "exit 1")))
+    path = building.built_path()
+    cache.mkdir()
+    got: list[Any] = []
+    with building._locked(cache / f".{path.name}.lock", 10):  # another builder at work
+        waiter = threading.Thread(target=lambda: got.append(native.build()))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and not got  # it waits for the lock
+        path.write_bytes(b"built by the other process")
+    waiter.join(20)
+    assert got == [path]
+    assert not (tmp_path / "runs").exists()  # it compiled nothing
+
+
+def test_stale_builds_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build drops work folders older than a build may take and keeps the most recently
+    used versions only."""
+    from astrai.native import building
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(cache))
+    monkeypatch.setenv("CXX", "true")
+    monkeypatch.setenv("ASTR_NATIVE_BUILD_TIMEOUT", "60")
+    stale, fresh = cache / ".build-dead", cache / ".build-alive"
+    stale.mkdir()
+    fresh.mkdir()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    for i in range(12):
+        f = cache / f"{building.NAME}-old{i:02d}.so"
+        f.write_bytes(b"x")
+        os.utime(f, (1_000_000 + i, 1_000_000 + i))
+    with pytest.raises(native.NativeBuildError):
+        native.build()
+    names = sorted(p.name for p in cache.iterdir())
+    assert ".build-dead" not in names and ".build-alive" in names
+    kept = [n for n in names if n.startswith(f"{building.NAME}-old")]
+    assert kept == [f"{building.NAME}-old{i:02d}.so" for i in range(12 - building._KEEP + 1, 12)]
+
+
+def test_the_tag_covers_flags_and_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    from astrai.native import building
+
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    base = building.built_path()
+    monkeypatch.setattr(building, "EXTRA_CFLAGS", (*building.EXTRA_CFLAGS, "-DX"))
+    flagged = building.built_path()
+    monkeypatch.undo()
+    monkeypatch.setenv("ASTR_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(_fake_compiler(tmp_path, "exit 1")))
+    other = building.built_path()
+    assert len({base, flagged, other}) == 3
+
+
+def test_importing_never_compiles(tmp_path: Path) -> None:
+    """ASTR_NATIVE=on with nothing built: importing the facades runs no compiler; their
+    first call makes the decision (builds, here failing: warned once, Python serves)."""
+    cxx = _fake_compiler(tmp_path, "exit 1")
+    env = {"ASTR_NATIVE": "on", "ASTR_NATIVE_DIR": str(tmp_path / "cache"), "CXX": str(cxx)}
+    imported = _run(env, "import astrai, astrai.ops, astrai.dispatch, astrai.backends.native")
+    assert imported.returncode == 0, imported.stderr
+    assert not (tmp_path / "runs").exists()
+    called = _run(env, "import torch; from astrai import ops, native\n"
+                       "print(ops.rms_norm(torch.ones(1, 4), torch.ones(4)).shape)\n"
+                       "print(native.status())")
+    assert "torch.Size([1, 4])" in called.stdout, called.stderr
+    assert (tmp_path / "runs").exists()
+    assert called.stderr.count("ASTR_NATIVE=on, but the native extension is not available") == 1
+    assert "not loaded (failed:" in called.stdout
 
 
 def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:
@@ -361,7 +481,7 @@ def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:
                 "from astrai.cli import main; raise SystemExit(main(['native', '--build']))")
     assert done.returncode == 1
     assert "cannot build the native extension" in done.stderr
-    assert not list(tmp_path.iterdir())  # nothing half-written left behind
+    assert _leftovers(tmp_path) == []  # nothing half-written left behind
 
 
 def test_built_is_loaded_by_a_new_process(built: ModuleType) -> None:

@@ -39,7 +39,7 @@ FORMS = [dict(), dict(weight_offset=1.0), dict(cast_before_weight=True),
 @pytest.fixture
 def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The native rows with the extension's kernels, available to the tables."""
-    monkeypatch.setattr(rows, "_loaded", [built])
+    monkeypatch.setattr(rows, "_kernels", lambda: built)
     dispatch.refresh()
     yield built
     monkeypatch.undo()
@@ -259,6 +259,30 @@ class TestWhatOnlyTorchSees:
 
             out = rows.native_rms_norm(x.as_subclass(Marked), w, 1e-6)
             assert type(out) is Marked
+
+    def test_a_call_handed_to_torch_is_counted_as_such(self, kernels: ModuleType) -> None:
+        """The row serves (and is counted) either way; a call its kernel declines is also
+        counted as handed to torch's operations, and the stats table says so."""
+        from astrai import dispatch
+
+        class Marked(torch.Tensor):
+            pass
+
+        x, w = _rms_call((4, 16), torch.float32, torch.float32)
+        dispatch.reset_stats()
+        with torch.no_grad():
+            rows.native_rms_norm(x, w, 1e-6)
+            rows.native_rms_norm(x.as_subclass(Marked), w, 1e-6)
+            rows.native_rotary_half(*qk_call(torch.float32), 1)
+            q, k, cos, sin = qk_call(torch.float32)
+            rows.native_rotary_half(q.as_subclass(Marked), k, cos, sin, 1)
+        got = dispatch.stats()
+        assert got.handed == {("rms_norm", "native", "torch's operations"): 1,
+                              ("rotary", "native", "torch's operations"): 1}
+        assert got.handed_off("rms_norm") == got.handed_off("rotary", "native") == 1
+        assert "rms_norm     native                  1  of them handed to torch's operations" \
+            in got.table()
+        assert dispatch.stats(reset=True).handed and not dispatch.stats().handed
 
     def test_a_nested_tensor_is_an_error_not_a_crash(self) -> None:
         code = """

@@ -204,6 +204,24 @@ class TestSeedDifferential:
                 assert ours.record.obj is handle
 
 
+    @pytest.mark.parametrize("handle", [object(), 42, ("a", "tuple")],
+                             ids=["object", "int", "tuple"])
+    def test_ad_hoc_object_with_neither_call_nor_probe(self, seed: ModuleType,
+                                                       handle: Any) -> None:
+        """An explicit or scoped handle that has neither ``__call__`` nor ``supports_call``
+        is an ad hoc row that matches every call, in both: the same name and origin, the
+        object itself as the row's implementation."""
+        with both_registered(seed):
+            for call in CONTEXTS[:6]:
+                mine = outcome(astrai_dispatch, call, handle)
+                assert mine == outcome(seed, call, handle) == (type(handle).__name__,
+                                                               "explicit"), call
+                for d in (seed, astrai_dispatch):
+                    with d.op_backend(seedfam=handle):
+                        res = d.resolve("seedfam", d.CallContext("seedfam", **call))
+                    assert (res.record.obj, res.origin) == (handle, "context")
+
+
 class TestSeedShapes:
     """The seed's API shapes, without the oracle."""
 

@@ -23,6 +23,7 @@ from astrai.dispatch import (
     op_backend,
     reload_tables,
     reset_stats,
+    resolve,
     stats,
 )
 
@@ -150,22 +151,25 @@ class TestSoftRequestsSpeak:
 
 
 class TestBadHandles:
-    """A backend that is neither a row name nor a callable is refused plainly."""
+    """A backend that is neither a row name nor a callable is named by resolution (as the
+    seed names it) but serves no call: the call is a plain TypeError."""
 
     def test_error_backend_not_callable(self) -> None:
-        """``backend=42`` is a TypeError naming the rows, and nothing is counted."""
+        """``backend=42`` is a TypeError saying the object cannot be called."""
         reset_stats()
         x = torch.randn(2, 4)
-        with pytest.raises(TypeError, match=r"a linear backend must be a row name, a callable "
-                                            r"implementation object or one with supports_call, "
-                                            r"not int 42; rows: fp8, bf16"):
+        with pytest.raises(TypeError, match=r"the linear backend int 42 \(selected: "
+                                            r"explicit\) cannot serve a call: it is not "
+                                            r"callable"):
             ops.linear(x, torch.randn(3, 4), backend=42)
-        assert stats().calls == {}
 
     def test_error_scope_not_callable(self) -> None:
-        """``op_backend(linear=42)`` is refused on entry."""
-        with pytest.raises(TypeError, match="not int 42"), op_backend(linear=42):
-            pass
+        """``op_backend(linear=42)`` is entered (resolution names the object); a call under
+        it is refused."""
+        with op_backend(linear=42):
+            assert resolve("linear", CallContext("linear", dtype=torch.float32)).record.obj == 42
+            with pytest.raises(TypeError, match=r"int 42 \(selected: context\) cannot serve"):
+                ops.linear(torch.randn(2, 4), torch.randn(3, 4))
 
 
 GELU_MODULE = '''\

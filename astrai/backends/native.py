@@ -38,17 +38,18 @@ import torch
 from astrai import native as extension
 from astrai.backends.rms_norm import torch_rms_norm
 from astrai.backends.rotary import torch_rotary, torch_rotary_half
+from astrai.dispatch.stats import count_handoff
 from astrai.dispatch.tables.model import Unavailable
 from astrai.dispatch.torch_compile import compiling
 
-#: The extension's module once this process decided to load it or not (``[module]``).
-_loaded: list[ModuleType | None] = []
+#: What computes a call a native row's kernel declines (``stats().handed``).
+TORCH_OPS = "torch's operations"
 
 
 def _kernels() -> ModuleType | None:
-    if not _loaded:
-        _loaded.append(extension.load())  # the kernels are linked into every build of it
-    return _loaded[0]
+    """The extension (its kernels are linked into every build of it) as the process's one
+    load decision gives it."""
+    return extension.load()
 
 
 def native_available() -> bool | Unavailable:
@@ -63,12 +64,16 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                     cast_before_weight: bool = False) -> torch.Tensor:
     """``reference_rms_norm``'s result in one pass (its forms too; see the module
     docstring)."""
+    if compiling():  # traced: torch's operations, which inductor fuses
+        return torch_rms_norm(x, weight, eps, weight_offset=weight_offset,
+                              cast_before_weight=cast_before_weight)
     kernels = _kernels()
-    if kernels is not None and not compiling():
+    if kernels is not None:
         out = kernels.rms_norm_kernel(x, weight, float(eps), float(weight_offset),
                                       bool(cast_before_weight))
         if out is not None:
             return out  # type: ignore[no-any-return]
+    count_handoff("rms_norm", "native", TORCH_OPS)
     return torch_rms_norm(x, weight, eps, weight_offset=weight_offset,
                           cast_before_weight=cast_before_weight)
 
@@ -76,11 +81,14 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
 def native_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb`` in one pass per tensor, bit for bit."""
+    if compiling():
+        return torch_rotary_half(q, k, cos, sin, unsqueeze_dim)
     kernels = _kernels()
-    if kernels is not None and not compiling():
+    if kernels is not None:
         out: Any = kernels.rotary_half_kernel(q, k, cos, sin, int(unsqueeze_dim))
         if out is not None:
             return out[0], out[1]
+    count_handoff("rotary", "native", TORCH_OPS)
     return torch_rotary_half(q, k, cos, sin, unsqueeze_dim)
 
 
@@ -91,4 +99,6 @@ def native_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, *half: Any) -> Any:
     is computed as the torch row computes it."""
     if half:
         return native_rotary_half(x, freqs_cis, *half)
+    if not compiling():
+        count_handoff("rotary", "native", TORCH_OPS)
     return torch_rotary(x, freqs_cis)

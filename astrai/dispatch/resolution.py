@@ -153,9 +153,22 @@ class Decision:
         self.obj = obj = resolution.record.obj
         # The function in the class, as written: a staticmethod is not bound to obj.
         method = inspect.getattr_static(type(obj), "__call__", None)
-        self.call = MethodType(method, obj) if isinstance(method, FunctionType) else obj
+        self.call = (MethodType(method, obj) if isinstance(method, FunctionType)
+                     else obj if callable(obj) else _uncallable(resolution))
         self.counter = counter(resolution.record.family, resolution.record.name,
                                resolution.origin)
+
+
+def _uncallable(resolution: Resolution) -> Callable[..., Any]:
+    """What a call of a selected object that cannot be called runs: a ``TypeError``
+    saying so (resolving names such an object, as the seed does; serving needs a call)."""
+    rec = resolution.record
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"the {rec.family} backend {type(rec.obj).__name__} {rec.obj!r} "
+                        f"(selected: {resolution.origin}) cannot serve a call: it is not "
+                        f"callable; a backend is a row name or a callable implementation")
+    return refuse
 
 
 def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContext],

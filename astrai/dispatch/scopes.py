@@ -19,7 +19,6 @@ __all__ = [
     "Scope",
     "active_profiles",
     "active_view",
-    "check_handle",
     "current_overrides",
     "current_profiles",
     "current_scope",
@@ -178,7 +177,6 @@ def _validate(family: str, handle: Any) -> None:
         raise ValueError(f"Unknown family: {family!r}{did_you_mean(family, state.families)}; "
                          f"known families: {', '.join(sorted(state.families))}")
     names = active_view(state, family).row_names()
-    check_handle(family, handle, names)
     if isinstance(handle, str):
         if handle not in names:
             raise ValueError(f"Unknown {family} implementation: {handle!r}"
@@ -267,13 +265,3 @@ def active_view(state: Registry, family: str) -> View:
     return state.view(family, active_profiles(state, env_now(state)))
 
 
-def check_handle(family: str, handle: Any, names: list[str]) -> None:
-    """A selection handle is a row name, a callable implementation object, or (as in the
-    seed) an object with a ``supports_call`` probe: resolution names it; calling it is the
-    caller's business."""
-    if isinstance(handle, str) or callable(handle) or callable(
-            getattr(handle, "supports_call", None)):
-        return
-    raise TypeError(f"a {family} backend must be a row name, a callable implementation "
-                    f"object or one with supports_call, not {type(handle).__name__} "
-                    f"{handle!r}; rows: {', '.join(names)}")

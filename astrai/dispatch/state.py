@@ -51,6 +51,9 @@ counters: dict[tuple[str, str, str], itertools.count[int]] = {}
 QUIET: itertools.count[int] = itertools.count()
 MISSES: itertools.count[int] = itertools.count()
 UNCACHED: itertools.count[int] = itertools.count()
+#: Calls a row handed to another computation per (family, row, what computed them): a
+#: ``native`` row's call its kernel declined, computed with torch's operations.
+handoffs: dict[tuple[str, str, str], itertools.count[int]] = {}
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
 
@@ -111,6 +114,7 @@ def reset_counts() -> None:
     """Start every count from zero: record what later reads subtract (the counters
     themselves are never replaced: cached decisions hold them)."""
     base: dict[object, int] = {key: count(c) for key, c in list(counters.items())}
+    base.update({("handoff", *key): count(c) for key, c in list(handoffs.items())})
     base.update(quiet=count(QUIET), misses=count(MISSES), uncached=count(UNCACHED))
     baseline.clear()
     baseline.update(base)

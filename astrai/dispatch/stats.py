@@ -10,7 +10,8 @@ user notices a silent fallback: ``stats().served("attention", "math")``.
 
 from __future__ import annotations
 
-__all__ = ["MISSES", "MODEL_OWN", "QUIET", "UNCACHED", "UsageStats", "count_model_own", "counter",
+__all__ = ["MISSES", "MODEL_OWN", "QUIET", "UNCACHED", "UsageStats", "count_handoff",
+           "count_model_own", "counter",
            "reset_stats", "stats"]
 
 import itertools
@@ -44,6 +45,17 @@ def count_model_own(family: str) -> None:
     next(UNCACHED)  # a served count without a lookup: not a hit
 
 
+def count_handoff(family: str, row: str, to: str) -> None:
+    """Count one call of ``family`` that ``row`` was chosen for but handed to ``to`` (what
+    computed it instead: a native row's kernel declining hands a call to torch's
+    operations); ``stats().handed`` shows them beside the calls the row served."""
+    key = (family, row, to)
+    c = process.handoffs.get(key)
+    if c is None:
+        c = process.handoffs.setdefault(key, itertools.count())
+    next(c)
+
+
 def _since_reset(c: itertools.count[int], key: object) -> int:
     return process.count(c) - process.baseline.get(key, 0)
 
@@ -55,6 +67,15 @@ class UsageStats:
     calls: Mapping[Key, int] = field(default_factory=dict)
     cache_hits: int = 0
     cache_misses: int = 0
+    #: (family, row, what computed them) -> calls the row was chosen for and served by
+    #: handing them on (they are counted in ``calls`` under the row as well)
+    handed: Mapping[Key, int] = field(default_factory=dict)
+
+    def handed_off(self, family: str, row: str | None = None) -> int:
+        """Calls of ``family`` that a row (``row``, if given) handed to another
+        computation."""
+        return sum(n for (f, r, _), n in self.handed.items()
+                   if f == family and row in (None, r))
 
     def served(self, family: str, row: str | None = None, origin: str | None = None) -> int:
         """Calls of ``family`` served (by ``row`` / via ``origin``, if given)."""
@@ -75,6 +96,8 @@ class UsageStats:
             lines.append(f"{f:<12} {r:<16} {n:>8}  {o}")
         if len(lines) == 1:
             lines.append("(no calls)")
+        for (f, r, to), n in sorted(self.handed.items()):
+            lines.append(f"{f:<12} {r:<16} {n:>8}  of them handed to {to}")
         lines.append(f"decision cache: {self.cache_hits} hits, {self.cache_misses} misses")
         return "\n".join(lines)
 
@@ -92,7 +115,10 @@ def stats(reset: bool = False) -> UsageStats:
     # not hits.
     hits = (sum(calls.values()) + _since_reset(QUIET, "quiet") - misses
             - _since_reset(UNCACHED, "uncached"))
-    snap = UsageStats({k: n for k, n in calls.items() if n}, hits, misses)
+    handed = {key: _since_reset(c, ("handoff", *key))
+              for key, c in list(process.handoffs.items())}
+    snap = UsageStats({k: n for k, n in calls.items() if n}, hits, misses,
+                      {k: n for k, n in handed.items() if n})
     if reset:
         reset_stats()
     return snap

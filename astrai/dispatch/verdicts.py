@@ -42,7 +42,6 @@ from astrai.dispatch.axes import (
 )
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import Registry
-from astrai.dispatch.scopes import check_handle
 from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 from astrai.errors import NoImplementationError
 
@@ -140,7 +139,6 @@ def lookup(view: View, handle: Any) -> ImplRecord | None:
     for rec in view.rows:
         if rec.obj is handle:
             return rec
-    check_handle(view.table.name, handle, view.row_names())
     return adhoc_record(view.table.name, handle)
 
 

@@ -1,5 +1,6 @@
-"""astrai's optional native extension: the facades' compiled hot path (``hot.cpp``) and
-the CPU kernels of the ``native`` rows (``astrai/native/kernels.cpp``).
+"""astrai's optional native extension, all of it: the facades' compiled hot path
+(``hot.cpp``), the CPU kernels of the ``native`` rows (``kernels.cpp``), their build
+(``build``) and the one decision, per process, whether to load it.
 
 The pure-Python path is complete on its own; the compiled one only answers, for a call
 in a facade's last world, the decision the Python route already took for that call's
@@ -9,25 +10,21 @@ else, so what a call is served by, and every error a malformed call raises, are 
 Python path's. The kernels are what the ``native`` rows of the ``rms_norm`` and ``rotary``
 tables run; without the extension those rows are unavailable, with this module's reason.
 
-It is built from the package's own sources with the machine's C++ compiler against the
-installed torch (``astrai-ops native --build``, about 15 s: the two sources compile side
-by side) into a cache directory, one file per torch / Python / source version, and then
-loaded by every process. ``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when
-built; ``0`` / ``off``, never; ``1`` / ``on``, build it on first import when missing,
-warning once with the reason when that fails.
+It is built from the package's own sources with torch's extension machinery
+(``astrai-ops native --build``; see ``astrai.native.building``) into a cache folder, one
+file per sources / torch / Python / compiler version, and then loaded by every process.
+``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when built; ``0`` / ``off``,
+never; ``1`` / ``on``, build it when first needed (a facade's first call, or a native
+row's first use; never on import), warning once with the reason when that fails.
 """
 
 from __future__ import annotations
 
 __all__ = ["NATIVE_DIR_ENV", "NATIVE_ENV", "NativeBuildError", "NativeStatus", "build", "load",
-           "load_from", "status"]
+           "load_from", "pending", "status"]
 
-import hashlib
-import importlib.machinery
 import importlib.util
 import os
-import shlex
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +33,8 @@ from types import ModuleType
 import torch
 
 from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
+from astrai.native.building import NativeBuildError, build, built_path
 
-_SOURCE = Path(__file__).with_name("hot.cpp")
-#: Every source of the extension: the hot path (which defines the module) and the kernels.
-_SOURCES = (_SOURCE, Path(__file__).with_name("kernels.cpp"))
 _NAME = "_astrai_hot"
 _OFF = {"0", "off", "no", "false"}
 _ON = {"1", "on", "yes", "true"}
@@ -73,128 +68,8 @@ def _mode() -> str:
     return "auto"
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    """The compiler's flags, ``(compiling, linking)``: torch's headers and libraries (where
-    its wheel puts them; ``torch.utils.cpp_extension`` says the same but costs an import),
-    Python's headers. No ``-march``: the file may be shared by machines of one
-    architecture but not one CPU model; no contraction into fused multiply-adds, which
-    would round differently from torch's own kernels."""
-    import sysconfig
-
-    root = Path(torch.__file__).parent
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include",
-                sysconfig.get_paths()["include"]]
-    libs = [root / "lib"]
-    compiling = ["-O3", "-fPIC", "-std=c++17", "-ffp-contract=off",
-                 f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes)]
-    linking = ["-shared", *(f"-L{p}" for p in libs),
-               "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
-               *(f"-Wl,-rpath,{p}" for p in libs)]
-    return compiling, linking
-
-
-def _tag() -> str:
-    """What the built file depends on: the sources, this torch (the flags follow from
-    where it lives and its ABI) and this Python."""
-    h = hashlib.sha256()
-    for source in _SOURCES:
-        h.update(source.read_bytes())
-    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
-    h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
-    return h.hexdigest()[:16]
-
-
 def _path() -> Path:
-    root = os.environ.get(NATIVE_DIR_ENV)
-    if root:
-        base = Path(root).expanduser()
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        base = Path(cache) / "astrai" / "native"
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    return base / f"{_NAME}-{_tag()}{suffix}"
-
-
-class NativeBuildError(RuntimeError):
-    """The native extension could not be built here (the reason, compiler output
-    included)."""
-
-
-def build(*, force: bool = False) -> Path:
-    """Build the native extension for this torch and Python (unless built already) and
-    return its path; ``NativeBuildError`` says why it cannot be."""
-    import shutil
-    import tempfile
-
-    path = _path()
-    if path.exists() and not force:
-        return path
-    given = os.environ.get("CXX")
-    found = given or shutil.which("c++") or shutil.which("g++")
-    if not found:
-        raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
-    try:
-        compiler = shlex.split(found) if given else [found]  # CXX may be "ccache g++"
-    except ValueError as e:
-        raise NativeBuildError(f"CXX={given!r} is not a command line: {e}") from e
-    if not compiler:
-        raise NativeBuildError("CXX is empty: set it to a C++ compiler, or unset it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=path.parent) as work:
-        tmp = os.path.join(work, path.name)
-        objects = _compile(compiler, work)
-        _run([*compiler, *objects, "-o", tmp, *_flags()[1]], compiler)
-        if not os.path.isfile(tmp):
-            raise NativeBuildError(f"{' '.join(compiler)} reported success but wrote no "
-                                   f"{path.name}")
-        os.replace(tmp, path)
-    return path
-
-
-def _compile(compiler: list[str], work: str) -> list[str]:
-    """Every source compiled to an object file in ``work``, side by side."""
-    import subprocess
-
-    compiling = _flags()[0]
-    jobs: list[tuple[subprocess.Popen[str], str]] = []
-    try:
-        for source in _SOURCES:
-            obj = os.path.join(work, f"{source.stem}.o")
-            try:
-                job = subprocess.Popen([*compiler, "-c", str(source), "-o", obj, *compiling],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       text=True)
-            except OSError as e:
-                raise NativeBuildError(f"cannot run the C++ compiler {' '.join(compiler)!r}: "
-                                       f"{e}") from e
-            jobs.append((job, obj))
-        for job, _ in jobs:
-            _, err = job.communicate()
-            if job.returncode != 0:
-                raise NativeBuildError(_failure(compiler, job.returncode, err))
-    finally:
-        for job, _ in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    return [obj for _, obj in jobs]
-
-
-def _run(command: list[str], compiler: list[str]) -> None:
-    import subprocess
-
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-    except OSError as e:
-        raise NativeBuildError(f"cannot run the C++ compiler {' '.join(compiler)!r}: {e}") from e
-    if done.returncode != 0:
-        raise NativeBuildError(_failure(compiler, done.returncode, done.stderr))
-
-
-def _failure(compiler: list[str], code: int, stderr: str) -> str:
-    tail = "\n".join(stderr.strip().splitlines()[-20:])
-    return f"{' '.join(compiler)} failed (exit {code}):\n{tail}"
+    return built_path()
 
 
 def load_from(path: Path) -> ModuleType:
@@ -246,6 +121,13 @@ def load() -> ModuleType | None:
                               RuntimeWarning, stacklevel=2)
     _decided.append((NativeStatus(module is not None, path, reason), module))
     return module
+
+
+def pending() -> bool:
+    """Whether this process's decision is still to be made and would build the extension
+    (``ASTR_NATIVE=on``, nothing built yet): importing the facades never builds, so they
+    stand in for the hot path until their first call makes that decision (``load()``)."""
+    return not _decided and _mode() == "on" and not _path().exists()
 
 
 def status() -> NativeStatus:

@@ -251,9 +251,26 @@ _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
 #: Each facade's last world (``route``), shared with the compiled hot path.
 _LAST: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _CALLS}
 _PLAIN: dict[str, Route] = {name: route(fc, _LAST[name]) for name, fc in _CALLS.items()}
+
+
+class _BuildOnFirstCall:
+    """The hot path while ``ASTR_NATIVE=on`` and nothing is built: importing never
+    compiles, so the first call through any facade makes the process's decision
+    (building the extension), adopts what it gave, and is then answered by it."""
+
+    def __getattr__(self, name: str) -> Any:
+        _adopt(native.load())
+        return getattr(_NATIVE, name) if _NATIVE is not None else _declined
+
+
+def _declined(*args: Any) -> None:
+    """A hot function that answers nothing: the call takes its route."""
+    return None
+
+
 #: The compiled hot path (``astrai.native``) when it is loaded and no recording is in
 #: force, else ``None``: every call then takes its route.
-_NATIVE = native.load()
+_NATIVE: Any = _BuildOnFirstCall() if native.pending() else native.load()
 _hot: Any = _NATIVE
 
 
@@ -270,8 +287,24 @@ def _python_call_hot(last: list[tuple[Any, ...]], t: Any) -> Any:
 #: ``ops.call``'s hot path: the compiled one or ``_python_call_hot``; ``_call_hot`` is it,
 #: or ``None`` while a recording is in force (every call then takes the full path, and
 #: is noted).
-_CALL_HOT: Any = _python_call_hot if _NATIVE is None else _NATIVE.call
+def _call_first(last: list[tuple[Any, ...]], t: Any) -> Any:
+    """``ops.call``'s hot path until the process's native decision is made (see
+    ``_BuildOnFirstCall``)."""
+    _adopt(native.load())
+    return _call_hot(last, t) if _call_hot is not None else None
+
+
+_CALL_HOT: Any = (_python_call_hot if _NATIVE is None else
+                  _call_first if isinstance(_NATIVE, _BuildOnFirstCall) else _NATIVE.call)
 _call_hot: Any = _CALL_HOT
+
+
+def _adopt(module: Any) -> None:
+    """Take ``module`` (the loaded extension, or ``None``) as the hot path from now on;
+    called outside recordings only (a recording's facades take no hot path)."""
+    global _NATIVE, _hot, _CALL_HOT, _call_hot
+    _NATIVE = _hot = module
+    _CALL_HOT = _call_hot = _python_call_hot if module is None else module.call
 _RECORDING: dict[str, Route] = {}
 _attention, _rotary, _rotary_half, _rms_norm, _linear = (
     _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rotary_half"], _PLAIN["rms_norm"],

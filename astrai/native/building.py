@@ -1,0 +1,286 @@
+"""Building astrai's native extension with torch's own machinery.
+
+The extension is compiled by ``torch.utils.cpp_extension.load`` (ninja; the C++ standard,
+ABI, include and library paths and platform flags torch chooses for its extensions) in a
+child process, so a hung compiler is stopped after ``ASTR_NATIVE_BUILD_TIMEOUT`` seconds
+(600 by default) and nothing it left behind survives. Builds of one version are
+serialised by a file lock beside the result, so several processes (ranks of one job)
+starting together build it once and the rest load it. Each build is kept under a tag
+that covers everything the file depends on: the sources, torch (version, location and
+ABI), Python, the flags astrai adds and the compiler (its path, size and date).
+
+Supported: Linux with GCC or Clang (tested), macOS with Clang (torch's machinery handles
+it; untested here). Windows is not supported (the lock and the sources use POSIX and
+GCC/Clang facilities); there the build says so and the pure-Python path serves.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "SOURCES", "NativeBuildError", "build",
+           "built_path", "compiler"]
+
+import hashlib
+import importlib.machinery
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from astrai.dispatch.env import NATIVE_DIR_ENV
+
+#: The extension's module name (its ``PyInit_`` symbol).
+NAME = "_astrai_hot"
+_HERE = Path(__file__).parent
+#: Every source of the extension: the hot path (which defines the module) and the kernels.
+SOURCES = (_HERE / "hot.cpp", _HERE / "kernels.cpp")
+#: What astrai adds to torch's flags: optimised, and no contraction into fused
+#: multiply-adds, which would round differently from torch's own kernels. No ``-march``:
+#: a built file may be shared by machines of one architecture but not one CPU model.
+EXTRA_CFLAGS = ("-O3", "-ffp-contract=off")
+#: Seconds a build may take before it is stopped.
+BUILD_TIMEOUT_ENV = "ASTR_NATIVE_BUILD_TIMEOUT"
+_DEFAULT_TIMEOUT = 600.0
+#: How many built versions the cache keeps (the most recently built or loaded).
+_KEEP = 8
+
+
+class NativeBuildError(RuntimeError):
+    """The native extension could not be built here (the reason, compiler output
+    included)."""
+
+
+def compiler() -> list[str]:
+    """The C++ compiler torch's machinery runs: ``CXX`` (a command line, ``ccache g++``
+    allowed), else ``c++``; ``NativeBuildError`` when ``CXX`` is not a command line."""
+    given = os.environ.get("CXX")
+    if given is None:
+        return ["c++"]
+    try:
+        words = shlex.split(given)
+    except ValueError as e:
+        raise NativeBuildError(f"CXX={given!r} is not a command line: {e}") from e
+    if not words:
+        raise NativeBuildError("CXX is empty: set it to a C++ compiler, or unset it")
+    return words
+
+
+def _compiler_identity() -> str:
+    """The compiler by where it is and which file it is (cheap: no process is run)."""
+    try:
+        words = compiler()
+    except NativeBuildError as e:
+        return f"invalid: {e}"
+    parts = []
+    for word in words:
+        found = shutil.which(word)
+        if found is None:
+            parts.append(word)
+            continue
+        real = os.path.realpath(found)
+        try:
+            st = os.stat(real)
+            parts.append(f"{real}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(real)
+    return " ".join(parts)
+
+
+def _tag() -> str:
+    """What the built file depends on: the sources, torch (version, location, ABI),
+    Python, astrai's flags and the compiler."""
+    import torch
+
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
+    h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
+    h.update(f"{EXTRA_CFLAGS}|{_compiler_identity()}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where built versions live: ``ASTR_NATIVE_DIR``, else the user's cache."""
+    root = os.environ.get(NATIVE_DIR_ENV)
+    if root:
+        return Path(root).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "astrai" / "native"
+
+
+def built_path() -> Path:
+    """The file this torch, Python, compiler and these sources build (it may not exist)."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return cache_dir() / f"{NAME}-{_tag()}{suffix}"
+
+
+def _timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise NativeBuildError(f"{BUILD_TIMEOUT_ENV}={raw!r} is not a number of seconds"
+                               ) from None
+    if not value > 0:
+        raise NativeBuildError(f"{BUILD_TIMEOUT_ENV}={raw!r} must be more than 0 seconds")
+    return value
+
+
+def build(*, force: bool = False) -> Path:
+    """Build the native extension for this torch, Python and compiler (unless built
+    already) and return its path; ``NativeBuildError`` says why it cannot be."""
+    if os.name != "posix":
+        raise NativeBuildError(f"building the native extension is supported on Linux and "
+                               f"macOS, not on {sys.platform}")
+    timeout = _timeout()
+    words = compiler()
+    if shutil.which(words[0]) is None:
+        raise NativeBuildError(f"no C++ compiler {words[0]!r} found (set CXX, or install "
+                               f"g++ or clang++)")
+    path = built_path()
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent / f".{path.name}.lock", timeout):
+        if path.exists() and not force:  # another process built it while this one waited
+            return path
+        _prune(path.parent, timeout)
+        work = tempfile.mkdtemp(prefix=".build-", dir=path.parent)
+        try:
+            made = _compile(Path(work), timeout)
+            os.replace(made, path)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+@contextmanager
+def _locked(lock: Path, timeout: float) -> Iterator[None]:
+    """An exclusive lock on ``lock`` (a file lock, released by the system if the process
+    dies), waited for at most the build's ``timeout`` and a minute more."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout + 60.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NativeBuildError(f"another process held {lock} for longer than a "
+                                           f"build may take") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _prune(folder: Path, timeout: float) -> None:
+    """Drop what earlier builds left: work folders older than a build may take (their
+    builder died or was stopped), and built versions beyond the ``_KEEP`` most recently
+    built or loaded."""
+    now = time.time()
+    for stale in folder.glob(".build-*"):
+        try:
+            if now - stale.stat().st_mtime > timeout:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue
+    versions = []
+    for f in folder.glob(f"{NAME}-*"):
+        try:
+            versions.append((f.stat().st_mtime, f))
+        except OSError:
+            continue
+    for _, old in sorted(versions, reverse=True)[_KEEP - 1:]:
+        for f in (old, old.with_name(f".{old.name}.lock")):
+            try:
+                f.unlink()
+            except OSError:
+                continue
+
+
+#: The child's program: ``torch.utils.cpp_extension.load`` with the arguments on argv.
+_CHILD = """
+import json, os, sys
+import torch.utils.cpp_extension as ext
+a = json.loads(sys.argv[1])
+os.environ["PATH"] = os.pathsep.join(a["path"] + [os.environ.get("PATH", "")])
+ext.load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"],
+         build_directory=a["work"], is_python_module=True, verbose=False, with_cuda=False)
+"""
+
+
+def _ninja_dirs() -> list[str]:
+    """Folders holding ``ninja``: the ``ninja`` package's and this Python's scripts."""
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja  # type: ignore[import-not-found, import-untyped, unused-ignore]
+
+        dirs.insert(0, str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    return dirs
+
+
+def _compile(work: Path, timeout: float) -> Path:
+    """Build in ``work`` in a child process, stopped (with everything it started) after
+    ``timeout`` seconds; the built file."""
+    args = json.dumps({"name": NAME, "sources": [str(s) for s in SOURCES],
+                       "cflags": list(EXTRA_CFLAGS), "work": str(work),
+                       "path": _ninja_dirs()})
+    try:
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    except OSError as e:
+        raise NativeBuildError(f"cannot start the build: {e}") from e
+    try:
+        output, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(child)
+        raise NativeBuildError(f"the build took more than {timeout:g} s and was stopped "
+                               f"({BUILD_TIMEOUT_ENV} sets the limit)") from None
+    except BaseException:
+        _stop(child)
+        raise
+    if child.returncode != 0:
+        raise NativeBuildError(_failure(child.returncode, output))
+    suffix = importlib.machinery.EXTENSION_SUFFIXES
+    made = [work / f"{NAME}{s}" for s in (".so", *suffix) if (work / f"{NAME}{s}").is_file()]
+    if not made:
+        raise NativeBuildError(f"{' '.join(compiler())} reported success but wrote no "
+                               f"{NAME} module")
+    return made[0]
+
+
+def _stop(child: subprocess.Popen[str]) -> None:
+    """End the child and every process it started (its session)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except OSError:
+        child.kill()
+    child.wait()
+
+
+def _failure(code: int, output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    if any("Ninja is required" in line for line in lines):
+        return ("ninja is not installed: `pip install ninja` (or the `native` extra, "
+                "`pip install astrai[native]`) provides it")
+    tail = "\n".join(lines[-20:])
+    return f"the build with {' '.join(compiler())} failed (exit {code}):\n{tail}"
