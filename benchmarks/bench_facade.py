@@ -108,11 +108,11 @@ def python_path(fn: Fn) -> Fn:
     """``fn`` with the compiled hot path out of force (the pure-Python path)."""
 
     def plain() -> torch.Tensor:
-        ops._hot, ops._call_hot = None, ops._python_call_hot
+        ops._lookup, ops._call_hot = None, ops._python_call_hot
         try:
             return fn()
         finally:
-            ops._hot, ops._call_hot = ops._NATIVE, ops._NATIVE.call
+            ops._lookup, ops._call_hot = ops._LOOKUP, ops._CALL_HOT
 
     return plain
 

@@ -70,14 +70,14 @@ def measure() -> dict[str, list[str]]:
     torch.set_num_threads(1)
     w = torch.ones(512)
     dispatch.refresh()
-    compiled, ops._hot = ops._hot, None  # the Python path (the compiled one has no frames)
+    compiled, ops._lookup = ops._lookup, None  # the Python path (the compiled one has no frames)
     try:
         ops.rms_norm(torch.randn(1, 1, 512), w)  # the snapshot's first call: probes, key plan
         x = torch.randn(1, 512)  # one decode token again, a signature not decided yet
         miss = path_of(lambda: ops.rms_norm(x, w))
         hit = path_of(lambda: ops.rms_norm(x, w))
     finally:
-        ops._hot = compiled
+        ops._lookup = compiled
     return {"miss": miss, "hit": hit}
 
 

@@ -33,11 +33,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def hot(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The facades with the compiled hot path in force."""
+    """The facades with the compiled hot path in force (plans made from now on)."""
+    for name in ("_LOOKUP", "_lookup", "_CALL_HOT", "_call_hot"):
+        monkeypatch.setattr(ops, name, built.lookup)
     monkeypatch.setattr(ops, "_NATIVE", built)
-    monkeypatch.setattr(ops, "_hot", built)
-    monkeypatch.setattr(ops, "_call_hot", built.call)
+    monkeypatch.setattr(state, "hot_planner", built.plan)
+    state.reset()  # a snapshot whose routes make their plans with it
     yield built
+    monkeypatch.undo()
+    state.reset()
+
+
+def _hot_args(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A facade call's arguments as the facade hands them to the compiled path."""
+    return (*args, False, False) if name == "rms_norm" and len(args) == 3 else args
+
+
+def _ask(hot: ModuleType, name: str, args: tuple[Any, ...]) -> Any:
+    return hot.lookup(ops._LAST[name], *_hot_args(name, args))
 
 
 def _full(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -62,7 +75,7 @@ def _agrees(hot: ModuleType, name: str, args: tuple[Any, ...]) -> bool:
     """Ask the route, then the compiled path: True when the compiled path answered. It
     must answer with the route's decision and never a call the route refuses."""
     served = _route(name, args)
-    got = getattr(hot, name)(ops._LAST[name], *args)
+    got = _ask(hot, name, args)
     if got is None:
         return False
     assert not isinstance(served, Exception), (name, args, served)
@@ -71,7 +84,9 @@ def _agrees(hot: ModuleType, name: str, args: tuple[Any, ...]) -> bool:
 
 
 def _t(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, **kw: Any) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, **kw)
+    """A tensor of ``shape`` holding no memory of its own (one zero, expanded): only its
+    metadata is read."""
+    return torch.zeros((), dtype=dtype, **kw).expand(shape)
 
 
 def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
@@ -117,7 +132,7 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
         kv = rng.choice([1, 2, 8]) if h == 8 else 1
         qa = _t((b, s, h, dd), dt())
         ka = _t((rng.choice([b, b + 1]), rng.choice([s, 7]), kv, dd), rng.choice([qa.dtype, dt()]))
-        va = rng.choice([torch.zeros_like(ka), _t((ka.shape[0], ka.shape[1], kv, dd + 1))])
+        va = rng.choice([_t(tuple(ka.shape), ka.dtype), _t((ka.shape[0], ka.shape[1], kv, dd + 1))])
         yield "attention", (qa, ka, va, None, rng.choice([None, None, _t((1, 1, s, 7))]),
                             rng.choice([None, None, "prefill", "decode", "bad"]))
 
@@ -155,7 +170,7 @@ NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
 def test_a_common_call_is_answered_once_its_route_decided_it(hot: ModuleType,
                                                              name: str) -> None:
     args = _common(name)
-    assert getattr(hot, name)(ops._LAST[name], *args) is None  # nothing decided yet
+    assert _ask(hot, name, args) is None  # nothing decided yet
     assert _agrees(hot, name, args)
 
 
@@ -164,7 +179,10 @@ def test_a_change_of_world_is_declined(hot: ModuleType, name: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     args = _common(name)
     assert _agrees(hot, name, args)
-    fn = getattr(hot, name)
+
+    def fn(last: Any, *args: Any) -> Any:
+        return hot.lookup(last, *_hot_args(name, args))
+
     family = ops._CALLS[name].family
     row = {"linear": "torch", "attention": "math"}.get(family, "reference")
     with d.op_backend(**{family: row}):
@@ -185,10 +203,10 @@ def test_an_rms_norm_form_is_answered_with_its_own_decision(hot: ModuleType,
     x, w, eps = _common("rms_norm")
     last = ops._LAST["rms_norm"]
     flags = ("weight_offset" in asked, "cast_before_weight" in asked)
-    assert hot.rms_norm(last, x, w, eps, *flags) is None
+    assert hot.lookup(last, x, w, eps, *flags) is None
     served = ops._PLAIN["rms_norm"](None, (x, w, eps, asked))
-    assert hot.rms_norm(last, x, w, eps, *flags).call is served
-    assert hot.rms_norm(last, x, w, eps, 1, 0) is None  # the forms are booleans
+    assert hot.lookup(last, x, w, eps, *flags).call is served
+    assert hot.lookup(last, x, w, eps, 1, 0) is None  # the forms are booleans
     form = ops.rms_norm_form(**asked)
     d.reset_stats()
     torch.testing.assert_close(form(x, w, eps), ops.rms_norm(x, w, eps, **asked))
@@ -209,13 +227,13 @@ def test_what_python_could_read_otherwise_is_declined(hot: ModuleType) -> None:
     x, w, eps = _common("rms_norm")
     assert _agrees(hot, "rms_norm", (x, w, eps))
     last = ops._LAST["rms_norm"]
-    assert hot.rms_norm(last, x.as_subclass(_Sub), w, eps) is None
+    assert hot.lookup(last, x.as_subclass(_Sub), w, eps, False, False) is None
     with _Mode():
-        assert hot.rms_norm(last, x, w, eps) is None
-    assert hot.rms_norm(last, x.to_sparse(), w, eps) is None
-    assert hot.rms_norm(last, x, w) is None  # a wrong arity is not answered
-    assert hot.rms_norm(last, x, torch.nn.Parameter(w), eps) is not None
-    assert hot.rms_norm([], x, w, eps) is None  # not a route's last world
+        assert hot.lookup(last, x, w, eps, False, False) is None
+    assert hot.lookup(last, x.to_sparse(), w, eps, False, False) is None
+    assert hot.lookup(last, x, w, eps) is None  # a wrong arity is not answered
+    assert hot.lookup(last, x, torch.nn.Parameter(w), eps, False, False) is not None
+    assert hot.lookup([], x, w, eps, False, False) is None  # not a route's last world
 
 
 def test_sizes_whose_product_overflows_are_declined(hot: ModuleType) -> None:
@@ -227,16 +245,14 @@ def test_sizes_whose_product_overflows_are_declined(hot: ModuleType) -> None:
     assert not _agrees(hot, "rms_norm", (big, w, 1e-6))
 
 
-def test_a_method_shadowed_on_the_tensor_is_declined(hot: ModuleType) -> None:
+def test_a_method_shadowed_on_the_tensor_changes_neither_reading(hot: ModuleType) -> None:
+    """Both paths read only attributes an instance cannot shadow (shape, dtype)."""
     x, f = _common("rotary")
     assert _agrees(hot, "rotary", (x, f))
     odd = f.clone()
     odd.is_floating_point = lambda: False  # type: ignore[method-assign]
-    assert isinstance(_route("rotary", (x, odd)), Exception)  # Python reads the attribute
-    assert hot.rotary(ops._LAST["rotary"], x, odd) is None
-    tagged = f.clone()
-    tagged._is_hf_initialized = True  # other attributes change nothing
-    assert hot.rotary(ops._LAST["rotary"], x, tagged) is not None
+    odd.dim = lambda: 7  # type: ignore[method-assign]
+    assert _agrees(hot, "rotary", (x, odd))
 
 
 def test_facades_with_the_compiled_path_serve_count_and_refuse_as_before(
@@ -265,10 +281,10 @@ def test_a_recording_sees_every_call_with_the_compiled_path_loaded(hot: ModuleTy
     x, w = torch.randn(2, 16), torch.randn(16)
     ops.rms_norm(x, w)
     with d.record() as rec:
-        assert ops._hot is None
+        assert ops._lookup is None
         ops.rms_norm(x, w)
         ops.rms_norm(x, w)
-    assert ops._hot is hot
+    assert ops._lookup is hot.lookup
     assert sum(c.count for c in rec.calls) == 2
 
 
@@ -290,7 +306,7 @@ def _user_family(write_yaml: Callable[[str, str], Path], when: str = "ndim == 3"
 def test_ops_call_keeps_the_decision_of_a_first_tensor_call(
         compiled: bool, request: pytest.FixtureRequest,
         write_yaml: Callable[[str, str], Path]) -> None:
-    impl = request.getfixturevalue("hot").call if compiled else ops._python_call_hot
+    impl = request.getfixturevalue("hot").lookup if compiled else ops._python_call_hot
     _user_family(write_yaml)
     x3, x2 = torch.zeros(1, 2, 3), torch.zeros(2, 2)
     assert ops.call("mine", x3) == "fast"
@@ -320,8 +336,8 @@ def test_ops_call_keeps_nothing_when_the_specs_read_a_lazy_axis(
     assert last is None or ops._python_call_hot(last, torch.zeros(2)) is None
 
 
-def _run(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+def _run(env: dict[str, str], code: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                           env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
 
 
@@ -487,3 +503,257 @@ def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:
 def test_built_is_loaded_by_a_new_process(built: ModuleType) -> None:
     done = _run({"ASTR_NATIVE": ""}, STATUS)  # unset: auto
     assert "CPU kernels): loaded (built)" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("name", "table"), [
+    ("rms_norm", """\
+        version: 1
+        family: rms_norm
+        fallback: reference
+        rows:
+          - name: torch
+            impl: astrai.backends.rms_norm:torch_rms_norm
+            when: device == cpu and tokens < 64
+          - name: reference
+            impl: astrai.backends.rms_norm:reference_rms_norm
+        """),
+    ("attention", """\
+        version: 1
+        family: attention
+        fallback: math
+        rows:
+          - name: torch_native
+            impl: astrai.backends.attention.sdpa:sdpa_attention
+            when: q_len < kv_len and heads >= 4 and device == cpu
+          - name: math
+            impl: astrai.backends.attention.math:math_attention
+        """),
+])
+def test_tables_comparing_device_and_pairs_keep_the_compiled_path(
+        hot: ModuleType, write_yaml: Callable[[str, str], Path], name: str, table: str) -> None:
+    """A table comparing ``device``, or two lazy axes with each other, is read by the
+    compiled path too (its key plan is data): such calls are answered, and
+    ``astrai-ops native``'s per-facade line says so."""
+    d.load_tables(write_yaml(f"{name}.yaml", table))
+    args = _common(name)
+    assert _ask(hot, name, args) is None
+    assert _agrees(hot, name, args)
+    assert ops.compiled_path()[name] is None
+    for _ in range(3):
+        assert _ask(hot, name, args) is not None
+
+
+def test_a_recording_is_said_to_take_the_compiled_path_off(hot: ModuleType) -> None:
+    with d.record():
+        assert set(ops.compiled_path().values()) == {
+            "a recording is in force (it takes every call through its route)"}
+        text = d.explain("rms_norm", ops.context("rms_norm", torch.zeros(2, 4), torch.ones(4)))
+        assert "the compiled hot path reads no rms_norm call here: a recording" in text
+    assert set(ops.compiled_path().values()) == {None}
+    assert "compiled hot path" not in d.explain(
+        "rms_norm", ops.context("rms_norm", torch.zeros(2, 4), torch.ones(4)))
+
+
+#: Python code run in the middle of a compiled call replaces the route's last world (the
+#: rms_norm route keeps one decision, so a call of another signature replaces it) and
+#: frees the one the call read, then fills the freed memory with a world whose decision
+#: is ``Stale``. A call that kept reading what it read before is answered ``Stale``;
+#: ``argv``: the built module, and where the Python code runs - ``key-object`` /
+#: ``key-str``, the ``__eq__`` of a key in x's ``__dict__`` hashing as ``dim`` (an object,
+#: a str subclass); ``gc-here`` / ``gc-thread``, a collection started by allocating the
+#: call's key (a gc callback, the call made in this thread or another); ``gc-world``, the
+#: same collection changing the world (``ASTR_OPS``), after which the call is declined.
+MID_CALL = """\
+import gc, itertools, os, sys, threading
+from pathlib import Path
+
+import torch
+
+from astrai import native, ops
+from astrai.dispatch.resolution import set_max_decisions
+
+hot = native.load_from(Path(sys.argv[1]))
+ops._adopt(hot)
+how = sys.argv[2]
+x, w = torch.randn(2, 16), torch.randn(16)
+want = ops._PLAIN["rms_norm"](None, (x, w, 1e-6, {}))(x, w, 1e-6)
+set_max_decisions(1)
+last = ops._LAST["rms_norm"]
+ops.rms_norm(x, w)
+world, decisions, plan = last[0][0], last[0][1], last[0][3]
+assert plan is not None
+(decided,) = decisions.values()
+
+
+class Stale:
+    counter = itertools.count()
+    call = staticmethod(lambda *a, **k: "stale")
+
+
+held = []
+
+
+def replace_last_world():
+    old = last[0]
+    other = lambda: ops.rms_norm(torch.randn(3, 2, 8), torch.randn(8))
+    if how == "gc-thread":
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    else:
+        other()
+    assert last[0] is not old
+    stale = {k: Stale() for k in decisions}
+    stale[(torch.float32, False, 2, torch.is_grad_enabled())] = Stale()
+    drain = [(i, i, i, i) for i in range(3000)]  # no free tuple of four left
+    del old  # freed: the next tuple of four takes its memory
+    held.extend((world, stale, None, plan) for _ in range(100))
+    held.append(drain)
+
+
+if how.startswith("key"):
+    class Key(str if how == "key-str" else object):
+        armed = True
+
+        def __hash__(self):
+            return hash("dim")
+
+        def __eq__(self, other):
+            if Key.armed:
+                Key.armed = False
+                replace_last_world()
+            return False
+
+    odd = x.clone()
+    odd.__dict__[Key()] = 1
+    out = ops.rms_norm(odd, w)
+    assert isinstance(out, torch.Tensor), out
+    torch.testing.assert_close(out, want)
+else:
+    in_call, fired = [False], []
+
+    def hook(phase, info):
+        if phase == "start" and in_call[0] and not fired:
+            fired.append(True)
+            gc.set_threshold(*saved)
+            if how == "gc-world":
+                os.environ["ASTR_OPS"] = "rms_norm=reference"
+            else:
+                replace_last_world()
+
+    saved = gc.get_threshold()
+    gc.callbacks.append(hook)
+    gc.collect()
+    gc.set_threshold(10**6)
+    drain5 = [(i, i, i, i, i) for i in range(3000)]  # the key, a tuple of five, is new:
+    gc.set_threshold(1)  # allocating it starts a collection
+    in_call[0] = True
+    got = hot.lookup(last, x, w, 1e-6, False, False)
+    in_call[0] = False
+    gc.set_threshold(*saved)
+    gc.callbacks.remove(hook)
+    assert fired, "no collection in the call"
+    if how == "gc-world":
+        assert got is None, got
+        assert ops._PLAIN["rms_norm"](None, (x, w, 1e-6, {})) is not decided.call
+    else:
+        assert got is decided, got
+        out = got.call(x, w, 1e-6)
+        assert isinstance(out, torch.Tensor), out
+        torch.testing.assert_close(out, want)
+print("served as the Python path serves it")
+"""
+
+
+@pytest.mark.parametrize("how", ["key-object", "key-str", "gc-here", "gc-thread", "gc-world"])
+def test_python_code_run_mid_call_cannot_make_it_read_a_freed_or_stale_world(
+        built: ModuleType, how: str) -> None:
+    done = _run({"ASTR_NATIVE": "off"}, MID_CALL, str(built.__file__), how)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "served as the Python path serves it" in done.stdout
+
+
+#: The built module imported as it is, its ``setup`` never called: each function that
+#: reads the process state raises a RuntimeError saying so (a bad ``setup`` leaves it so).
+NOT_SET_UP = """\
+import importlib.util, sys
+
+import torch
+
+from astrai import native
+from astrai.dispatch.reading import Layout, encode
+from astrai.ops._families import RMS_NORM_READING
+
+path = native._path()
+assert path.exists(), path
+spec = importlib.util.spec_from_file_location("_astrai_hot", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+x, w = torch.zeros(2, 8), torch.zeros(8)
+q, c = torch.zeros(1, 2, 3, 8), torch.zeros(1, 3, 8)
+plan = module.plan(*encode(RMS_NORM_READING, Layout()))  # a plan reads no process state
+last = [((None,) * 5, {}, None, plan)]
+calls = {
+    "lookup": (last, x, w, 1e-6, False, False), "key": (plan, x, w, 1e-6, False, False),
+    "rms_norm_kernel": (x, w, 1e-6, 0.0, False), "rotary_half_kernel": (q, q, c, c, 1),
+}
+
+
+def every_call_raises():
+    for name, args in calls.items():
+        try:
+            getattr(module, name)(*args)
+        except RuntimeError as e:
+            assert "never set up" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name} answered without setup")
+
+
+every_call_raises()
+try:
+    module.setup({}, None, {}, b"ASTR_OPS", torch.Tensor, torch.nn.Parameter)
+except TypeError:
+    pass
+else:
+    raise AssertionError("setup took a scope variable that is not a ContextVar")
+every_call_raises()
+print("every function raised")
+"""
+
+
+def test_a_module_never_set_up_raises_instead_of_crashing(built: ModuleType) -> None:
+    done = _run({"ASTR_NATIVE": "off"}, NOT_SET_UP)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "every function raised" in done.stdout
+
+
+def test_a_kernel_given_an_object_whose_class_raises_raises(built: ModuleType) -> None:
+    done = _run({"ASTR_NATIVE": "off"}, """\
+import sys
+from pathlib import Path
+
+import torch
+
+from astrai import native
+
+kernels = native.load_from(Path(sys.argv[1]))
+
+
+class Odd:
+    @property
+    def __class__(self):
+        raise ValueError("no class")
+
+
+for call in (lambda: kernels.rms_norm_kernel(Odd(), torch.zeros(4), 1e-6, 0.0, False),
+             lambda: kernels.rotary_half_kernel(Odd(), Odd(), Odd(), Odd(), 1)):
+    try:
+        call()
+    except TypeError as e:
+        assert "must be a tensor" in str(e), e
+    else:
+        raise AssertionError("a kernel took an object that is not a tensor")
+print("refused")
+""", str(built.__file__))
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "refused" in done.stdout

@@ -25,4 +25,8 @@ def cmd_native(args: argparse.Namespace) -> int:
         print("processes started from now on load it (ASTR_NATIVE=off turns it off)")
         return OK
     print(native.status())
+    from astrai import ops
+
+    for name, why in ops.compiled_path().items():
+        print(f"  compiled hot path, {name}: {'reads its common calls' if why is None else why}")
     return OK

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext, context_fields, format_value, unremarkable
 from astrai.dispatch.env import LOCK_ENV
 from astrai.dispatch.plugins import in_use
@@ -132,6 +133,8 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     notes: list[str] = list(view.notes)
     notes += [describe(p.name, p.provenance) for p in map(state.profiles.get, view.profiles)
               if p is not None and p.provenance is not None]
+    if process.hot_notes is not None:
+        notes += process.hot_notes(family, state)
     row = origin = error = None
     try:
         res = evaluate(family, ctx, explicit, state=state, notes=notes)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from astrai.dispatch.axes import AXES, BASE_AXES, LAZY_AXES, CallContext
 from astrai.dispatch.expr.analysis import Comparisons, comparisons
 from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.reading import Layout, layout
 
 if TYPE_CHECKING:
     from astrai.dispatch.registry import Registry
@@ -124,6 +125,20 @@ class KeyPlan:
         if pairs or points is None:
             return None
         return readers[needed[0]], points
+
+    def layout(self, names: tuple[str, ...], lazy: tuple[str, ...]) -> Layout:
+        """What the specs add to the base values ``names`` of a call whose lazy axes are
+        ``lazy`` (in the reader's order), as data for the compiled hot path: the same key
+        ``reader`` makes."""
+        needed = tuple(n for n in lazy if n in self.compared)
+        if not needed or self.extend(names, needed) is None:
+            return Layout()
+        if self.found.opaque:
+            return Layout(tuple(("raw", axis) for axis in needed))
+        steps, pairs = self._plan(names, needed)
+        return layout([(needed[i], points) for i, points in steps],
+                      [tuple(("lazy", needed[i]) if in_lazy else ("base", i)  # type: ignore[misc]
+                             for in_lazy, i in pair) for pair in pairs])
 
     def _plan(self, names: tuple[str, ...], lazy: tuple[str, ...]
               ) -> tuple[list[tuple[int, tuple[int, ...] | None]],

@@ -54,6 +54,15 @@ UNCACHED: itertools.count[int] = itertools.count()
 #: Calls a row handed to another computation per (family, row, what computed them): a
 #: ``native`` row's call its kernel declined, computed with torch's operations.
 handoffs: dict[tuple[str, str, str], itertools.count[int]] = {}
+#: The compiled hot path's ``plan`` (``astrai.native``) while it is in use, else ``None``:
+#: a facade's route makes its plan for a snapshot with it.
+hot_planner: Callable[..., Any] | None = None
+#: What a snapshot's routes found about the compiled hot path, per facade: ``None`` where
+#: it reads the facade's calls, else why not.
+hot_status: dict[str, str | None] = {}
+#: ``(family, snapshot) -> notes``: why the compiled hot path, in use, reads no call of a
+#: family's facade there (set by ``astrai.ops``; ``explain`` adds its notes).
+hot_notes: Callable[[str, Any], list[str]] | None = None
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
 

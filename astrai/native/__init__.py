@@ -139,9 +139,13 @@ def status() -> NativeStatus:
 def _setup(module: ModuleType) -> None:
     from astrai.dispatch import state as process
     from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY
+    from astrai.dispatch.reading import GUARDS, ITEMS, VALUES
     from astrai.dispatch.scopes import scope_variable
 
     if ENVIRON_DATA is None:  # pragma: no cover - platforms without os.environ._data
         raise ImportError("this platform's os.environ has no raw dict to read")
+    if module.opcodes() != (GUARDS, VALUES, ITEMS):
+        raise ImportError("the built extension reads other opcodes than "
+                          "astrai.dispatch.reading names: rebuild it")
     module.setup(vars(process), scope_variable(), ENVIRON_DATA, OPS_KEY, torch.Tensor,
                  torch.nn.Parameter)

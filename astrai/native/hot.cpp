@@ -1,14 +1,21 @@
-// The facades' hot path, compiled: for a call in the facade's last world, the
-// decision the route already took for the call's key, or None.
+// The facades' hot path, compiled: for a call in the facade's last world, the decision
+// the route already took for the call's key, or None.
 //
-// Each function takes the route's ``last`` list (``astrai.ops._facade.route``) and the
-// call's arguments. It answers only a call it can read exactly as the Python path reads
-// it - plain tensors (torch.Tensor or nn.Parameter, strided, not nested, no symbolic
-// sizes, no __torch_function__ in force) in the common well-formed shapes - and builds
-// the very key the route keys that call by: the base values ``describe`` returns, and
-// where the table compares one int lazy axis with constants, the index of its interval.
+// It knows no family. A facade's route hands it, with its last world, a *plan*: the
+// family's reading of its common calls (``astrai.dispatch.reading``: guards, base values,
+// lazy values, as opcodes) and the key layout the snapshot's specs ask for (intervals of
+// lazy axes between cut points, raw lazy values, signs of compared pairs). ``lookup``
+// runs that data on a call: it answers only a call it reads exactly as the Python path
+// reads it - plain tensors (torch.Tensor or nn.Parameter, strided, not nested, no
+// symbolic sizes, no __torch_function__ in force) passing one case's guards - builds the
+// very key the route keys that call by, and looks it up in the last world's decisions.
 // Any other call, and any change of world, is None: the Python route serves it and
-// validates it, raising for a malformed one. Nothing here raises.
+// validates it, raising for a malformed one. Nothing here raises, but a call of a module
+// never set up, which is a RuntimeError.
+//
+// Every Python object read across a point where Python code may run (a tensor's
+// attribute lookup, an allocation that starts a garbage collection, a finalizer that
+// switches threads) is held by a strong reference for as long as it is read.
 
 #include <Python.h>
 
@@ -16,6 +23,14 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <new>
+#include <vector>
+
+bool astrai_set_up();
 
 namespace {
 
@@ -27,31 +42,31 @@ struct Globals {
   PyObject* ops_key = nullptr;   // ASTR_OPS as that dict stores it
   PyObject* tensor = nullptr;    // torch.Tensor
   PyObject* parameter = nullptr; // torch.nn.Parameter
-  PyObject* half = nullptr;      // "half"
-  PyObject* dim = nullptr;       // "dim" and "is_floating_point": the methods the Python
-  PyObject* floating = nullptr;  // path calls, which an instance attribute could shadow
+  PyObject* cpu = nullptr;       // "cpu", interned: the common device type
 };
 Globals g;
 
-constexpr int kMaxLazy = 5;
+bool ready() { return g.process != nullptr; }
+
+// A strong reference, released when it goes out of scope.
+struct Ref {
+  PyObject* o = nullptr;
+  Ref() = default;
+  explicit Ref(PyObject* borrowed) : o(borrowed) { Py_XINCREF(o); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  ~Ref() { Py_XDECREF(o); }
+};
 
 // A tensor this file reads as Python would: its exact type is Tensor or Parameter and
-// nothing (subclass hook, mode) could make Python read it otherwise.
+// nothing (subclass hook, mode) could make Python read it otherwise. (The Python readings
+// use only attributes an instance cannot shadow: shape, dtype, is_cuda, device.)
 const at::Tensor* plain(PyObject* obj) {
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj));
   if (type != g.tensor && type != g.parameter) return nullptr;
   // The exact types' own __torch_function__ is torch's disabled one: only a mode can
   // step in.
   if (at::impl::torch_function_mode_enabled()) return nullptr;
-  PyObject** own = _PyObject_GetDictPtr(obj);
-  if (own != nullptr && *own != nullptr && PyDict_GET_SIZE(*own) > 0) {
-    if (PyDict_GetItemWithError(*own, g.dim) != nullptr ||
-        PyDict_GetItemWithError(*own, g.floating) != nullptr) return nullptr;
-    if (PyErr_Occurred()) {
-      PyErr_Clear();
-      return nullptr;
-    }
-  }
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.layout() != c10::kStrided || t.is_nested()) return nullptr;
   if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;
@@ -59,8 +74,8 @@ const at::Tensor* plain(PyObject* obj) {
   return &t;
 }
 
-// ``dict.get`` of an environment dict: the value (borrowed), Py_None when absent,
-// nullptr on error (cleared).
+// ``dict.get`` of an environment dict: the value (borrowed, compared by identity only),
+// Py_None when absent, nullptr on error (cleared).
 PyObject* env_get(PyObject* key) {
   PyObject* got = PyDict_GetItemWithError(g.environ, key);
   if (got == nullptr) {
@@ -73,7 +88,8 @@ PyObject* env_get(PyObject* key) {
   return got;
 }
 
-// ``world.in_force(world)``: the same objects as now, by identity.
+// ``world.in_force(world)``: the same objects as now, by identity. ``world`` is held by
+// the caller.
 bool in_force(PyObject* world) {
   if (!PyTuple_Check(world) || PyTuple_GET_SIZE(world) != 5) return false;
   PyObject* snap = PyDict_GetItemWithError(g.process, g.snapshot);
@@ -96,79 +112,309 @@ bool in_force(PyObject* world) {
   return true;
 }
 
-// The route's last world, if it is in force: (world, decisions, keyer, hot). nullptr
-// otherwise.
-PyObject* seen_in_force(PyObject* last) {
-  if (!PyList_Check(last) || PyList_GET_SIZE(last) != 1) return nullptr;
-  PyObject* seen = PyList_GET_ITEM(last, 0);
-  if (!PyTuple_Check(seen) || PyTuple_GET_SIZE(seen) != 4) return nullptr;
-  if (!PyDict_Check(PyTuple_GET_ITEM(seen, 1))) return nullptr;
-  if (!in_force(PyTuple_GET_ITEM(seen, 0))) return nullptr;
-  return seen;
+// -- plans ----------------------------------------------------------------------------
+
+// Opcodes, in the order of astrai.dispatch.reading's GUARDS and VALUES.
+enum Guard {
+  G_TENSOR, G_TENSOR_OR_NONE, G_IS, G_FLOAT_GE0, G_INT_EQ, G_BOOL, G_NDIM, G_NDIM_GE,
+  G_SIZE_EQ, G_SIZE_IS, G_SIZE_GE, G_SIZE_EVEN, G_SIZE_DIV, G_SIZE_TWICE, G_SHAPE_EQ,
+  G_DTYPE_EQ, G_FLOATING, G_ANY, G_COUNT
+};
+enum Value {
+  V_DTYPE, V_CUDA, V_NDIM, V_SIZE, V_GRAD, V_CONST, V_ARG, V_ROWS, V_PROD, V_DEVICE,
+  V_SM, V_COUNT
+};
+enum Item { I_INTERVAL, I_RAW, I_SIGN };
+
+struct Op {
+  int code = 0;
+  int64_t x[4] = {0, 0, 0, 0};
+  std::vector<std::vector<Op>> groups;  // G_ANY
+};
+
+struct Case {
+  std::vector<Op> guards;
+  std::vector<Op> base;
+  std::vector<Op> lazy;  // one per lazy slot; code -1 where this case cannot read it
+};
+
+struct KeyItem {
+  int kind = 0;
+  int slot = 0;                 // I_INTERVAL, I_RAW: the lazy slot
+  std::vector<int64_t> points;  // I_INTERVAL
+  int side[2][2] = {{0, 0}, {0, 0}};  // I_SIGN: (0 lazy / 1 base, index) per side
+};
+
+struct Plan {
+  int arity = 0;
+  std::vector<Case> cases;
+  std::vector<PyObject*> consts;  // owned
+  std::vector<KeyItem> items;
+  int slots = 0;
+  ~Plan() {
+    for (PyObject* c : consts) Py_XDECREF(c);
+  }
+};
+
+constexpr const char* kCapsule = "astrai.native.plan";
+
+void drop_plan(PyObject* capsule) {
+  delete static_cast<Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
 }
 
-// The key of a call whose base values are ``base`` (``n`` new references, stolen) and
-// whose hot-readable lazy axes are ``lazy``, looked up in ``seen``'s decisions: the
-// decision (a new reference) or None.
-PyObject* answer(PyObject* seen, PyObject** base, int n, const int64_t* lazy, int nlazy) {
-  PyObject* hot = PyTuple_GET_ITEM(seen, 3);
-  int64_t index = -1;
-  for (int i = 0; i < n; ++i) {
-    if (base[i] == nullptr) {  // out of memory making a value
-      PyErr_Clear();
-      goto decline;
-    }
+// Parsing a plan: a ``ValueError`` naming what is wrong (the plan comes from Python code
+// of astrai's, so this is a bug report, not a user error).
+struct BadPlan {
+  const char* what;
+};
+
+int64_t as_int(PyObject* o) {
+  long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw BadPlan{"an operand is not an int"};
   }
-  if (hot != Py_None) {
-    // (code, points): the interval of lazy axis ``code`` between the sorted cut points.
-    if (!PyTuple_Check(hot) || PyTuple_GET_SIZE(hot) != 2) goto decline;
-    {
-      long code = PyLong_AsLong(PyTuple_GET_ITEM(hot, 0));
-      PyObject* points = PyTuple_GET_ITEM(hot, 1);
-      if (code < 0 || code >= nlazy || !PyTuple_Check(points)) {
-        PyErr_Clear();
-        goto decline;
-      }
-      int64_t value = lazy[code];
-      if (value < 0) goto decline;  // not read exactly (rows)
-      index = 0;
-      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(points); ++i) {
-        long long point = PyLong_AsLongLong(PyTuple_GET_ITEM(points, i));
-        if (point == -1 && PyErr_Occurred()) {
-          PyErr_Clear();
-          goto decline;
-        }
-        if (point <= value) index = i + 1;
-        else break;
-      }
-    }
-  }
-  {
-    PyObject* key = PyTuple_New(n + (index >= 0 ? 1 : 0));
-    if (key == nullptr) goto decline;
-    for (int i = 0; i < n; ++i) PyTuple_SET_ITEM(key, i, base[i]);
-    if (index >= 0) {
-      PyObject* i = PyLong_FromLongLong(index);
-      if (i == nullptr) {
-        PyErr_Clear();
-        Py_DECREF(key);
-        Py_RETURN_NONE;
-      }
-      PyTuple_SET_ITEM(key, n, i);
-    }
-    PyObject* d = PyDict_GetItemWithError(PyTuple_GET_ITEM(seen, 1), key);
-    Py_DECREF(key);
-    if (d == nullptr) {
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-    Py_INCREF(d);
-    return d;
-  }
-decline:
-  for (int i = 0; i < n; ++i) Py_XDECREF(base[i]);
-  Py_RETURN_NONE;
+  return static_cast<int64_t>(v);
 }
+
+PyObject* item(PyObject* seq, Py_ssize_t i) {
+  if (!PyTuple_Check(seq) || i >= PyTuple_GET_SIZE(seq)) throw BadPlan{"a tuple is too short"};
+  return PyTuple_GET_ITEM(seq, i);
+}
+
+Py_ssize_t length(PyObject* seq) {
+  if (!PyTuple_Check(seq)) throw BadPlan{"a tuple was expected"};
+  return PyTuple_GET_SIZE(seq);
+}
+
+Op parse_op(PyObject* t, bool guard, int arity, size_t nconsts);
+
+std::vector<Op> parse_ops(PyObject* seq, bool guard, int arity, size_t nconsts) {
+  std::vector<Op> out;
+  for (Py_ssize_t i = 0; i < length(seq); ++i)
+    out.push_back(parse_op(item(seq, i), guard, arity, nconsts));
+  return out;
+}
+
+Op parse_op(PyObject* t, bool guard, int arity, size_t nconsts) {
+  Op op;
+  op.code = static_cast<int>(as_int(item(t, 0)));
+  if (op.code < 0 || op.code >= (guard ? G_COUNT : V_COUNT)) throw BadPlan{"unknown opcode"};
+  if (guard && op.code == G_ANY) {
+    for (Py_ssize_t i = 1; i < length(t); ++i)
+      op.groups.push_back(parse_ops(item(t, i), true, arity, nconsts));
+    return op;
+  }
+  Py_ssize_t n = length(t) - 1;
+  if (n > 4) throw BadPlan{"too many operands"};
+  for (Py_ssize_t i = 0; i < n; ++i) op.x[i] = as_int(item(t, i + 1));
+  // Argument operands in range, constants known.
+  bool no_arg = !guard && (op.code == V_GRAD || op.code == V_CONST);
+  if (!no_arg && (n < 1 || op.x[0] < 0 || op.x[0] >= arity)) throw BadPlan{"argument index"};
+  if (guard && op.code == G_IS && (n < 2 || op.x[1] < 0 || static_cast<size_t>(op.x[1]) >= nconsts))
+    throw BadPlan{"constant index"};
+  if (!guard && op.code == V_CONST && (n < 1 || op.x[0] < 0 || static_cast<size_t>(op.x[0]) >= nconsts))
+    throw BadPlan{"constant index"};
+  bool pair = guard ? (op.code == G_SIZE_EQ || op.code == G_SIZE_DIV || op.code == G_SIZE_TWICE)
+                    : op.code == V_PROD;
+  if (pair && (n < 4 || op.x[2] < 0 || op.x[2] >= arity)) throw BadPlan{"argument index"};
+  if (guard && op.code == G_SHAPE_EQ && (n < 2 || op.x[1] < 0 || op.x[1] >= arity))
+    throw BadPlan{"argument index"};
+  if (guard && op.code == G_DTYPE_EQ && (n < 2 || op.x[1] < 0 || op.x[1] >= arity))
+    throw BadPlan{"argument index"};
+  return op;
+}
+
+// plan(arity, cases, consts, items, slots) -> capsule; see astrai.dispatch.reading.encode.
+PyObject* make_plan(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 5) {
+    PyErr_SetString(PyExc_TypeError, "plan(arity, cases, consts, items, slots)");
+    return nullptr;
+  }
+  std::unique_ptr<Plan> plan(new (std::nothrow) Plan());
+  if (!plan) return PyErr_NoMemory();
+  try {
+    plan->arity = static_cast<int>(as_int(args[0]));
+    plan->slots = static_cast<int>(as_int(args[4]));
+    if (plan->arity < 0 || plan->arity > 16 || plan->slots < 0 || plan->slots > 16)
+      throw BadPlan{"arity or slots out of range"};
+    for (Py_ssize_t i = 0; i < length(args[2]); ++i) {
+      PyObject* c = item(args[2], i);
+      Py_INCREF(c);
+      plan->consts.push_back(c);
+    }
+    size_t nconsts = plan->consts.size();
+    for (Py_ssize_t i = 0; i < length(args[1]); ++i) {
+      PyObject* c = item(args[1], i);
+      Case one;
+      one.guards = parse_ops(item(c, 0), true, plan->arity, nconsts);
+      one.base = parse_ops(item(c, 1), false, plan->arity, nconsts);
+      PyObject* lazy = item(c, 2);
+      if (length(lazy) != plan->slots) throw BadPlan{"a case's lazy values are not one per slot"};
+      for (Py_ssize_t j = 0; j < plan->slots; ++j) {
+        PyObject* v = item(lazy, j);
+        if (v == Py_None) {
+          Op none;
+          none.code = -1;
+          one.lazy.push_back(none);
+        } else {
+          one.lazy.push_back(parse_op(v, false, plan->arity, nconsts));
+        }
+      }
+      plan->cases.push_back(std::move(one));
+    }
+    for (Py_ssize_t i = 0; i < length(args[3]); ++i) {
+      PyObject* it = item(args[3], i);
+      KeyItem k;
+      k.kind = static_cast<int>(as_int(item(it, 0)));
+      if (k.kind == I_INTERVAL || k.kind == I_RAW) {
+        k.slot = static_cast<int>(as_int(item(it, 1)));
+        if (k.slot < 0 || k.slot >= plan->slots) throw BadPlan{"slot index"};
+        if (k.kind == I_INTERVAL) {
+          PyObject* pts = item(it, 2);
+          for (Py_ssize_t j = 0; j < length(pts); ++j) k.points.push_back(as_int(item(pts, j)));
+        }
+      } else if (k.kind == I_SIGN) {
+        for (int s = 0; s < 2; ++s) {
+          k.side[s][0] = static_cast<int>(as_int(item(it, 1 + 2 * s)));
+          k.side[s][1] = static_cast<int>(as_int(item(it, 2 + 2 * s)));
+          if (k.side[s][0] == 0 && (k.side[s][1] < 0 || k.side[s][1] >= plan->slots))
+            throw BadPlan{"slot index"};
+          if (k.side[s][0] != 0 && (k.side[s][0] != 1 || k.side[s][1] < 0))
+            throw BadPlan{"base index"};
+        }
+      } else {
+        throw BadPlan{"unknown key item"};
+      }
+      plan->items.push_back(std::move(k));
+    }
+  } catch (const BadPlan& bad) {
+    PyErr_Format(PyExc_ValueError, "astrai native plan: %s", bad.what);
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  PyObject* capsule = PyCapsule_New(plan.get(), kCapsule, drop_plan);
+  if (capsule != nullptr) plan.release();
+  return capsule;
+}
+
+// -- running a plan on a call ----------------------------------------------------------
+
+struct Call {
+  PyObject* const* args;
+  int arity;
+  const at::Tensor* t[16];
+  bool looked[16];
+  const at::Tensor* tensor(int64_t i) {
+    if (!looked[i]) {
+      looked[i] = true;
+      t[i] = args[i] == Py_None ? nullptr : plain(args[i]);
+    }
+    return t[i];
+  }
+};
+
+// Size ``a`` (negative from the end) of ``t``, or -1 out of range.
+int64_t size_of(const at::Tensor* t, int64_t a) {
+  int64_t n = t->dim();
+  if (a < 0) a += n;
+  if (a < 0 || a >= n) return -1;
+  return t->sizes()[a];
+}
+
+bool mul(int64_t a, int64_t b, int64_t* out) {
+  if (a < 0 || b < 0) return false;
+  if (a != 0 && b > std::numeric_limits<int64_t>::max() / a) return false;
+  *out = a * b;
+  return true;
+}
+
+bool guard(const Op& op, Call& c, const Plan& plan) {
+  if (op.code == G_ANY) {
+    for (const auto& group : op.groups) {
+      bool all = true;
+      for (const Op& g2 : group) {
+        if (!guard(g2, c, plan)) {
+          all = false;
+          break;
+        }
+      }
+      if (all) return true;
+    }
+    return false;
+  }
+  PyObject* x = c.args[op.x[0]];
+  switch (op.code) {
+    case G_TENSOR: return x != Py_None && c.tensor(op.x[0]) != nullptr;
+    case G_TENSOR_OR_NONE: return x == Py_None || c.tensor(op.x[0]) != nullptr;
+    case G_IS: return x == plan.consts[op.x[1]];
+    case G_FLOAT_GE0: return PyFloat_CheckExact(x) && PyFloat_AS_DOUBLE(x) >= 0;
+    case G_INT_EQ: {
+      if (!PyLong_CheckExact(x)) return false;
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+      if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+      return overflow == 0 && v == op.x[1];
+    }
+    case G_BOOL: return PyBool_Check(x);
+    default: break;
+  }
+  const at::Tensor* t = c.tensor(op.x[0]);
+  if (t == nullptr) return false;
+  switch (op.code) {
+    case G_NDIM: return t->dim() == op.x[1];
+    case G_NDIM_GE: return t->dim() >= op.x[1];
+    case G_SIZE_EQ: {
+      const at::Tensor* u = c.tensor(op.x[2]);
+      if (u == nullptr) return false;
+      int64_t a = size_of(t, op.x[1]);
+      return a >= 0 && a == size_of(u, op.x[3]);
+    }
+    case G_SIZE_IS: return size_of(t, op.x[1]) == op.x[2] && op.x[2] >= 0;
+    case G_SIZE_GE: {
+      int64_t a = size_of(t, op.x[1]);
+      return a >= 0 && a >= op.x[2];
+    }
+    case G_SIZE_EVEN: {
+      int64_t a = size_of(t, op.x[1]);
+      return a >= 0 && a % 2 == 0;
+    }
+    case G_SIZE_DIV: {
+      const at::Tensor* u = c.tensor(op.x[2]);
+      if (u == nullptr) return false;
+      int64_t a = size_of(t, op.x[1]), b = size_of(u, op.x[3]);
+      return a >= 0 && b > 0 && a % b == 0;
+    }
+    case G_SIZE_TWICE: {
+      const at::Tensor* u = c.tensor(op.x[2]);
+      if (u == nullptr) return false;
+      int64_t a = size_of(t, op.x[1]), b = size_of(u, op.x[3]);
+      return a >= 0 && b >= 0 && b <= std::numeric_limits<int64_t>::max() / 2 && a == 2 * b;
+    }
+    case G_SHAPE_EQ: {
+      const at::Tensor* u = c.tensor(op.x[1]);
+      return u != nullptr && t->sizes() == u->sizes();
+    }
+    case G_DTYPE_EQ: {
+      const at::Tensor* u = c.tensor(op.x[1]);
+      return u != nullptr && t->scalar_type() == u->scalar_type();
+    }
+    case G_FLOATING: return t->is_floating_point();
+    default: return false;
+  }
+}
+
+// A value read off a call: an int (``is_int``) or a new reference.
+struct Val {
+  bool ok = false;
+  bool is_int = false;
+  int64_t i = 0;
+  PyObject* o = nullptr;  // new reference when !is_int
+};
 
 PyObject* new_bool(bool b) {
   PyObject* o = b ? Py_True : Py_False;
@@ -176,218 +422,287 @@ PyObject* new_bool(bool b) {
   return o;
 }
 
-PyObject* new_dtype(const at::Tensor& t) {
-  PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
-  Py_INCREF(o);
+Val value(const Op& op, Call& c, const Plan& plan) {
+  Val v;
+  switch (op.code) {
+    case V_GRAD:
+      v.o = new_bool(at::GradMode::is_enabled());
+      v.ok = true;
+      return v;
+    case V_CONST:
+      v.o = plan.consts[op.x[0]];
+      Py_INCREF(v.o);
+      v.ok = true;
+      return v;
+    case V_ARG:
+      v.o = c.args[op.x[0]];
+      Py_INCREF(v.o);
+      v.ok = true;
+      return v;
+    default: break;
+  }
+  const at::Tensor* t = c.tensor(op.x[0]);
+  if (t == nullptr) return v;
+  switch (op.code) {
+    case V_DTYPE:
+      v.o = reinterpret_cast<PyObject*>(torch::getTHPDtype(t->scalar_type()));
+      Py_INCREF(v.o);
+      break;
+    case V_CUDA: v.o = new_bool(t->is_cuda()); break;
+    case V_NDIM:
+      v.is_int = true;
+      v.i = t->dim();
+      break;
+    case V_SIZE:
+      v.is_int = true;
+      v.i = size_of(t, op.x[1]);
+      if (v.i < 0) return v;
+      break;
+    case V_ROWS: {
+      auto s = t->sizes();
+      int64_t p = 1;
+      for (int64_t k = 0; k + op.x[1] < static_cast<int64_t>(s.size()); ++k)
+        if (!mul(p, s[k], &p)) return v;  // beyond 64 bits: Python's product is exact
+      v.is_int = true;
+      v.i = p;
+      break;
+    }
+    case V_PROD: {
+      const at::Tensor* u = c.tensor(op.x[2]);
+      if (u == nullptr) return v;
+      int64_t a = size_of(t, op.x[1]), b = size_of(u, op.x[3]), p = 0;
+      if (a < 0 || b < 0 || !mul(a, b, &p)) return v;
+      v.is_int = true;
+      v.i = p;
+      break;
+    }
+    case V_DEVICE:
+      if (t->device().is_cpu()) {
+        v.o = g.cpu;
+        Py_INCREF(v.o);
+      } else {
+        v.o = PyUnicode_FromString(c10::DeviceTypeName(t->device().type(), true).c_str());
+        if (v.o == nullptr) {
+          PyErr_Clear();
+          return v;
+        }
+      }
+      break;
+    case V_SM:  // None off CUDA; a capability is Python's to read
+      if (t->is_cuda()) return v;
+      v.o = Py_None;
+      Py_INCREF(v.o);
+      break;
+    default: return v;
+  }
+  v.ok = true;
+  return v;
+}
+
+PyObject* as_object(Val& v) {  // steals v.o
+  if (!v.is_int) {
+    PyObject* o = v.o;
+    v.o = nullptr;
+    return o;
+  }
+  PyObject* o = PyLong_FromLongLong(v.i);
+  if (o == nullptr) PyErr_Clear();
   return o;
 }
 
-// The base values most families begin with, for the call's main tensor ``t``: dtype,
-// device_cuda, ndim, grad_enabled (four new references into ``base``).
-void tensor_base(PyObject** base, const at::Tensor& t) {
-  base[0] = new_dtype(t);
-  base[1] = new_bool(t.is_cuda());
-  base[2] = PyLong_FromSsize_t(static_cast<Py_ssize_t>(t.dim()));
-  base[3] = new_bool(at::GradMode::is_enabled());
-}
-
-// The product of ``s`` but its last ``features`` sizes, or -1 when it does not fit in 64
-// bits (a tensor with a zero size may have such sizes; Python's product is exact, so the
-// call is declined).
-int64_t rows(c10::IntArrayRef s, size_t features) {
-  int64_t p = 1;
-  for (size_t i = 0; i + features < s.size(); ++i) {
-    if (__builtin_mul_overflow(p, s[i], &p)) return -1;
+// The key of a call read by ``c`` (a new reference), or nullptr to decline.
+PyObject* key_of(const Plan& plan, const Case& cs, Call& c) {
+  size_t nbase = cs.base.size();
+  Ref key;
+  key.o = PyTuple_New(static_cast<Py_ssize_t>(nbase + plan.items.size()));
+  if (key.o == nullptr) {
+    PyErr_Clear();
+    return nullptr;
   }
-  return p;
-}
-
-#define HOT_BEGIN(nargs)                                   \
-  if (n != (nargs)) Py_RETURN_NONE;                        \
-  try {                                                    \
-    PyObject* seen = seen_in_force(args[0]);               \
-    if (seen == nullptr) Py_RETURN_NONE;
-
-#define HOT_END                                            \
-  } catch (...) {                                          \
-    PyErr_Clear();                                         \
-  }                                                        \
-  Py_RETURN_NONE;
-
-// rms_norm(last, x, weight, eps[, weight_offset, cast_before_weight]): x [..., f], weight
-// [f], eps a float >= 0; the two booleans, when given, say which of the forms the call
-// asks for (the feature axes ``describe_rms_norm`` appends when either is asked; the
-// caller checked the forms' values).
-PyObject* rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n == 6 && !(PyBool_Check(args[4]) && PyBool_Check(args[5]))) Py_RETURN_NONE;
-  // Neither form: the plain call's key, without feature axes (as ``describe`` gives it).
-  bool forms = n == 6 && (args[4] == Py_True || args[5] == Py_True);
-  HOT_BEGIN(n == 6 ? 6 : 4)
-  const at::Tensor* x = plain(args[1]);
-  const at::Tensor* w = x ? plain(args[2]) : nullptr;
-  if (w == nullptr || !PyFloat_CheckExact(args[3]) || !(PyFloat_AS_DOUBLE(args[3]) >= 0))
-    Py_RETURN_NONE;
-  auto xs = x->sizes();
-  auto ws = w->sizes();
-  if (ws.size() != 1 || xs.empty() || ws[0] != xs.back()) Py_RETURN_NONE;
-  int64_t lazy[] = {rows(xs, 1)};  // tokens
-  PyObject* base[6];
-  tensor_base(base, *x);
-  if (forms) {
-    Py_INCREF(args[4]);
-    Py_INCREF(args[5]);
-    base[4] = args[4];
-    base[5] = args[5];
+  // The base values as ints where they are (for a compared pair), and into the key.
+  std::vector<std::pair<bool, int64_t>> base_int(nbase, {false, 0});
+  for (size_t i = 0; i < nbase; ++i) {
+    Val v = value(cs.base[i], c, plan);
+    if (!v.ok) return nullptr;
+    if (v.is_int) base_int[i] = {true, v.i};
+    else if (PyLong_CheckExact(v.o)) {
+      long long x = PyLong_AsLongLong(v.o);
+      if (!(x == -1 && PyErr_Occurred())) base_int[i] = {true, static_cast<int64_t>(x)};
+      PyErr_Clear();
+    }
+    PyObject* o = as_object(v);
+    if (o == nullptr) return nullptr;
+    PyTuple_SET_ITEM(key.o, static_cast<Py_ssize_t>(i), o);
   }
-  return answer(seen, base, forms ? 6 : 4, lazy, 1);
-  HOT_END
-}
-
-// linear(last, x, weight, bias): x [..., in], weight [out, in], bias [out] or None, one dtype.
-PyObject* linear(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(4)
-  const at::Tensor* x = plain(args[1]);
-  const at::Tensor* w = x ? plain(args[2]) : nullptr;
-  if (w == nullptr) Py_RETURN_NONE;
-  auto xs = x->sizes();
-  auto ws = w->sizes();
-  if (ws.size() != 2 || xs.empty() || ws[1] != xs.back() || w->scalar_type() != x->scalar_type())
-    Py_RETURN_NONE;
-  if (args[3] != Py_None) {
-    const at::Tensor* b = plain(args[3]);
-    if (b == nullptr || b->dim() != 1 || b->sizes()[0] != ws[0] ||
-        b->scalar_type() != x->scalar_type())
-      Py_RETURN_NONE;
+  std::vector<Val> lazy(static_cast<size_t>(plan.slots));
+  struct Release {
+    std::vector<Val>& vals;
+    ~Release() {
+      for (Val& v : vals) Py_XDECREF(v.o);
+    }
+  } release{lazy};
+  for (int s = 0; s < plan.slots; ++s) {
+    if (cs.lazy[s].code < 0) return nullptr;  // a lazy axis this case cannot read
+    lazy[s] = value(cs.lazy[s], c, plan);
+    if (!lazy[s].ok) return nullptr;
   }
-  PyObject* base[4];
-  tensor_base(base, *x);
-  int64_t lazy[] = {rows(xs, 1), ws[1], ws[0]};  // tokens, in_features, out_features
-  return answer(seen, base, 4, lazy, 3);
-  HOT_END
-}
-
-// rotary(last, x, freqs_cis): adjacent pairs; x [b, s, h, d] with freqs [b or 1, s, d/2, 2]
-// or [s, d/2, 2], or packed x [t, h, d] with freqs [t, d/2, 2]; d even, freqs floating.
-PyObject* rotary(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(3)
-  const at::Tensor* x = plain(args[1]);
-  const at::Tensor* f = x ? plain(args[2]) : nullptr;
-  if (f == nullptr) Py_RETURN_NONE;
-  auto xs = x->sizes();
-  auto ts = f->sizes();
-  size_t nd = xs.size();
-  bool fits;
-  if (nd == 4) {
-    fits = (ts.size() == 4 && ts[1] == xs[1] && (ts[0] == 1 || ts[0] == xs[0])) ||
-           (ts.size() == 3 && ts[0] == xs[1]);
-  } else {
-    fits = nd == 3 && ts.size() == 3 && ts[0] == xs[0];
+  for (size_t k = 0; k < plan.items.size(); ++k) {
+    const KeyItem& it = plan.items[k];
+    PyObject* o = nullptr;
+    if (it.kind == I_INTERVAL) {
+      Val& v = lazy[it.slot];
+      if (!v.is_int) return nullptr;
+      int64_t index = 0;
+      for (size_t p = 0; p < it.points.size(); ++p) {
+        if (it.points[p] <= v.i) index = static_cast<int64_t>(p) + 1;
+        else break;
+      }
+      o = PyLong_FromLongLong(index);
+    } else if (it.kind == I_RAW) {
+      Val& v = lazy[it.slot];
+      if (v.is_int) {
+        o = PyLong_FromLongLong(v.i);
+      } else {
+        o = v.o;
+        Py_INCREF(o);
+      }
+    } else {
+      int64_t side[2];
+      for (int s = 0; s < 2; ++s) {
+        int where = it.side[s][0], idx = it.side[s][1];
+        if (where == 0) {
+          if (!lazy[idx].is_int) return nullptr;
+          side[s] = lazy[idx].i;
+        } else {
+          if (static_cast<size_t>(idx) >= nbase || !base_int[idx].first) return nullptr;
+          side[s] = base_int[idx].second;
+        }
+      }
+      o = PyLong_FromLong((side[0] > side[1]) - (side[0] < side[1]));
+    }
+    if (o == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(key.o, static_cast<Py_ssize_t>(nbase + k), o);
   }
-  if (!fits) Py_RETURN_NONE;
-  int64_t d = xs.back();
-  if (d < 2 || d % 2 != 0 || ts[ts.size() - 2] != d / 2 || ts.back() != 2 ||
-      !f->is_floating_point())
-    Py_RETURN_NONE;
-  PyObject* base[] = {new_dtype(*x), new_bool(x->is_cuda()),
-                      PyLong_FromSsize_t(static_cast<Py_ssize_t>(nd)), PyLong_FromLongLong(d),
-                      new_bool(at::GradMode::is_enabled())};
-  int64_t lazy[] = {rows(xs, 2), xs[nd - 2]};  // tokens, heads
-  return answer(seen, base, 5, lazy, 2);
-  HOT_END
+  PyObject* out = key.o;
+  key.o = nullptr;
+  return out;
 }
 
-// rotary_half(last, q, k, cos, sin, unsqueeze_dim): q, k [b, h, s, d] (k's heads may
-// differ), cos = sin [b or 1, s, d], d even, q and k of one dtype, unsqueeze_dim 1.
-PyObject* rotary_half(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(6)
-  if (!PyLong_CheckExact(args[5]) || PyLong_AsLong(args[5]) != 1) {
+// The key of a call (a new reference) as ``plan`` reads ``args`` (``plan.arity`` of
+// them), or nullptr where it declines.
+PyObject* read_key(const Plan& plan, PyObject* const* args) {
+  Call c;
+  c.args = args;
+  c.arity = plan.arity;
+  for (int i = 0; i < plan.arity; ++i) c.looked[i] = false;
+  for (const Case& cs : plan.cases) {
+    bool pass = true;
+    for (const Op& op : cs.guards) {
+      if (!guard(op, c, plan)) {
+        pass = false;
+        break;
+      }
+    }
+    if (pass) return key_of(plan, cs, c);
+  }
+  return nullptr;
+}
+
+// key(plan, *args): the key ``lookup`` looks a call up by under ``plan``, or None (what the
+// tests hold to the Python keyer).
+PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!astrai_set_up()) return nullptr;
+  if (n < 1 || !PyCapsule_IsValid(args[0], kCapsule)) {
+    PyErr_SetString(PyExc_TypeError, "key(plan, *args): plan is not a plan");
+    return nullptr;
+  }
+  const Plan* plan = static_cast<const Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (n - 1 != plan->arity) Py_RETURN_NONE;
+  Ref hold(args[0]);
+  PyObject* got = nullptr;
+  try {
+    got = read_key(*plan, args + 1);
+  } catch (...) {
+    got = nullptr;
+  }
+  if (got == nullptr) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
-  const at::Tensor* q = plain(args[1]);
-  const at::Tensor* k = q ? plain(args[2]) : nullptr;
-  const at::Tensor* c = k ? plain(args[3]) : nullptr;
-  const at::Tensor* s = c ? plain(args[4]) : nullptr;
-  if (s == nullptr) Py_RETURN_NONE;
-  auto qs = q->sizes();
-  auto ks = k->sizes();
-  auto cs = c->sizes();
-  if (qs.size() != 4 || ks.size() != 4 || cs.size() != 3 || s->sizes() != cs) Py_RETURN_NONE;
-  int64_t b = qs[0], seq = qs[2], d = qs[3];
-  if (qs[1] == 0 ||  // Python's tokens reader divides by the heads
-      ks[0] != b || ks[2] != seq || ks[3] != d || cs[2] != d || cs[1] != seq ||
-      !(cs[0] == b || cs[0] == 1) || d < 2 || d % 2 != 0 ||
-      k->scalar_type() != q->scalar_type() || !c->is_floating_point() ||
-      !s->is_floating_point())
-    Py_RETURN_NONE;
-  Py_INCREF(g.half);
-  PyObject* base[] = {new_dtype(*q), new_bool(q->is_cuda()), PyLong_FromLong(4),
-                      PyLong_FromLongLong(d), new_bool(at::GradMode::is_enabled()), g.half};
-  int64_t tokens;
-  if (__builtin_mul_overflow(b, seq, &tokens)) tokens = -1;
-  int64_t lazy[] = {tokens, qs[1]};  // tokens, heads
-  return answer(seen, base, 6, lazy, 2);
-  HOT_END
+  return got;
 }
 
-// attention(last, q, k, v, kv_cache, attn_mask, fwd): the dense call without a cache, a
-// mask or fwd; q [b, s, h, d], k = v [b, skv, kh, d] (kh > 0 dividing h), one dtype.
-PyObject* attention(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(7)
-  if (args[4] != Py_None || args[5] != Py_None || args[6] != Py_None) Py_RETURN_NONE;
-  const at::Tensor* q = plain(args[1]);
-  const at::Tensor* k = q ? plain(args[2]) : nullptr;
-  const at::Tensor* v = k ? plain(args[3]) : nullptr;
-  if (v == nullptr) Py_RETURN_NONE;
-  auto qs = q->sizes();
-  auto ks = k->sizes();
-  if (qs.size() != 4 || ks.size() != 4 || v->sizes() != ks) Py_RETURN_NONE;
-  int64_t d = qs[3], h = qs[2], kh = ks[2];
-  if (qs[0] != ks[0] || d != ks[3] || d <= 0 || kh <= 0 || h % kh != 0 ||
-      k->scalar_type() != q->scalar_type() || v->scalar_type() != q->scalar_type())
-    Py_RETURN_NONE;
-  Py_INCREF(Py_None);
-  PyObject* base[] = {Py_None, new_dtype(*q), new_bool(q->is_cuda()), PyLong_FromLong(4),
-                      PyLong_FromLongLong(d), new_bool(false), new_bool(false),
-                      new_bool(at::GradMode::is_enabled())};
-  int64_t lazy[] = {qs[0], qs[1], ks[1], h, kh};  // batch, q_len, kv_len, heads, kv_heads
-  return answer(seen, base, 8, lazy, kMaxLazy);
-  HOT_END
-}
-
-// call(last, t): ``ops.call`` of a family without a context builder whose first
-// argument is ``t``: key (dtype, device_cuda, ndim, grad_enabled); no lazy axis.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  HOT_BEGIN(2)
-  if (PyTuple_GET_ITEM(seen, 3) != Py_None) Py_RETURN_NONE;
-  const at::Tensor* t = plain(args[1]);
-  if (t == nullptr) Py_RETURN_NONE;
-  PyObject* base[4];
-  tensor_base(base, *t);
-  return answer(seen, base, 4, nullptr, 0);
-  HOT_END
-}
-
-// setup(process_dict, scope_var, environ_data, ops_key, tensor, parameter)
-PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n != 6 || !PyDict_Check(args[0]) || !PyDict_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "setup(process_dict, scope_var, environ_data, ops_key, "
-                                     "tensor, parameter)");
-    return nullptr;
+// lookup(last, *args): the decision the route keeps for this call in its last world,
+// (a new reference) or None. ``last`` is the route's one-element list holding
+// ``(world, decisions, keyer, plan)``.
+PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!astrai_set_up()) return nullptr;
+  if (n < 1) Py_RETURN_NONE;
+  try {
+    PyObject* last = args[0];
+    if (!PyList_Check(last) || PyList_GET_SIZE(last) != 1) Py_RETURN_NONE;
+    Ref seen(PyList_GET_ITEM(last, 0));  // held: the list may be changed meanwhile
+    if (!PyTuple_Check(seen.o) || PyTuple_GET_SIZE(seen.o) != 4) Py_RETURN_NONE;
+    PyObject* decisions = PyTuple_GET_ITEM(seen.o, 1);
+    PyObject* capsule = PyTuple_GET_ITEM(seen.o, 3);
+    if (!PyDict_Check(decisions) || !PyCapsule_IsValid(capsule, kCapsule)) Py_RETURN_NONE;
+    const Plan* plan = static_cast<const Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
+    if (plan == nullptr || n - 1 != plan->arity) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    Ref key;
+    key.o = read_key(*plan, args + 1);
+    if (key.o == nullptr) Py_RETURN_NONE;
+    Ref d(PyDict_GetItemWithError(decisions, key.o));
+    if (d.o == nullptr) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+    // The world is checked last: Python code may have run up to here (an allocation that
+    // started a collection, a finalizer, another thread), and a world changed meanwhile
+    // is declined.
+    if (!in_force(PyTuple_GET_ITEM(seen.o, 0))) Py_RETURN_NONE;
+    Py_INCREF(d.o);
+    return d.o;
+  } catch (...) {
+    PyErr_Clear();
   }
-  PyObject** slots[] = {&g.process, &g.scope_var, &g.environ, &g.ops_key, &g.tensor,
-                        &g.parameter};
-  for (int i = 0; i < 6; ++i) {
-    Py_INCREF(args[i]);
-    Py_XSETREF(*slots[i], args[i]);
+  Py_RETURN_NONE;
+}
+
+// setup(process_dict, scope_var, environ_data, ops_key, tensor, parameter). What a later
+// setup replaces is kept, not released: a call suspended in Python code may still read it.
+PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 6 || !PyDict_Check(args[0]) || !PyContextVar_CheckExact(args[1]) ||
+      !PyDict_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "setup(process_dict, scope_var, environ_data, ops_key, "
+                                     "tensor, parameter): dicts and a ContextVar expected");
+    return nullptr;
   }
   if (g.snapshot == nullptr) g.snapshot = PyUnicode_InternFromString("snapshot");
-  if (g.half == nullptr) g.half = PyUnicode_InternFromString("half");
-  if (g.dim == nullptr) g.dim = PyUnicode_InternFromString("dim");
-  if (g.floating == nullptr) g.floating = PyUnicode_InternFromString("is_floating_point");
-  if (g.snapshot == nullptr || g.half == nullptr || g.dim == nullptr || g.floating == nullptr)
-    return nullptr;
+  if (g.cpu == nullptr) g.cpu = PyUnicode_InternFromString("cpu");
+  if (g.snapshot == nullptr || g.cpu == nullptr) return nullptr;
+  PyObject** slots[] = {&g.scope_var, &g.environ, &g.ops_key, &g.tensor, &g.parameter};
+  for (int i = 0; i < 5; ++i) {
+    Py_INCREF(args[i + 1]);
+    *slots[i] = args[i + 1];
+  }
+  Py_INCREF(args[0]);
+  g.process = args[0];  // last: set means ready
   Py_RETURN_NONE;
+}
+
+// The opcodes' names, in order, for astrai.dispatch.reading to check against its own.
+PyObject* opcodes(PyObject*, PyObject*) {
+  return Py_BuildValue(
+      "((ssssssssssssssssss)(sssssssssss)(sss))", "tensor", "tensor_or_none", "is", "float_ge0",
+      "int_eq", "bool", "ndim", "ndim_ge", "size_eq", "size_is", "size_ge", "size_even",
+      "size_div", "size_twice", "shape_eq", "dtype_eq", "floating", "any", "dtype", "cuda", "ndim", "size",
+      "grad", "const", "arg", "rows", "prod", "device", "sm", "interval", "raw", "sign");
 }
 
 #define METHOD(name, doc) \
@@ -395,13 +710,11 @@ PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     METHOD(setup, "Bind the process state, scope variable, environment and tensor types."),
-    METHOD(rms_norm, "rms_norm(last, x, weight, eps[, weight_offset, cast_before_weight]) "
-                     "-> Decision | None"),
-    METHOD(linear, "linear(last, x, weight, bias) -> Decision | None"),
-    METHOD(rotary, "rotary(last, x, freqs_cis) -> Decision | None"),
-    METHOD(rotary_half, "rotary_half(last, q, k, cos, sin, unsqueeze_dim) -> Decision | None"),
-    METHOD(attention, "attention(last, q, k, v, kv_cache, attn_mask, fwd) -> Decision | None"),
-    METHOD(call, "call(last, t) -> Decision | None"),
+    {"plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(make_plan)),
+     METH_FASTCALL, "plan(arity, cases, consts, items, slots) -> capsule"},
+    METHOD(lookup, "lookup(last, *args) -> Decision | None"),
+    METHOD(key, "key(plan, *args) -> the key lookup reads, or None"),
+    {"opcodes", opcodes, METH_NOARGS, "() -> (guards, values, key items)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
@@ -413,7 +726,16 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
 
 // ``plain`` for the native rows' kernels (astrai/native/kernels.cpp): whether ``obj``
 // is a tensor this file reads as Python would.
-bool astrai_plain_tensor(PyObject* obj) { return plain(obj) != nullptr; }
+bool astrai_plain_tensor(PyObject* obj) { return ready() && plain(obj) != nullptr; }
+
+// Whether the module's setup ran; false with a RuntimeError set otherwise.
+bool astrai_set_up() {
+  if (ready()) return true;
+  PyErr_SetString(PyExc_RuntimeError,
+                  "astrai's native extension was imported but never set up "
+                  "(astrai.native.load_from sets it up)");
+  return false;
+}
 
 // The native rows' CPU kernels (astrai/native/kernels.cpp), linked into this module.
 extern PyMethodDef astrai_kernel_methods[];

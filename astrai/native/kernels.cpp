@@ -27,6 +27,8 @@
 // hot.cpp's reading of a plain tensor: exactly a Tensor or Parameter, strided, not
 // nested, no Python dispatch, no symbolic sizes, no __torch_function__ mode in force.
 bool astrai_plain_tensor(PyObject* obj);
+// Whether the module's setup ran (hot.cpp); false with a RuntimeError set otherwise.
+bool astrai_set_up();
 
 namespace {
 
@@ -96,9 +98,11 @@ bool served(PyObject* obj, const at::Tensor& t) {
          !(at::GradMode::is_enabled() && t.requires_grad()) && !t._fw_grad(0).defined();
 }
 
-// The tensor ``obj`` holds, or nullptr with a TypeError set when it holds none.
+// The tensor ``obj`` holds, or nullptr with a TypeError set when it holds none. Read off
+// its own type, not what its ``__class__`` says (which may run Python code, or raise).
 const at::Tensor* tensor(PyObject* obj, const char* what) {
-  if (!THPVariable_Check(obj)) {
+  if (THPVariableClass == nullptr ||
+      !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(THPVariableClass))) {
     PyErr_Format(PyExc_TypeError, "%s must be a tensor", what);
     return nullptr;
   }
@@ -189,19 +193,22 @@ void rms_rows_cast(const X* x, const W* w, O* out, int64_t rows, int64_t f, doub
 // rms_norm(x, weight, eps, weight_offset, cast_before_weight) -> Tensor, or None for a call
 // the kernel does not serve (see ``served``).
 PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!astrai_set_up()) return nullptr;
   if (n != 5) return fail(PyExc_TypeError, "rms_norm_kernel(x, weight, eps, weight_offset, "
                                            "cast_before_weight)");
   const at::Tensor* xp = tensor(args[0], "x");
   if (xp == nullptr) return nullptr;
   const at::Tensor* wp = tensor(args[1], "weight");
   if (wp == nullptr) return nullptr;
-  if (watched() || !served(args[0], *xp) || !served(args[1], *wp)) Py_RETURN_NONE;
+  // The scalars first: reading them may run Python code (__float__, __bool__), which may
+  // change what ``served`` reads of the tensors.
   double eps = PyFloat_AsDouble(args[2]);
   if (eps == -1.0 && PyErr_Occurred()) return nullptr;
   double offset = PyFloat_AsDouble(args[3]);
   if (offset == -1.0 && PyErr_Occurred()) return nullptr;
   int cast = PyObject_IsTrue(args[4]);
   if (cast < 0) return nullptr;
+  if (watched() || !served(args[0], *xp) || !served(args[1], *wp)) Py_RETURN_NONE;
   try {
     if (xp->dim() < 1 || wp->dim() != 1 || wp->size(0) != xp->size(-1))
       return fail(PyExc_ValueError, "rms_norm_kernel: weight must be [x.shape[-1]]");
@@ -311,6 +318,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // rotary_half(q, k, cos, sin, unsqueeze_dim) -> (q_out, k_out), or None for a call the
 // kernel does not serve (see ``served``; and q, k, cos and sin of more than one dtype).
 PyObject* rotary_half_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!astrai_set_up()) return nullptr;
   if (n != 5) return fail(PyExc_TypeError, "rotary_half_kernel(q, k, cos, sin, unsqueeze_dim)");
   const char* names[] = {"q", "k", "cos", "sin"};
   const at::Tensor* t[4];

@@ -13,7 +13,7 @@ object): strict, it raises rather than fall back.
 from __future__ import annotations
 
 __all__ = ["AttentionFeatures", "apply_rotary", "apply_rotary_half", "attention", "call",
-           "context", "linear", "rms_norm", "rms_norm_form"]
+           "compiled_path", "context", "linear", "rms_norm", "rms_norm_form"]
 
 import os
 from collections.abc import Callable
@@ -29,25 +29,41 @@ from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import RECORD_ENV
 from astrai.dispatch.keying import key_plan, signature_key
+from astrai.dispatch.reading import Layout, unreadable
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import in_force, world_now
 from astrai.ops._contexts import generic_context
-from astrai.ops._facade import FamilyCall, Route, keep, recording, route
+from astrai.ops._facade import (
+    NO_WORLD,
+    FamilyCall,
+    LastWorld,
+    Route,
+    hot_plan,
+    keep,
+    recording,
+    route,
+)
 from astrai.ops._families import (
     ATTENTION_ASKS,
     ATTENTION_FEATURES,
+    ATTENTION_READING,
     ATTENTION_READS,
     ATTENTION_SHAPE,
+    FIRST_TENSOR_READING,
+    LINEAR_READING,
     LINEAR_READS,
     LINEAR_SHAPE,
     RMS_NORM_ASKS,
     RMS_NORM_FEATURES,
+    RMS_NORM_READING,
     RMS_NORM_READS,
     RMS_NORM_SHAPE,
+    ROTARY_HALF_READING,
     ROTARY_HALF_READS,
     ROTARY_HALF_SHAPE,
+    ROTARY_READING,
     ROTARY_READS,
     ROTARY_SHAPE,
     attention_features,
@@ -105,8 +121,8 @@ def attention(
     ``return_weights``) a call asks for are served only by rows that declare them.
     """
     if not (features or return_weights):  # the common call: no feature keywords to pass
-        if backend is None and _hot is not None and not compiling():
-            d = _hot.attention(_LAST["attention"], q, k, v, kv_cache, attn_mask, fwd)
+        if backend is None and _lookup is not None and not compiling():
+            d = _lookup(_LAST["attention"], q, k, v, kv_cache, attn_mask, fwd)
             if d is not None:
                 next(d.counter)
                 return d.call(q, k, v, kv_cache=kv_cache, layer_id=layer_id,  # type: ignore[no-any-return]
@@ -127,8 +143,8 @@ _NO_FEATURES: dict[str, Any] = {}
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x`` by ``freqs_cis`` (cos, sin) per pair."""
-    if backend is None and _hot is not None and not compiling():
-        d = _hot.rotary(_LAST["rotary"], x, freqs_cis)
+    if backend is None and _lookup is not None and not compiling():
+        d = _lookup(_LAST["rotary"], x, freqs_cis)
         if d is not None:
             next(d.counter)
             return d.call(x, freqs_cis)  # type: ignore[no-any-return]
@@ -143,8 +159,8 @@ def apply_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     ``cos``/``sin`` ``[batch or 1, seq, head_dim]``; element ``i`` turns with
     ``i + head_dim/2``. Returns ``(q_out, k_out)``, computed as
     ``x * cos + rotate_half(x) * sin``. Only rows declaring the ``layout`` feature serve it."""
-    if backend is None and _hot is not None and not compiling():
-        d = _hot.rotary_half(_LAST["rotary_half"], q, k, cos, sin, unsqueeze_dim)
+    if backend is None and _lookup is not None and not compiling():
+        d = _lookup(_LAST["rotary_half"], q, k, cos, sin, unsqueeze_dim)
         if d is not None:
             next(d.counter)
             return d.call(q, k, cos, sin, unsqueeze_dim)  # type: ignore[no-any-return]
@@ -164,8 +180,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     (``LlamaRMSNorm``).
     """
     if not (weight_offset or cast_before_weight):  # the common call: no feature keywords
-        if backend is None and _hot is not None and not compiling():
-            d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps)
+        if backend is None and _lookup is not None and not compiling():
+            d = _lookup(_LAST["rms_norm"], x, weight, eps, False, False)
             if d is not None:
                 next(d.counter)
                 return d.call(x, weight, eps)  # type: ignore[no-any-return]
@@ -184,8 +200,8 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
                                "cast_before_weight": cast_before_weight})
     if not asked:
         def plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            if _hot is not None and not compiling():
-                d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps)
+            if _lookup is not None and not compiling():
+                d = _lookup(_LAST["rms_norm"], x, weight, eps, False, False)
                 if d is not None:
                     next(d.counter)
                     return d.call(x, weight, eps)  # type: ignore[no-any-return]
@@ -196,8 +212,8 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
     offset, cast = "weight_offset" in asked, "cast_before_weight" in asked
 
     def form(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if _hot is not None and not compiling():
-            d = _hot.rms_norm(_LAST["rms_norm"], x, weight, eps, offset, cast)
+        if _lookup is not None and not compiling():
+            d = _lookup(_LAST["rms_norm"], x, weight, eps, offset, cast)
             if d is not None:
                 next(d.counter)
                 return d.call(x, weight, eps, **asked)  # type: ignore[no-any-return]
@@ -209,8 +225,8 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            backend: Any = None) -> torch.Tensor:
     """``x @ weight.T + bias`` through the ``linear`` table."""
-    if backend is None and _hot is not None and not compiling():
-        d = _hot.linear(_LAST["linear"], x, weight, bias)
+    if backend is None and _lookup is not None and not compiling():
+        d = _lookup(_LAST["linear"], x, weight, bias)
         if d is not None:
             next(d.counter)
             return d.call(x, weight, bias)  # type: ignore[no-any-return]
@@ -225,21 +241,21 @@ FAMILY_CALLS: dict[str, FamilyCall] = {
                       asks=ATTENTION_ASKS,
                       check=lambda full, asked: attention_features(full[0], full[6], full[3],
                                                                    asked),
-                      incidental=("layer_id",),
-                      hot=("batch", "q_len", "kv_len", "heads", "kv_heads")),
+                      incidental=("layer_id",), reading=ATTENTION_READING),
         FamilyCall.of(apply_rotary, describe_rotary, ROTARY_READS, ROTARY_SHAPE,
-                      positional=2, hot=("tokens", "heads")),
+                      positional=2, reading=ROTARY_READING),
         FamilyCall.of(rms_norm, describe_rms_norm, RMS_NORM_READS, RMS_NORM_SHAPE,
                       positional=3, keywords=tuple(RMS_NORM_FEATURES), asks=RMS_NORM_ASKS,
-                      check=lambda full, asked: rms_norm_features(asked), hot=("tokens",)),
+                      check=lambda full, asked: rms_norm_features(asked),
+                      reading=RMS_NORM_READING),
         FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE, positional=3,
-                      hot=("tokens", "in_features", "out_features")),
+                      reading=LINEAR_READING),
     )
 }
 #: The rotary family's second call: the half layout (``apply_rotary_half``).
 ROTARY_HALF_CALL = FamilyCall.of(apply_rotary_half, describe_rotary_half, ROTARY_HALF_READS,
-                                 ROTARY_HALF_SHAPE, positional=5, hot=("tokens", "heads"),
-                                 family="rotary")
+                                 ROTARY_HALF_SHAPE, positional=5,
+                                 reading=ROTARY_HALF_READING, family="rotary")
 #: Every facade call, by facade name.
 _CALLS: dict[str, FamilyCall] = {**{fc.family: fc for fc in FAMILY_CALLS.values()},
                                  "rotary_half": ROTARY_HALF_CALL}
@@ -249,72 +265,104 @@ _FACADES: dict[str, Any] = {"attention": attention, "rotary": apply_rotary,
 #: Each facade's route: ``route`` itself, or while a recording is in force (and only
 #: then, so that nothing else costs anything) the same route feeding the recordings.
 #: Each facade's last world (``route``), shared with the compiled hot path.
-_LAST: dict[str, list[tuple[Any, ...]]] = {name: [] for name in _CALLS}
-_PLAIN: dict[str, Route] = {name: route(fc, _LAST[name]) for name, fc in _CALLS.items()}
+_LAST: dict[str, list[LastWorld]] = {name: [] for name in _CALLS}
+_PLAIN: dict[str, Route] = {name: route(fc, _LAST[name], name) for name, fc in _CALLS.items()}
 
 
-class _BuildOnFirstCall:
-    """The hot path while ``ASTR_NATIVE=on`` and nothing is built: importing never
-    compiles, so the first call through any facade makes the process's decision
-    (building the extension), adopts what it gave, and is then answered by it."""
-
-    def __getattr__(self, name: str) -> Any:
-        _adopt(native.load())
-        return getattr(_NATIVE, name) if _NATIVE is not None else _declined
-
-
-def _declined(*args: Any) -> None:
-    """A hot function that answers nothing: the call takes its route."""
+def _lookup_first(last: list[LastWorld], *args: Any) -> Any:
+    """The compiled hot path while ``ASTR_NATIVE=on`` and nothing is built: importing
+    never compiles, so the first call through any facade (or ``ops.call``) makes the
+    process's decision (building the extension) and adopts what it gave; this call then
+    takes its route (its world has no plan yet)."""
+    _adopt(native.load())
     return None
 
 
-#: The compiled hot path (``astrai.native``) when it is loaded and no recording is in
-#: force, else ``None``: every call then takes its route.
-_NATIVE: Any = _BuildOnFirstCall() if native.pending() else native.load()
-_hot: Any = _NATIVE
-
-
-def _python_call_hot(last: list[tuple[Any, ...]], t: Any) -> Any:
+def _python_call_hot(last: list[LastWorld], t: Any) -> Any:
     """``ops.call``'s hot path in Python: the decision kept for a call's first tensor in
-    the family's last world, if that world is in force (the compiled ``call`` does the
-    same)."""
+    the family's last world, if that world is in force (the compiled path does the
+    same from ``FIRST_TENSOR_READING``)."""
     world, decisions = last[0][0], last[0][1]
     if world is None or not in_force(world) or not isinstance(t, torch.Tensor):
         return None
     return decisions.get((t.dtype, t.is_cuda, t.dim(), torch.is_grad_enabled()))
 
 
-#: ``ops.call``'s hot path: the compiled one or ``_python_call_hot``; ``_call_hot`` is it,
-#: or ``None`` while a recording is in force (every call then takes the full path, and
-#: is noted).
-def _call_first(last: list[tuple[Any, ...]], t: Any) -> Any:
-    """``ops.call``'s hot path until the process's native decision is made (see
-    ``_BuildOnFirstCall``)."""
-    _adopt(native.load())
-    return _call_hot(last, t) if _call_hot is not None else None
-
-
-_CALL_HOT: Any = (_python_call_hot if _NATIVE is None else
-                  _call_first if isinstance(_NATIVE, _BuildOnFirstCall) else _NATIVE.call)
-_call_hot: Any = _CALL_HOT
+#: The compiled hot path's ``lookup`` when the extension is in use, else ``None`` (every
+#: facade call then takes its route); ``_lookup`` is it, or ``None`` while a recording
+#: is in force. ``ops.call``'s hot path is the same, or ``_python_call_hot``.
+_NATIVE: Any = None
+_LOOKUP: Any = None
+_CALL_HOT: Any = _python_call_hot
+_lookup: Any = None
+_call_hot: Any = _python_call_hot
 
 
 def _adopt(module: Any) -> None:
-    """Take ``module`` (the loaded extension, or ``None``) as the hot path from now on;
-    called outside recordings only (a recording's facades take no hot path)."""
-    global _NATIVE, _hot, _CALL_HOT, _call_hot
-    _NATIVE = _hot = module
-    _CALL_HOT = _call_hot = _python_call_hot if module is None else module.call
+    """Take ``module`` (the loaded extension, or ``None``) as the hot path from now on
+    (a recording in force keeps its facades off it until it ends)."""
+    global _NATIVE, _LOOKUP, _CALL_HOT, _lookup, _call_hot
+    _NATIVE = module
+    _LOOKUP = None if module is None else module.lookup
+    _CALL_HOT = _python_call_hot if module is None else module.lookup
+    process.hot_planner = None if module is None else module.plan
+    if not process.recordings:
+        _lookup, _call_hot = _LOOKUP, _CALL_HOT
+    _CALL_PLAN.clear()
+
+
+#: ``ops.call``'s plan for first-tensor calls, made once per planner: ``[(planner, plan)]``.
+_CALL_PLAN: list[tuple[Any, Any]] = []
+
+
+if native.pending():
+    _LOOKUP = _CALL_HOT = _lookup = _call_hot = _lookup_first
+else:
+    _adopt(native.load())
 _RECORDING: dict[str, Route] = {}
 _attention, _rotary, _rotary_half, _rms_norm, _linear = (
     _PLAIN["attention"], _PLAIN["rotary"], _PLAIN["rotary_half"], _PLAIN["rms_norm"],
     _PLAIN["linear"])
 
 
+def compiled_path(state: Any = None) -> dict[str, str | None]:
+    """Per facade: ``None`` where the compiled hot path reads its common calls on
+    ``state`` (the snapshot in force by default), else why it does not."""
+    state = state or process.snapshot or current()
+    out: dict[str, str | None] = {}
+    for name, fc in _CALLS.items():
+        if _LOOKUP is _lookup_first:
+            why: str | None = ("astrai's native extension is not built yet "
+                               "(ASTR_NATIVE=on builds it at the first facade call)")
+        elif _LOOKUP is None:
+            why = f"astrai's native extension is not in use ({native.status().reason})"
+        elif process.recordings:
+            why = "a recording is in force (it takes every call through its route)"
+        elif fc.reading is None:
+            why = "the family declares no reading of its calls"
+        else:
+            why = unreadable(fc.reading, key_plan(state, fc.family).layout(fc.reads, fc.lazy))
+        out[name] = why
+    return out
+
+
+def _hot_notes(family: str, state: Any) -> list[str]:
+    """``explain``'s notes on the compiled hot path for ``family``: only where it is in
+    use and reads none of a facade's calls."""
+    if _LOOKUP is None or _LOOKUP is _lookup_first:
+        return []
+    return [f"the compiled hot path reads no {name} call here: {why}"
+            for name, why in compiled_path(state).items()
+            if why is not None and _CALLS[name].family == family]
+
+
+process.hot_notes = _hot_notes
+
+
 def _switch_routes(recording_now: bool) -> None:
     """Point the facades at their recording routes (``True``) or plain ones."""
-    global _attention, _rotary, _rotary_half, _rms_norm, _linear, _hot, _call_hot
-    _hot = None if recording_now else _NATIVE
+    global _attention, _rotary, _rotary_half, _rms_norm, _linear, _lookup, _call_hot
+    _lookup = None if recording_now else _LOOKUP
     _call_hot = None if recording_now else _CALL_HOT
     if recording_now and not _RECORDING:
         from astrai.record.recording import note_call  # loaded by whoever started recording
@@ -399,9 +447,9 @@ def call(family: str, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
 
 
 #: ``ops.call``'s last world per family whose calls are keyed by their first tensor
-#: alone (no ``context:`` builder, no lazy axis compared): ``(world, {key: Decision},
-#: None, None)``, the shape of a facade's (``route``), for the same hot path.
-_CALL_LAST: dict[str, list[tuple[Any, ...]]] = {}
+#: alone (no ``context:`` builder, no lazy axis compared), a facade's ``LastWorld``, for
+#: the same hot path.
+_CALL_LAST: dict[str, list[LastWorld]] = {}
 
 
 def _keep_call(family: str, state: Any, now: Any, ctx: CallContext, d: Any) -> None:
@@ -410,6 +458,16 @@ def _keep_call(family: str, state: Any, now: Any, ctx: CallContext, d: Any) -> N
     is then more than the tensor's base axes)."""
     if family in now.scope.uncacheable or key_plan(state, family).compared:
         return
-    last = _CALL_LAST.setdefault(family, [(None, {}, None, None)])
-    keep(last, now, (ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.grad_enabled), d, None, None)
+    last = _CALL_LAST.setdefault(family, [NO_WORLD])
+    keep(last, now, (ctx.dtype, ctx.device_cuda, ctx.ndim, ctx.grad_enabled), d, None,
+         _call_plan())
+
+
+def _call_plan() -> Any:
+    """The compiled path's plan for ``ops.call``'s first-tensor calls (``None`` when the
+    extension is not in use)."""
+    planner = process.hot_planner
+    if not _CALL_PLAN or _CALL_PLAN[0][0] is not planner:
+        _CALL_PLAN[:] = [(planner, hot_plan("call", FIRST_TENSOR_READING, Layout()))]
+    return _CALL_PLAN[0][1]
 

@@ -12,17 +12,18 @@ decision cache), count it, and hand back the object to call.
 
 from __future__ import annotations
 
-__all__ = ["FamilyCall", "Note", "keep", "recording", "route"]
+__all__ = ["NO_WORLD", "FamilyCall", "LastWorld", "Note", "hot_plan", "keep", "recording", "route"]
 
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
+from astrai.dispatch.reading import Layout, Reading, encode, unreadable
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import decide
 from astrai.dispatch.scopes import current_scope
@@ -56,8 +57,8 @@ class FamilyCall:
     check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None
     # Parameters that do not make recorded calls distinct (an attention layer's index).
     incidental: tuple[str, ...] = ()
-    # The lazy axes the compiled hot path reads, in its order (``astrai.native``).
-    hot: tuple[str, ...] = ()
+    # The common calls as data, for the compiled hot path (``astrai.dispatch.reading``).
+    reading: Reading | None = None
     #: Every lazy axis of a call given as the full argument tuple, in order.
     shape: Callable[..., tuple[Any, ...]] = field(init=False, repr=False, compare=False)
 
@@ -70,7 +71,7 @@ class FamilyCall:
            positional: int, keywords: tuple[str, ...] = (),
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
-           incidental: tuple[str, ...] = (), hot: tuple[str, ...] = (),
+           incidental: tuple[str, ...] = (), reading: Reading | None = None,
            family: str | None = None) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
         feature keywords, ``**features``, are given as ``keywords``); its family is the
@@ -81,7 +82,7 @@ class FamilyCall:
         return cls(family or facade.__name__.removeprefix("apply_"),
                    tuple(p.name for p in params),
                    tuple(p.default for p in params), positional, reads, describe, readers,
-                   keywords, asks, check, incidental, hot)
+                   keywords, asks, check, incidental, reading)
 
     @property
     def lazy(self) -> tuple[str, ...]:
@@ -127,19 +128,53 @@ class FamilyCall:
                               raw_kwargs=raw_kwargs)
 
 
-def keep(last: list[tuple[Any, ...]], now: World, key: Any, d: Any, keyer: Any,
-         hot: Any) -> None:
+class LastWorld(NamedTuple):
+    """A route's last world: the world its kept decisions were taken in, those decisions
+    by key, how that world's snapshot keys a call (``None``: the base values are the
+    key), and the compiled hot path's plan there (``None``: it reads no call). The
+    compiled path reads it by position, in this order."""
+
+    world: World | None
+    decisions: dict[Any, Any]
+    keyer: Keyer | None
+    plan: Any
+
+
+#: A route before its first decision.
+NO_WORLD = LastWorld(None, {}, None, None)
+
+
+def keep(last: list[LastWorld], now: World, key: Any, d: Any, keyer: Keyer | None,
+         plan: Any) -> None:
     """Keep decision ``d`` for ``key`` in the world it was decided in, ``now`` (a new last
-    world, ``(now, {}, keyer, hot)``, if the last one is another or full), so that it
-    serves only calls made in that world."""
-    world, decisions = last[0][0], last[0][1]
-    if world is None or not same_world(world, now) or len(decisions) >= process.max_decisions:
+    world if the last one is another or full), so that it serves only calls made in that
+    world."""
+    world, decisions = last[0].world, last[0].decisions
+    if (world is None or not same_world(world, now) or last[0].plan is not plan
+            or len(decisions) >= process.max_decisions):
         decisions = {}
-        last[0] = (now, decisions, keyer, hot)
+        last[0] = LastWorld(now, decisions, keyer, plan)
     decisions[key] = d
 
 
-def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
+def hot_plan(name: str, reading: Reading | None, shape: Layout) -> Any:
+    """The compiled hot path's plan for facade ``name``'s calls under ``shape`` (``None``
+    where it reads none), noting why not in ``state.hot_status``."""
+    why: str | None
+    planner = process.hot_planner
+    if planner is None:
+        why, plan = "astrai's native extension is not in use", None
+    elif reading is None:
+        why, plan = "the family declares no reading of its calls", None
+    else:
+        why = unreadable(reading, shape)
+        plan = None if why else planner(*encode(reading, shape))
+    process.hot_status[name] = why
+    return plan
+
+
+def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None = None
+          ) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
     In front of the decision cache sits this family's *last world* (``world.World``:
@@ -147,16 +182,16 @@ def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
     ``decide``'s key holds besides the call's values and the absent ``backend=``), with
     the decisions already taken in it, by the call's values. A call in the same world
     (nearly every call) is looked up there by its values alone; any change of world
-    misses it, and ``decide`` answers in the world read once for that call.
+    misses it, and ``decide`` answers in the world read once for that call. ``name`` is
+    the facade's (the family's unless given), as ``state.hot_status`` names it.
     """
+    name = name or fc.family
     family, reads, describe, context_of = fc.family, fc.reads, fc.describe, fc.context_of
     lazy, shape, names, readers = fc.lazy, fc.shape, fc.names, fc.readers
-    # (the world, {key: Decision}, the keyer of that world's snapshot or None, how the
-    #  compiled hot path may key a call there); a new route's world is none yet
     if last is None:
-        last = [(None, {}, None, False)]
+        last = [NO_WORLD]
     else:
-        last[:] = [(None, {}, None, False)]
+        last[:] = [NO_WORLD]
     # This route's entry in each snapshot's ``facade_keys``: its keyer reads the call with
     # this route's own ``describe`` and readers (a token that lives as long as the route).
     slot = (family, object())
@@ -169,17 +204,17 @@ def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         seen = last[0]
-        world = seen[0]
+        world: Any = seen[0]  # read by position: the hot path of every call
         state = process.snapshot
         same_snapshot = world is not None and world[0] is state
         if same_snapshot:
             keyer, hot = seen[2], seen[3]  # the last world's snapshot: its key plan
         else:
             state = state or current()
-            plan = state.facade_keys.get(slot)
-            if plan is None:
-                plan = state.facade_keys[slot] = _keyer(state)
-            keyer, hot = plan
+            got = state.facade_keys.get(slot)
+            if got is None:
+                got = state.facade_keys[slot] = _keyer(state)
+            keyer, hot = got
         if keyer is None:
             key = values = describe(*args)
         else:
@@ -201,19 +236,18 @@ def route(fc: FamilyCall, last: list[tuple[Any, ...]] | None = None) -> Route:
 
     def _keyer(state: Registry) -> tuple[Keyer | None, Any]:
         """How this family's calls are read into their key on ``state`` - ``None`` when
-        its specs compare no lazy axis (the base values are the key) - and how the
-        compiled hot path may key them (``route``'s ``hot``)."""
+        its specs compare no lazy axis (the base values are the key) - and the compiled
+        hot path's plan for them there (``hot_plan``)."""
         plan = key_plan(state, family)
+        hot = hot_plan(name, fc.reading, plan.layout(reads, lazy))
         single = plan.interval(reads, readers)
         if single is not None:
             read, points = single
-            axis = next(n for n in readers if n in plan.compared)
-            hot = (fc.hot.index(axis), points) if axis in fc.hot else False
             return interval_keyer(describe, read, points), hot
         lazy_key = plan.reader(reads, readers)
         if lazy_key is None:
-            return None, None
-        return extended_keyer(describe, lazy_key), False
+            return None, hot
+        return extended_keyer(describe, lazy_key), hot
 
     return pick
 

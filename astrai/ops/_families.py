@@ -18,16 +18,22 @@ from __future__ import annotations
 __all__ = [
     "ATTENTION_ASKS",
     "ATTENTION_FEATURES",
+    "ATTENTION_READING",
     "ATTENTION_READS",
     "ATTENTION_SHAPE",
+    "FIRST_TENSOR_READING",
+    "LINEAR_READING",
     "LINEAR_READS",
     "LINEAR_SHAPE",
     "RMS_NORM_ASKS",
     "RMS_NORM_FEATURES",
+    "RMS_NORM_READING",
     "RMS_NORM_READS",
     "RMS_NORM_SHAPE",
+    "ROTARY_HALF_READING",
     "ROTARY_HALF_READS",
     "ROTARY_HALF_SHAPE",
+    "ROTARY_READING",
     "ROTARY_READS",
     "ROTARY_SHAPE",
     "Keyer",
@@ -56,6 +62,7 @@ from torch import Tensor
 from astrai.backends.attention.dense import PAGED_MODES, check_dense
 from astrai.backends.attention.paged import check_paged
 from astrai.backends.rotary import check_rotary_call, check_rotary_half_call
+from astrai.dispatch.reading import Case, Op, Reading
 from astrai.dispatch.torch_compile import constant_result
 
 _grad = torch.is_grad_enabled
@@ -205,7 +212,7 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
                     and v.dtype is dt):
                 return (fwd, dt, q.is_cuda, 4, d, False, False, _grad())
     _attention_slow(q, k, v, kv_cache, layer_id, attn_mask, fwd)
-    return (fwd, q.dtype, q.is_cuda, q.dim(), q.shape[-1], kv_cache is not None,
+    return (fwd, q.dtype, q.is_cuda, len(q.shape), q.shape[-1], kv_cache is not None,
             attn_mask is not None, _grad())
 
 
@@ -222,7 +229,7 @@ def describe_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[Any, ...]
         else:
             fits = n == 3 and len(ts) == 3 and ts[0] == xs[0]
         if (fits and d >= 2 and not d % 2 and ts[-2] == d >> 1 and ts[-1] == 2
-                and freqs_cis.is_floating_point()):
+                and freqs_cis.dtype.is_floating_point):
             return (x.dtype, x.is_cuda, n, d, _grad())
     except (AttributeError, IndexError, TypeError):
         pass  # not tensors, or 0-d: the full check says which
@@ -243,13 +250,13 @@ def describe_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             b, _, n, d = qs
             if (ks[0] == b and ks[2] == n and ks[3] == d and cs[2] == d and cs[1] == n
                     and (cs[0] == b or cs[0] == 1) and d >= 2 and not d % 2
-                    and k.dtype is q.dtype and cos.is_floating_point()
-                    and sin.is_floating_point() and unsqueeze_dim.__class__ is int):
+                    and k.dtype is q.dtype and cos.dtype.is_floating_point
+                    and sin.dtype.is_floating_point and unsqueeze_dim.__class__ is int):
                 return (q.dtype, q.is_cuda, 4, d, _grad(), "half")
     except (AttributeError, IndexError, TypeError, ValueError):
         pass  # not tensors, or other ranks: the full check says which
     check_rotary_half_call(q, k, cos, sin, unsqueeze_dim)  # raises, naming the shapes
-    return (q.dtype, q.is_cuda, q.dim(), q.shape[-1], _grad(), "half")
+    return (q.dtype, q.is_cuda, len(q.shape), q.shape[-1], _grad(), "half")
 
 
 #: The rms_norm facade's feature keywords, and the feature axis each one sets.
@@ -293,14 +300,14 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 return _forms(x.dtype, x.is_cuda, len(shape), features)
             return (x.dtype, x.is_cuda, len(shape), _grad())
     _tensors("rms_norm", x=x, weight=weight)
-    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
+    if len(x.shape) < 1 or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm expects x [..., features] and weight [features]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
     if features:
-        return _forms(x.dtype, x.is_cuda, x.dim(), features)
-    return (x.dtype, x.is_cuda, x.dim(), _grad())
+        return _forms(x.dtype, x.is_cuda, len(x.shape), features)
+    return (x.dtype, x.is_cuda, len(x.shape), _grad())
 
 
 def _forms(dtype: torch.dtype, cuda: bool, ndim: int,
@@ -319,7 +326,7 @@ def describe_linear(x: torch.Tensor, weight: torch.Tensor,
         if len(ws) == 2 and shape and ws[1] == shape[-1] and weight.dtype == dtype:
             return (dtype, x.is_cuda, len(shape), _grad())  # the common call
     _tensors("linear", x=x, weight=weight)
-    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+    if len(x.shape) < 1 or len(weight.shape) != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear expects x [..., in_features] and weight [out_features, "
                          f"in_features]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if bias is not None:
@@ -331,7 +338,7 @@ def describe_linear(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"linear expects x, weight and bias of one dtype; got x {x.dtype}, "
                          f"weight {weight.dtype}"
                          + ("" if bias is None else f", bias {bias.dtype}"))
-    return (x.dtype, x.is_cuda, x.dim(), _grad())
+    return (x.dtype, x.is_cuda, len(x.shape), _grad())
 
 
 def _rows(s: torch.Size, features: int) -> int:
@@ -380,12 +387,18 @@ ROTARY_SHAPE: dict[str, Callable[..., Any]] = {
 
 def _half_heads(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 unsqueeze_dim: int) -> int:
-    return q.shape[unsqueeze_dim % q.dim()]  # type: ignore[no-any-return]
+    return q.shape[unsqueeze_dim % len(q.shape)]  # type: ignore[no-any-return]
 
 
 def _half_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  unsqueeze_dim: int) -> int:
-    return prod(q.shape[:-1]) // _half_heads(q, k, cos, sin, unsqueeze_dim)
+    s = q.shape
+    heads = unsqueeze_dim % len(s)
+    tokens = 1
+    for i in range(len(s) - 1):  # a loop, not a generator: torch.compile traces it
+        if i != heads:
+            tokens *= s[i]
+    return tokens  # type: ignore[no-any-return]
 
 
 #: Rotary, half layout: ``tokens`` are the positions rotated (batch * seq), ``heads`` q's.
@@ -443,3 +456,76 @@ def extended_keyer(describe: Callable[..., tuple[Any, ...]],
         return (*values, *lazy_key(values, args)), values
 
     return keyer
+
+
+# -- the common calls as data, for the compiled hot path ------------------------------
+
+_DEV: dict[str, Op] = {"device": ("device", 0), "sm": ("sm", 0)}
+#: ``rms_norm(x, weight, eps, weight_offset asked, cast_before_weight asked)``: x [..., f],
+#: weight [f], eps an exact float >= 0; the feature axes when either form is asked.
+_RMS_SHAPE: tuple[Op, ...] = (("tensor", 0), ("tensor", 1), ("ndim", 1, 1), ("ndim_ge", 0, 1),
+                              ("size_eq", 1, 0, 0, -1), ("float_ge0", 2))
+_RMS_BASE: tuple[Op, ...] = (("dtype", 0), ("cuda", 0), ("ndim", 0), ("grad",))
+_RMS_LAZY: dict[str, Op] = {**_DEV, "tokens": ("rows", 0, 1)}
+RMS_NORM_READING = Reading(5, (
+    Case((("is", 3, 2), ("is", 4, 2), *_RMS_SHAPE), _RMS_BASE, _RMS_LAZY),
+    Case((("bool", 3), ("bool", 4), *_RMS_SHAPE), (*_RMS_BASE, ("arg", 3), ("arg", 4)),
+         _RMS_LAZY),
+))
+#: ``linear(x, weight, bias)``: x [..., in], weight [out, in], bias [out] or None, one dtype.
+_LINEAR_SHAPE: tuple[Op, ...] = (("tensor", 0), ("tensor", 1), ("ndim", 1, 2), ("ndim_ge", 0, 1),
+                                 ("size_eq", 1, 1, 0, -1), ("dtype_eq", 1, 0))
+_LINEAR_BASE: tuple[Op, ...] = (("dtype", 0), ("cuda", 0), ("ndim", 0), ("grad",))
+_LINEAR_LAZY: dict[str, Op] = {**_DEV, "tokens": ("rows", 0, 1),
+                               "in_features": ("size", 1, 1), "out_features": ("size", 1, 0)}
+LINEAR_READING = Reading(3, (
+    Case((("is", 2, 0), *_LINEAR_SHAPE), _LINEAR_BASE, _LINEAR_LAZY),
+    Case((*_LINEAR_SHAPE, ("tensor", 2), ("ndim", 2, 1), ("size_eq", 2, 0, 1, 0),
+          ("dtype_eq", 2, 0)), _LINEAR_BASE, _LINEAR_LAZY),
+))
+#: ``rotary(x, freqs_cis)``: x [b, s, h, d] with freqs [b or 1, s, d/2, 2] or [s, d/2, 2],
+#: or packed x [t, h, d] with freqs [t, d/2, 2]; d even, freqs floating.
+ROTARY_READING = Reading(2, (
+    Case((("tensor", 0), ("tensor", 1),
+          ("any", (("ndim", 0, 4), ("ndim", 1, 4), ("size_eq", 1, 1, 0, 1),
+                   ("any", (("size_is", 1, 0, 1),), (("size_eq", 1, 0, 0, 0),))),
+                  (("ndim", 0, 4), ("ndim", 1, 3), ("size_eq", 1, 0, 0, 1)),
+                  (("ndim", 0, 3), ("ndim", 1, 3), ("size_eq", 1, 0, 0, 0))),
+          ("size_ge", 0, -1, 2), ("size_even", 0, -1), ("size_twice", 0, -1, 1, -2),
+          ("size_is", 1, -1, 2), ("floating", 1)),
+         (("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, -1), ("grad",)),
+         {**_DEV, "tokens": ("rows", 0, 2), "heads": ("size", 0, -2)}),
+))
+#: ``apply_rotary_half(q, k, cos, sin, unsqueeze_dim)``: q, k [b, h, s, d] (k's heads may
+#: differ), cos = sin [b or 1, s, d], d even, q and k of one dtype, unsqueeze_dim the int 1.
+ROTARY_HALF_READING = Reading(5, (
+    Case((("int_eq", 4, 1), ("tensor", 0), ("tensor", 1), ("tensor", 2), ("tensor", 3),
+          ("ndim", 0, 4), ("ndim", 1, 4), ("ndim", 2, 3), ("shape_eq", 3, 2),
+          ("size_eq", 1, 0, 0, 0), ("size_eq", 1, 2, 0, 2), ("size_eq", 1, 3, 0, 3),
+          ("size_eq", 2, 2, 0, 3), ("size_eq", 2, 1, 0, 2),
+          ("any", (("size_is", 2, 0, 1),), (("size_eq", 2, 0, 0, 0),)),
+          ("size_ge", 0, 3, 2), ("size_even", 0, 3), ("dtype_eq", 1, 0),
+          ("floating", 2), ("floating", 3)),
+         (("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("grad",), ("const", 3)),
+         {**_DEV, "tokens": ("prod", 0, 0, 0, 2), "heads": ("size", 0, 1)}),
+), consts=(None, True, False, "half"))
+#: ``attention(q, k, v, kv_cache, attn_mask, fwd)`` without features: the dense call
+#: without a cache or a mask (fwd ``None``, ``"prefill"`` or ``"decode"``); q [b, s, h, d],
+#: k = v [b, skv, kh, d] (kh > 0 dividing h, d > 0), one dtype.
+ATTENTION_READING = Reading(6, (
+    Case((("is", 3, 0), ("is", 4, 0),
+          ("any", (("is", 5, 0),), (("is", 5, 3),), (("is", 5, 4),)),
+          ("tensor", 0), ("tensor", 1), ("tensor", 2),
+          ("ndim", 0, 4), ("ndim", 1, 4), ("shape_eq", 2, 1), ("size_eq", 0, 0, 1, 0),
+          ("size_eq", 0, 3, 1, 3), ("size_ge", 0, 3, 1), ("size_div", 0, 2, 1, 2),
+          ("dtype_eq", 1, 0), ("dtype_eq", 2, 0)),
+         (("arg", 5), ("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("const", 2),
+          ("const", 2), ("grad",)),
+         {**_DEV, "batch": ("size", 0, 0), "q_len": ("size", 0, 1),
+          "kv_len": ("size", 1, 1), "heads": ("size", 0, -2), "kv_heads": ("size", 1, -2)}),
+), consts=(None, True, False, "prefill", "decode"))
+#: ``ops.call`` of a family keyed by its first tensor alone: dtype, device_cuda, ndim,
+#: grad_enabled.
+FIRST_TENSOR_READING = Reading(1, (
+    Case((("tensor", 0),), (("dtype", 0), ("cuda", 0), ("ndim", 0), ("grad",))),
+))
