@@ -48,6 +48,9 @@ Globals g;
 
 bool ready() { return g.process != nullptr; }
 
+// The most arguments, base values and lazy slots a plan may have.
+constexpr int kMax = 16;
+
 // A strong reference, released when it goes out of scope.
 struct Ref {
   PyObject* o = nullptr;
@@ -199,7 +202,8 @@ std::vector<Op> parse_ops(PyObject* seq, bool guard, int arity, size_t nconsts) 
 Op parse_op(PyObject* t, bool guard, int arity, size_t nconsts) {
   Op op;
   op.code = static_cast<int>(as_int(item(t, 0)));
-  if (op.code < 0 || op.code >= (guard ? G_COUNT : V_COUNT)) throw BadPlan{"unknown opcode"};
+  int count = guard ? static_cast<int>(G_COUNT) : static_cast<int>(V_COUNT);
+  if (op.code < 0 || op.code >= count) throw BadPlan{"unknown opcode"};
   if (guard && op.code == G_ANY) {
     for (Py_ssize_t i = 1; i < length(t); ++i)
       op.groups.push_back(parse_ops(item(t, i), true, arity, nconsts));
@@ -236,7 +240,7 @@ PyObject* make_plan(PyObject*, PyObject* const* args, Py_ssize_t n) {
   try {
     plan->arity = static_cast<int>(as_int(args[0]));
     plan->slots = static_cast<int>(as_int(args[4]));
-    if (plan->arity < 0 || plan->arity > 16 || plan->slots < 0 || plan->slots > 16)
+    if (plan->arity < 0 || plan->arity > kMax || plan->slots < 0 || plan->slots > kMax)
       throw BadPlan{"arity or slots out of range"};
     for (Py_ssize_t i = 0; i < length(args[2]); ++i) {
       PyObject* c = item(args[2], i);
@@ -249,6 +253,7 @@ PyObject* make_plan(PyObject*, PyObject* const* args, Py_ssize_t n) {
       Case one;
       one.guards = parse_ops(item(c, 0), true, plan->arity, nconsts);
       one.base = parse_ops(item(c, 1), false, plan->arity, nconsts);
+      if (one.base.size() > static_cast<size_t>(kMax)) throw BadPlan{"too many base values"};
       PyObject* lazy = item(c, 2);
       if (length(lazy) != plan->slots) throw BadPlan{"a case's lazy values are not one per slot"};
       for (Py_ssize_t j = 0; j < plan->slots; ++j) {
@@ -304,8 +309,8 @@ PyObject* make_plan(PyObject*, PyObject* const* args, Py_ssize_t n) {
 struct Call {
   PyObject* const* args;
   int arity;
-  const at::Tensor* t[16];
-  bool looked[16];
+  const at::Tensor* t[kMax];
+  bool looked[kMax];
   const at::Tensor* tensor(int64_t i) {
     if (!looked[i]) {
       looked[i] = true;
@@ -519,28 +524,36 @@ PyObject* key_of(const Plan& plan, const Case& cs, Call& c) {
     PyErr_Clear();
     return nullptr;
   }
-  // The base values as ints where they are (for a compared pair), and into the key.
-  std::vector<std::pair<bool, int64_t>> base_int(nbase, {false, 0});
+  // The base values as ints where they are (for a compared pair), and into the key. No
+  // allocation but the key's own: a plan holds at most kMax of each.
+  if (nbase > static_cast<size_t>(kMax)) return nullptr;
+  bool base_is_int[kMax];
+  int64_t base_int[kMax];
   for (size_t i = 0; i < nbase; ++i) {
     Val v = value(cs.base[i], c, plan);
     if (!v.ok) return nullptr;
-    if (v.is_int) base_int[i] = {true, v.i};
-    else if (PyLong_CheckExact(v.o)) {
+    base_is_int[i] = v.is_int;
+    base_int[i] = v.i;
+    if (!v.is_int && PyLong_CheckExact(v.o)) {
       long long x = PyLong_AsLongLong(v.o);
-      if (!(x == -1 && PyErr_Occurred())) base_int[i] = {true, static_cast<int64_t>(x)};
+      if (!(x == -1 && PyErr_Occurred())) {
+        base_is_int[i] = true;
+        base_int[i] = static_cast<int64_t>(x);
+      }
       PyErr_Clear();
     }
     PyObject* o = as_object(v);
     if (o == nullptr) return nullptr;
     PyTuple_SET_ITEM(key.o, static_cast<Py_ssize_t>(i), o);
   }
-  std::vector<Val> lazy(static_cast<size_t>(plan.slots));
+  Val lazy[kMax];
   struct Release {
-    std::vector<Val>& vals;
+    Val* vals;
+    int n;
     ~Release() {
-      for (Val& v : vals) Py_XDECREF(v.o);
+      for (int i = 0; i < n; ++i) Py_XDECREF(vals[i].o);
     }
-  } release{lazy};
+  } release{lazy, plan.slots};
   for (int s = 0; s < plan.slots; ++s) {
     if (cs.lazy[s].code < 0) return nullptr;  // a lazy axis this case cannot read
     lazy[s] = value(cs.lazy[s], c, plan);
@@ -574,8 +587,8 @@ PyObject* key_of(const Plan& plan, const Case& cs, Call& c) {
           if (!lazy[idx].is_int) return nullptr;
           side[s] = lazy[idx].i;
         } else {
-          if (static_cast<size_t>(idx) >= nbase || !base_int[idx].first) return nullptr;
-          side[s] = base_int[idx].second;
+          if (static_cast<size_t>(idx) >= nbase || !base_is_int[idx]) return nullptr;
+          side[s] = base_int[idx];
         }
       }
       o = PyLong_FromLong((side[0] > side[1]) - (side[0] < side[1]));
@@ -720,7 +733,7 @@ PyMethodDef methods[] = {
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
                       "astrai's native extension: the facades' hot path and the native rows' "
                       "CPU kernels (astrai.native).",
-                      -1, methods};
+                      -1, methods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
