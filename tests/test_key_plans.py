@@ -29,7 +29,7 @@ from astrai.dispatch.keying import KeyPlan
 from astrai.dispatch.reading import Layout, encode, read
 from astrai.ops import _families
 from astrai.ops._families import FIRST_TENSOR_READING, extended_keyer, interval_keyer
-from tests.test_native import _full, _hot_args, _random_calls
+from tests.test_native import _common, _full, _hot_args, _random_calls
 
 NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
 #: The int axes a spec may compare, per facade (its lazy ones and its int base ones).
@@ -101,8 +101,9 @@ def slow_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
 
 def _calls(seed: int) -> list[tuple[str, tuple[Any, ...], tuple[Any, ...]]]:
     """``(facade, arguments as the compiled path takes them, the route's full tuple)``."""
+    common = [(name, _common(name)) for name in NAMES]  # each facade's common call, at least
     out = [(name, _hot_args(name, args), _full(name, args))
-           for name, args in _random_calls(random.Random(seed))]
+           for name, args in [*common, *_random_calls(random.Random(seed))]]
     rng = random.Random(seed + 1)
     for _ in range(20):  # the rms_norm forms
         x = torch.zeros(rng.choice([1, 3]), 16, dtype=rng.choice([torch.float32, torch.bfloat16]))
