@@ -85,6 +85,33 @@ class TestRmsNormKernel:
                 assert (gap <= step * want.double().abs().clamp(min=1)).all()
                 assert (got != want).double().mean() < 0.02
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("form", FORMS[:3], ids=str)
+    def test_views_that_overlap_broadcast_or_are_empty(self, kernels: ModuleType,
+                                                       dtype: torch.dtype,
+                                                       form: dict[str, Any]) -> None:
+        """x and the weight as views whose elements overlap (unfold, as_strided), repeat
+        (expand: zero strides) or are none: the reference's values, and the same on every
+        call."""
+        g = torch.Generator().manual_seed(3)
+        base = torch.randn(96, generator=g).to(dtype)
+        xs = [torch.randn(3, 20, generator=g).to(dtype).unfold(1, 8, 2),  # [3, 7, 8]
+              base.as_strided((2, 5, 8), (1, 1, 1)),
+              base.as_strided((4, 8), (0, 1)),
+              base[:8].expand(3, 2, 8),
+              base[:1].expand(5, 8),
+              torch.zeros(0, 8, dtype=dtype), torch.zeros(2, 0, 8, dtype=dtype)]
+        weights = [base[10:18], base[:1].expand(8), base.as_strided((8,), (0,)) + 0.5,
+                   torch.randn(16, generator=g).to(dtype)[::2]]
+        offset, cast = form.get("weight_offset", 0.0), form.get("cast_before_weight", False)
+        for x, w in itertools.product(xs, weights):
+            want = reference_rms_norm(x, w, 1e-5, **form)
+            got = kernels.rms_norm_kernel(x, w, 1e-5, offset, cast)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, kernels.rms_norm_kernel(x, w, 1e-5, offset, cast))
+            tol = {torch.float64: 1e-13, torch.float32: 1e-6}.get(dtype, 2e-2)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
     def test_any_layout_of_x(self, kernels: ModuleType) -> None:
         x = torch.randn(4, 40, 6).transpose(1, 2)  # not contiguous
         w = torch.randn(40)
@@ -140,6 +167,55 @@ class TestRotaryHalfKernel:
         q, k, cos, sin = qk_call(dtype, **shape)
         _equal_pairs(rows.native_rotary_half(q, k, cos, sin, 1),
                      reference_rotary_half(q, k, cos, sin, 1))
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_views_that_overlap_or_broadcast(self, kernels: ModuleType,
+                                             dtype: torch.dtype) -> None:
+        """q and k whose last dimension has stride 1 but whose elements overlap (unfold,
+        as_strided) or repeat (expand) - views for which empty_like gives a layout other
+        than x's: the reference's bits, the same on every call, through the kernel and
+        through the facade's chain."""
+        g = torch.Generator().manual_seed(5)
+        base = torch.randn(64, generator=g).to(dtype)
+        q = torch.randn(1, 2, 12, generator=g).to(dtype).unfold(2, 8, 1)  # [1, 2, 5, 8]
+        cos = torch.randn(1, 5, 8, generator=g).to(dtype)
+        sin = torch.randn(1, 5, 8, generator=g).to(dtype)
+        ks = [base.as_strided((1, 2, 5, 8), (1, 1, 1, 1)),
+              base.as_strided((1, 3, 5, 8), (0, 0, 1, 1)),
+              base[:40].view(1, 1, 5, 8).expand(1, 4, 5, 8),
+              base[:8].expand(1, 2, 5, 8),
+              base.as_strided((1, 5, 2, 8), (0, 1, 1, 1)).transpose(1, 2)]
+        for k in ks:
+            want = reference_rotary_half(q, k, cos, sin, 1)
+            got = kernels.rotary_half_kernel(q, k, cos, sin, 1)
+            _equal_pairs(got, want)
+            _equal_pairs(kernels.rotary_half_kernel(q, k, cos, sin, 1), got)
+            _equal_pairs(rows.native_rotary_half(k, q, cos, sin, 1),
+                         reference_rotary_half(k, q, cos, sin, 1))
+        if dtype in (torch.float32, torch.float64):  # the table's region of the row
+            with torch.no_grad():
+                dispatch.reset_stats()
+                _equal_pairs(ops.apply_rotary_half(q, ks[0], cos, sin),
+                             reference_rotary_half(q, ks[0], cos, sin, 1))
+                assert dispatch.stats().by_row()["rotary"] == {"native": {"chain": 1}}
+
+    def test_the_reported_overlapping_call(self, kernels: ModuleType) -> None:
+        torch.manual_seed(0)
+        q = torch.randn(1, 2, 12).unfold(2, 8, 1)
+        k = torch.randn(64).as_strided((1, 2, 5, 8), (1, 1, 1, 1))
+        cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+        with torch.no_grad():
+            dispatch.reset_stats()
+            _equal_pairs(ops.apply_rotary_half(q, k, cos, sin),
+                         reference_rotary_half(q, k, cos, sin, 1))
+            assert dispatch.stats().by_row()["rotary"] == {"native": {"chain": 1}}
+
+    def test_empty_calls(self, kernels: ModuleType) -> None:
+        for seq, heads in ((0, 4), (3, 0)):
+            q, k = torch.randn(2, heads, seq, 8), torch.randn(2, 2, seq, 8)
+            cos, sin = torch.randn(2, seq, 8), torch.randn(2, seq, 8)
+            _equal_pairs(kernels.rotary_half_kernel(q, k, cos, sin, 1),
+                         reference_rotary_half(q, k, cos, sin, 1))
 
     def test_heads_at_another_dim_and_three_dims(self, kernels: ModuleType) -> None:
         q, k, cos, sin = qk_call(torch.bfloat16)

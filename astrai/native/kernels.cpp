@@ -8,6 +8,11 @@
 // A kernel serves CPU tensors of the dtypes it takes that autograd need not see, and
 // answers None for any other call (the Python row then computes it with torch's
 // operations); a malformed call is a Python error, never a crash.
+//
+// Inputs may be any view - overlapping (``unfold``, ``as_strided``), broadcast (zero
+// strides), empty: a kernel reads them through their strides or a contiguous copy, and
+// writes only into an output it allocated, in a layout whose strides it walks (rows of
+// stride 1, never two elements in one place).
 
 #include <Python.h>
 
@@ -212,6 +217,8 @@ PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   try {
     if (xp->dim() < 1 || wp->dim() != 1 || wp->size(0) != xp->size(-1))
       return fail(PyExc_ValueError, "rms_norm_kernel: weight must be [x.shape[-1]]");
+    // x and the weight read as contiguous rows (a view that overlaps or broadcasts is
+    // copied), the output a fresh contiguous tensor.
     at::Tensor x = xp->contiguous();
     at::Tensor w = wp->contiguous();
     int64_t f = x.size(-1);
@@ -248,7 +255,8 @@ PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
 // ``x * cos + rotate_half(x) * sin`` for every row (the last dimension, d = 2h) of x,
 // each product and the sum rounded to T as torch's elementwise ops round them.
 // ``rows`` walks x's leading dimensions with x's, cos's and out's strides (cos's are
-// sin's: the caller made both contiguous before broadcasting them alike).
+// sin's: the caller made both contiguous before broadcasting them alike); the last
+// dimension of x, cos and out has stride 1 (the caller's), and out's rows do not overlap.
 template <typename T>
 void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                  at::Tensor& out) {
@@ -304,12 +312,17 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
 // 1, seq, d], made so once for q and k, so that one set of strides walks both).
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t dim) {
-  // x's last dimension read with stride 1; cos and sin broadcast to x as transformers'
-  // ``cos.unsqueeze(unsqueeze_dim)`` does (expand raises where they do not fit).
+  // x's last dimension read with stride 1 (its rows may overlap: they are only read); cos
+  // and sin broadcast to x as transformers' ``cos.unsqueeze(unsqueeze_dim)`` does (expand
+  // raises where they do not fit).
   at::Tensor xc = x.stride(-1) == 1 ? x : x.contiguous();
   at::Tensor c = cos.unsqueeze(dim).expand(xc.sizes());
   at::Tensor s = sin.unsqueeze(dim).expand(xc.sizes());
+  // x's layout where it is one the rows can be written in; empty_like of a view that
+  // overlaps or broadcasts orders its strides from x's, and may give the last dimension a
+  // stride other than 1: such an x gets a contiguous output.
   at::Tensor out = at::empty_like(xc);
+  if (out.size(-1) > 1 && out.stride(-1) != 1) out = at::empty(xc.sizes(), xc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xc.scalar_type(), "rotary_half",
                                   [&] { rotate_rows<scalar_t>(xc, c, s, out); });
   return out;
