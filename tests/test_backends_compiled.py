@@ -283,6 +283,9 @@ RMS_CALLS = [*itertools.product(((7,), (3, 16), (2, 5, 16)),
              ((1, 16), torch.float32)]
 #: The dtypes the generic row tests compile too (their graphs are shared in one run).
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+MIXED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+RMS_FORMS = [dict(weight_offset=0.1, cast_before_weight=True), dict(cast_before_weight=True),
+             dict(weight_offset=1.0)]
 
 
 class TestInductorRmsNorm:
@@ -328,6 +331,48 @@ class TestInductorRmsNorm:
         x, w = torch.randn(3, 16), torch.rand(16)
         close(ops.rms_norm(x, w, backend="inductor"), reference_rms_norm(x, w), torch.float32)
 
+    @pytest.mark.parametrize(("dtype", "weight_dtype"),
+                             list(itertools.product(MIXED_DTYPES, MIXED_DTYPES)), ids=str)
+    def test_model_forms_round_as_the_reference(self, dtype: torch.dtype,
+                                                weight_dtype: torch.dtype) -> None:
+        """Each form with an x and a weight of any dtypes: the reference's dtype, and its
+        values up to the order of the sum of squares - float32 rounding for a float32 x;
+        for a half-type x (whose normed value the cast form rounds to x's dtype) one
+        rounding step, on few elements. LlamaRMSNorm's ``weight + offset`` is rounded to
+        the weight's dtype before the product, as eager mode rounds it."""
+        g = torch.Generator().manual_seed(11)
+        x = (torch.randn(7, 64, generator=g) * 3).to(dtype)
+        w = torch.randn(64, generator=g).to(weight_dtype)
+        for form in RMS_FORMS:
+            want = reference_rms_norm(x, w, 1e-5, **form)
+            got = inductor_rms_norm(x, w, 1e-5, **form)
+            assert got.dtype == want.dtype and got.shape == want.shape, form
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(form))
+                continue
+            step = max(torch.finfo(dtype).eps, torch.finfo(want.dtype).eps) * 2
+            gap = (got.double() - want.double()).abs()
+            assert (gap <= step * want.double().abs().clamp(min=1)).all(), form
+            assert (got != want).double().mean() < 0.02, form
+
+    def test_numpy_scalars_under_inference_mode(self) -> None:
+        """eps and weight_offset given as NumPy scalars, under torch.inference_mode: the
+        compiled row takes their values (a NumPy scalar would reach the graph as a tensor,
+        whose guards fail there)."""
+        np = pytest.importorskip("numpy")
+        x, w = torch.randn(4, 24), torch.rand(24) + 0.5
+        with torch.inference_mode():
+            for eps in (np.float64(1e-6), np.float32(1e-5)):
+                want = reference_rms_norm(x, w, float(eps))
+                close(inductor_rms_norm(x, w, eps), want, torch.float32)
+            # the facade takes a float64 (a float subclass) and refuses other NumPy types
+            close(ops.rms_norm(x, w, np.float64(1e-6), backend="inductor"),
+                  reference_rms_norm(x, w, 1e-6), torch.float32)
+            close(inductor_rms_norm(x, w, np.float64(1e-6), weight_offset=np.float64(1.0),
+                                    cast_before_weight=np.bool_(True)),
+                  reference_rms_norm(x, w, 1e-6, weight_offset=1.0, cast_before_weight=True),
+                  torch.float32)
+
 
 ROTARY_CALLS = {
     "dense": lambda dtype: (torch.randn(2, 5, 3, 8).to(dtype),
@@ -346,6 +391,17 @@ class TestInductorRotary:
         out = inductor_rotary(x, freqs)
         assert out.shape == x.shape and out.dtype == dtype
         close(out, reference_rotary(x, freqs), dtype)
+
+    def test_numpy_unsqueeze_dim_under_inference_mode(self) -> None:
+        """The half layout's unsqueeze_dim given as a NumPy integer, under
+        torch.inference_mode: the compiled row takes its value."""
+        np = pytest.importorskip("numpy")
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+        with torch.inference_mode():
+            got = inductor_rotary(q, k, cos, sin, np.int64(1))
+        for a, b in zip(got, reference_rotary(q, k, cos, sin, 1), strict=True):
+            close(a, b, torch.float32)
 
     def test_lengths_and_tables_do_not_recompile(self,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:

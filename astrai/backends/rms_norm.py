@@ -20,8 +20,11 @@ forward bit for bit; ``torch`` and ``inductor`` equal it within float32 rounding
 
 ``inductor`` is ``reference_rms_norm`` compiled by ``torch.compile`` with dynamic
 shapes, on its first call per (dtype, weight dtype, device, rank of x, form): token counts
-and feature sizes share one graph. Inside a user's ``torch.compile`` it is the
-reference math, which the user's compile compiles with the rest of the graph.
+and feature sizes share one graph. Every rounding of the reference is written into the
+compiled function as a cast, so that its results have the reference's types and roundings
+(inductor would keep a half-type intermediate in float32); ``eps`` and the offset reach it
+as Python floats. Inside a user's ``torch.compile`` it is the reference math, which the
+user's compile compiles with the rest of the graph.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = [
     "torch_rms_norm",
     "torch_rms_norm_available",
 ]
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -105,17 +110,51 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
     return (normed * (weight.to(compute) + offset if offset else weight.to(compute))).to(x.dtype)
 
 
+def _compiled_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                        cast_before_weight: bool) -> torch.Tensor:
+    """``_reference`` as inductor compiles it: the same operations, with the one rounding
+    inductor would otherwise leave out written as a cast. Inductor keeps an intermediate
+    result of a half type in float32 unless a cast rounds it, while eager mode rounds
+    LlamaRMSNorm's ``weight + offset`` to the weight's dtype before the product: here it is
+    computed in the weight's opmath type and cast, as eager mode computes it. ``offset``
+    must already be rounded to the weight's dtype (as eager mode takes a Python scalar
+    added to a tensor: ``_offset_as``)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xw = x.to(compute)
+    normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        scale = weight
+        if offset:
+            scale = (weight.to(torch.promote_types(weight.dtype, torch.float32))
+                     + offset).to(weight.dtype)
+        return scale * normed.to(x.dtype)
+    return (normed * (weight.to(compute) + offset if offset else weight.to(compute))).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _offset_as(offset: float, dtype: torch.dtype) -> float:
+    """``offset`` rounded to ``dtype``, as ``tensor + offset`` takes the scalar."""
+    return float(torch.tensor(offset, dtype=torch.float64).to(dtype).item())
+
+
 # The casts of the model forms round as in eager mode (the reference's bits).
-_compiled = Compiled(_reference, dynamic=True, options={"emulate_precision_casts": True})
+_compiled = Compiled(_compiled_reference, dynamic=True,
+                     options={"emulate_precision_casts": True})
 
 
 def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                       weight_offset: float = 0.0,
                       cast_before_weight: bool = False) -> torch.Tensor:
-    """``reference_rms_norm`` compiled by inductor (dynamic shapes, compiled lazily)."""
+    """``reference_rms_norm`` compiled by inductor (dynamic shapes, compiled lazily), with
+    the reference's types and roundings."""
     if compiling():
         return _reference(x, weight, eps, weight_offset, cast_before_weight)
+    # Python numbers from here: a NumPy scalar would reach the compiled function as a
+    # tensor, which torch.compile's guards do not hold under torch.inference_mode.
+    eps, offset, cast = float(eps), float(weight_offset), bool(cast_before_weight)
+    if cast and offset:
+        offset = _offset_as(offset, weight.dtype)
     # Keyed by rank and form too: a copy per key keeps each graph's guards to one kind
     # of input.
-    key = (x.dtype, weight.dtype, x.device, x.dim(), weight_offset, cast_before_weight)
-    return _compiled(key, x, weight, eps, weight_offset, cast_before_weight)  # type: ignore[no-any-return]
+    key = (x.dtype, weight.dtype, x.device, x.dim(), offset, cast)
+    return _compiled(key, x, weight, eps, offset, cast)  # type: ignore[no-any-return]

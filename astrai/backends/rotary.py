@@ -53,6 +53,7 @@ __all__ = [
     "torch_rotary_half",
 ]
 
+import operator
 from typing import Any
 
 import torch
@@ -264,6 +265,7 @@ def inductor_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, *half: Any) -> Any
         cos, sin, dim = half
         if compiling():
             return reference_rotary_half(x, freqs_cis, cos, sin, dim)
+        dim = operator.index(dim)  # a Python int: a NumPy integer would reach the graph as a tensor
         key = (x.dtype, cos.dtype, x.device, x.dim(), dim % x.dim())
         return _compiled_half(key, x, freqs_cis, cos, sin, dim)
     if compiling():
