@@ -112,6 +112,24 @@ class TestRmsNormKernel:
             tol = {torch.float64: 1e-13, torch.float32: 1e-6}.get(dtype, 2e-2)
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("form", [FORMS[0], FORMS[2]], ids=str)
+    def test_threads_give_the_same_bits(self, kernels: ModuleType, dtype: torch.dtype,
+                                        form: dict[str, Any]) -> None:
+        """Rows split among threads: each row is computed whole by one thread, so any
+        number of threads gives the single-threaded result bit for bit."""
+        x, w = _rms_call((2, 150, 1000), dtype, torch.bfloat16)
+        offset, cast = form.get("weight_offset", 0.0), form.get("cast_before_weight", False)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = kernels.rms_norm_kernel(x, w, 1e-6, offset, cast)
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(kernels.rms_norm_kernel(x, w, 1e-6, offset, cast), one)
+        finally:
+            torch.set_num_threads(threads)
+
     def test_any_layout_of_x(self, kernels: ModuleType) -> None:
         x = torch.randn(4, 40, 6).transpose(1, 2)  # not contiguous
         w = torch.randn(40)
@@ -216,6 +234,20 @@ class TestRotaryHalfKernel:
             cos, sin = torch.randn(2, seq, 8), torch.randn(2, seq, 8)
             _equal_pairs(kernels.rotary_half_kernel(q, k, cos, sin, 1),
                          reference_rotary_half(q, k, cos, sin, 1))
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_threads_give_the_same_bits(self, kernels: ModuleType, dtype: torch.dtype) -> None:
+        q, k, cos, sin = qk_call(dtype, batch=2, heads=8, kv_heads=2, seq=300, dim=64)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = kernels.rotary_half_kernel(q, k, cos, sin, 1)
+            for n in (2, 3):
+                torch.set_num_threads(n)
+                _equal_pairs(kernels.rotary_half_kernel(q, k, cos, sin, 1), one)
+            _equal_pairs(one, reference_rotary_half(q, k, cos, sin, 1))
+        finally:
+            torch.set_num_threads(threads)
 
     def test_heads_at_another_dim_and_three_dims(self, kernels: ModuleType) -> None:
         q, k, cos, sin = qk_call(torch.bfloat16)
@@ -398,14 +430,15 @@ class TestTables:
         assert "native: reject (not grad_enabled" in dispatch.explain("rms_norm", ctx)
 
     def test_the_regions_of_the_table(self, kernels: ModuleType) -> None:
-        """float32 up to 4096 tokens; bfloat16 below 256 (the compiled row's from there)."""
+        """float32 and float64 at any token count (the kernel splits rows among threads);
+        bfloat16 below 256 (the compiled row's from there); float16 one token."""
         def row(tokens: int, dtype: torch.dtype) -> str:
             ctx = dispatch.CallContext("rms_norm", dtype=dtype, ndim=2, tokens=tokens,
                                        grad_enabled=False)
             return dispatch.resolve("rms_norm", ctx).name
 
-        assert row(4095, torch.float32) == "native"
-        assert row(4096, torch.float32) in ("inductor_large", "torch")
+        for tokens in (1, 4095, 4096, 1 << 20):
+            assert row(tokens, torch.float32) == row(tokens, torch.float64) == "native"
         assert row(255, torch.bfloat16) == "native"
         assert row(256, torch.bfloat16) in ("inductor_large", "torch")
         assert row(1, torch.float16) == "native" and row(2, torch.float16) != "native"

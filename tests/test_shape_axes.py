@@ -273,7 +273,7 @@ class TestShippedTablesUseTheAxes:
     win (``tables/rms_norm.yaml``, ``tables/rotary.yaml``), and nothing else."""
 
     @pytest.mark.parametrize("family, dtype, small, large, points", [
-        ("rms_norm", torch.float32, 255, 256, (2, 256, 4096)),
+        ("rms_norm", torch.float32, 255, 256, (2, 256)),
         ("rotary", torch.bfloat16, 63, 64, (64, 512)),
     ])
     def test_compiled_row_from_its_cut(self, family: str, dtype: torch.dtype, small: int,

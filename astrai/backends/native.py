@@ -15,6 +15,11 @@ call, one pass over memory:
   the sum rounded as torch's elementwise operations round them: it equals
   ``reference_rotary_half`` bit for bit.
 
+A kernel splits the rows of a call among torch's intra-op threads (``torch.get_num_threads()``,
+with the GIL released), each row computed whole by one thread in one order: its result is
+the same for any number of threads. Inputs may be any view (overlapping, broadcast, empty);
+the output is a tensor the kernel allocates.
+
 Each row runs its kernel on plain CPU tensors of one kernel dtype (float16, bfloat16,
 float32, float64; for RMS norm any mix of x's and the weight's), outside autograd and
 ``torch.compile`` tracing. Any other call it is handed - another device, mixed rotary

@@ -16,13 +16,14 @@ GCC/Clang facilities); there the build says so and the pure-Python path serves.
 
 from __future__ import annotations
 
-__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "SOURCES", "NativeBuildError", "build",
+__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "SOURCES", "NativeBuildError", "build",
            "built_path", "compiler"]
 
 import hashlib
 import importlib.machinery
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -45,6 +46,11 @@ SOURCES = (_HERE / "hot.cpp", _HERE / "kernels.cpp")
 #: multiply-adds, which would round differently from torch's own kernels. No ``-march``:
 #: a built file may be shared by machines of one architecture but not one CPU model.
 EXTRA_CFLAGS = ("-O3", "-ffp-contract=off")
+#: Added where torch runs its intra-op threads on OpenMP: ATen's ``parallel_for``, which the
+#: kernels split a call's rows with, is OpenMP in torch's headers and runs on one thread in
+#: code compiled without it. The runtime linked is the one torch loaded (same library
+#: name), so the kernels share torch's threads and ``torch.set_num_threads``.
+OPENMP_FLAGS = ("-fopenmp",)
 #: Seconds a build may take before it is stopped.
 BUILD_TIMEOUT_ENV = "ASTR_NATIVE_BUILD_TIMEOUT"
 _DEFAULT_TIMEOUT = 600.0
@@ -93,6 +99,13 @@ def _compiler_identity() -> str:
     return " ".join(parts)
 
 
+def _openmp() -> tuple[str, ...]:
+    """The OpenMP flags a build tries first: ``OPENMP_FLAGS`` where torch has OpenMP."""
+    import torch
+
+    return OPENMP_FLAGS if torch._C.has_openmp else ()
+
+
 def _tag() -> str:
     """What the built file depends on: the sources, torch (version, location, ABI),
     Python, astrai's flags and the compiler."""
@@ -103,7 +116,7 @@ def _tag() -> str:
         h.update(source.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
     h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
-    h.update(f"{EXTRA_CFLAGS}|{_compiler_identity()}".encode())
+    h.update(f"{EXTRA_CFLAGS}|{_openmp()}|{_compiler_identity()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -157,7 +170,16 @@ def build(*, force: bool = False) -> Path:
         _prune(path.parent, timeout)
         work = tempfile.mkdtemp(prefix=".build-", dir=path.parent)
         try:
-            made = _compile(Path(work), timeout)
+            try:
+                made = _compile(Path(work), timeout, _openmp())
+            except NativeBuildError as e:
+                # A compiler without OpenMP (Apple's clang): the kernels then run each
+                # call on one thread.
+                if not _openmp() or not re.search(r"openmp|gomp|-lomp|omp\.h", str(e)):
+                    raise
+                shutil.rmtree(work, ignore_errors=True)
+                os.mkdir(work)
+                made = _compile(Path(work), timeout, ())
             os.replace(made, path)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -222,7 +244,7 @@ import torch.utils.cpp_extension as ext
 a = json.loads(sys.argv[1])
 os.environ["PATH"] = os.pathsep.join(a["path"] + [os.environ.get("PATH", "")])
 ext.load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"],
-         build_directory=a["work"], is_python_module=True, verbose=False, with_cuda=False)
+         extra_ldflags=a["ldflags"], build_directory=a["work"], is_python_module=True, verbose=False, with_cuda=False)
 """
 
 
@@ -238,11 +260,12 @@ def _ninja_dirs() -> list[str]:
     return dirs
 
 
-def _compile(work: Path, timeout: float) -> Path:
+def _compile(work: Path, timeout: float, openmp: tuple[str, ...]) -> Path:
     """Build in ``work`` in a child process, stopped (with everything it started) after
     ``timeout`` seconds; the built file."""
     args = json.dumps({"name": NAME, "sources": [str(s) for s in SOURCES],
-                       "cflags": list(EXTRA_CFLAGS), "work": str(work),
+                       "cflags": [*EXTRA_CFLAGS, *openmp], "ldflags": list(openmp),
+                       "work": str(work),
                        "path": _ninja_dirs()})
     try:
         child = subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=subprocess.PIPE,

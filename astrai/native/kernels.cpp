@@ -12,12 +12,15 @@
 // Inputs may be any view - overlapping (``unfold``, ``as_strided``), broadcast (zero
 // strides), empty: a kernel reads them through their strides or a contiguous copy, and
 // writes only into an output it allocated, in a layout whose strides it walks (rows of
-// stride 1, never two elements in one place).
+// stride 1, never two elements in one place). The rows of a call are split among torch's
+// intra-op threads (``torch.get_num_threads()``), each row computed whole by one thread in
+// one order, so a result does not depend on the number of threads.
 
 #include <Python.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -70,6 +73,14 @@ struct WithoutGil {
   PyThreadState* state = PyEval_SaveThread();
   ~WithoutGil() { PyEval_RestoreThread(state); }
 };
+
+// Rows per task when ``at::parallel_for`` splits rows of ``width`` elements among threads:
+// at least torch's grain (32768 elements) per task, below which starting a thread costs
+// more than it saves.
+int64_t row_grain(int64_t width) {
+  constexpr int64_t kGrain = 32768;
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width));
+}
 
 PyObject* fail(PyObject* type, const char* message) {
   PyErr_SetString(type, message);
@@ -147,6 +158,56 @@ C inverse_rms(const X* x, int64_t f, C eps) {
   return static_cast<C>(1) / std::sqrt(mean + eps);
 }
 
+// The weight as the forms apply it, once per call, each in a loop of its own that
+// vectorises (a test inside the loop, or the loop inlined into the kernel's dispatch,
+// kept GCC from vectorising it). ``weight_after``: ``weight + offset`` in C, the weight
+// taken to C first; ``weight_cast``: ``weight + offset`` as torch's tensor-plus-scalar
+// computes it - the scalar taken to W, the sum computed in W's opmath type and rounded to
+// W - then taken to A.
+template <typename W, typename C>
+__attribute__((noinline)) void weight_after(const W* __restrict__ w, C* __restrict__ scale,
+                                            int64_t f, double offset) {
+  const C off = static_cast<C>(offset);
+  if (offset != 0) {
+    for (int64_t j = 0; j < f; ++j) scale[j] = cast_to<C, W>(w[j]) + off;
+  } else {
+    for (int64_t j = 0; j < f; ++j) scale[j] = cast_to<C, W>(w[j]);
+  }
+}
+
+template <typename W, typename A>
+__attribute__((noinline)) void weight_cast(const W* __restrict__ w, A* __restrict__ scale,
+                                           int64_t f, double offset) {
+  using WA = op_t<W>;
+  const WA off = cast_to<WA, W>(static_cast<W>(offset));
+  if (offset != 0) {
+    for (int64_t j = 0; j < f; ++j)
+      scale[j] = cast_to<A, W>(cast_to<W, WA>(cast_to<WA, W>(w[j]) + off));
+  } else {
+    for (int64_t j = 0; j < f; ++j) scale[j] = cast_to<A, W>(w[j]);
+  }
+}
+
+// Rows [begin, end) of ``rms_rows_after``: ``scale`` is ``weight + offset`` in C. A function
+// of its own, not inlined, every argument a value and the output known to alias no input
+// (it is the kernel's fresh tensor): its loops vectorise as they did in one thread's
+// kernel.
+template <typename X, typename C>
+__attribute__((noinline)) void rms_after_range(const X* __restrict__ x,
+                                               const C* __restrict__ scale,
+                                               X* __restrict__ out, int64_t begin, int64_t end,
+                                               int64_t f, C eps) {
+  for (int64_t r = begin; r < end; ++r) {
+    const X* xr = x + r * f;
+    X* o = out + r * f;
+    C inv = inverse_rms<X, C>(xr, f, eps);
+    for (int64_t j = 0; j < f; ++j) {
+      C normed = cast_to<C, X>(xr[j]) * inv;
+      o[j] = cast_to<X, C>(normed * scale[j]);
+    }
+  }
+}
+
 // The weight applied after the norm in C: ``(normed * (weight + offset)).to(X)``, the
 // weight taken to C first (the plain form and Gemma's offset form).
 template <typename X, typename W>
@@ -154,16 +215,28 @@ void rms_rows_after(const X* x, const W* w, X* out, int64_t rows, int64_t f, dou
                     double offset) {
   using C = op_t<X>;
   std::vector<C> scale(static_cast<size_t>(f));
-  for (int64_t j = 0; j < f; ++j) {
-    scale[j] = offset != 0 ? static_cast<C>(w[j]) + static_cast<C>(offset) : static_cast<C>(w[j]);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
+  weight_after(w, scale.data(), f, offset);
+  const C* sc = scale.data();
+  const C e = static_cast<C>(eps);
+  at::parallel_for(0, rows, row_grain(f), [=](int64_t begin, int64_t end) {
+    rms_after_range<X, C>(x, sc, out, begin, end, f, e);
+  });
+}
+
+// Rows [begin, end) of ``rms_rows_cast``: ``scale`` is ``weight + offset`` rounded to W,
+// in A (see ``rms_after_range``).
+template <typename X, typename O, typename C, typename A>
+__attribute__((noinline)) void rms_cast_range(const X* __restrict__ x,
+                                              const A* __restrict__ scale,
+                                              O* __restrict__ out, int64_t begin, int64_t end,
+                                              int64_t f, C eps) {
+  for (int64_t r = begin; r < end; ++r) {
     const X* xr = x + r * f;
-    X* o = out + r * f;
-    C inv = inverse_rms<X, C>(xr, f, static_cast<C>(eps));
+    O* o = out + r * f;
+    C inv = inverse_rms<X, C>(xr, f, eps);
     for (int64_t j = 0; j < f; ++j) {
-      C normed = cast_to<C, X>(xr[j]) * inv;
-      o[j] = cast_to<X, C>(normed * scale[j]);
+      X normed = cast_to<X, C>(cast_to<C, X>(xr[j]) * inv);
+      o[j] = cast_to<O, A>(scale[j] * cast_to<A, X>(normed));
     }
   }
 }
@@ -177,22 +250,12 @@ void rms_rows_cast(const X* x, const W* w, O* out, int64_t rows, int64_t f, doub
   using C = op_t<X>;
   using A = op_t<O>;
   std::vector<A> scale(static_cast<size_t>(f));
-  for (int64_t j = 0; j < f; ++j) {
-    using WA = op_t<W>;
-    W s = offset != 0 ? cast_to<W, WA>(cast_to<WA, W>(w[j]) +
-                                       cast_to<WA, W>(static_cast<W>(offset)))
-                      : w[j];
-    scale[j] = static_cast<A>(s);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const X* xr = x + r * f;
-    O* o = out + r * f;
-    C inv = inverse_rms<X, C>(xr, f, static_cast<C>(eps));
-    for (int64_t j = 0; j < f; ++j) {
-      X normed = cast_to<X, C>(cast_to<C, X>(xr[j]) * inv);
-      o[j] = cast_to<O, A>(scale[j] * cast_to<A, X>(normed));
-    }
-  }
+  weight_cast(w, scale.data(), f, offset);
+  const A* sc = scale.data();
+  const C e = static_cast<C>(eps);
+  at::parallel_for(0, rows, row_grain(f), [=](int64_t begin, int64_t end) {
+    rms_cast_range<X, O, C, A>(x, sc, out, begin, end, f, e);
+  });
 }
 
 // rms_norm(x, weight, eps, weight_offset, cast_before_weight) -> Tensor, or None for a call
@@ -252,32 +315,41 @@ PyObject* rms_norm_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 // -- rotary, half layout -------------------------------------------------------------
 
-// ``x * cos + rotate_half(x) * sin`` for every row (the last dimension, d = 2h) of x,
-// each product and the sum rounded to T as torch's elementwise ops round them.
-// ``rows`` walks x's leading dimensions with x's, cos's and out's strides (cos's are
-// sin's: the caller made both contiguous before broadcasting them alike); the last
-// dimension of x, cos and out has stride 1 (the caller's), and out's rows do not overlap.
+// The leading dimensions of a rotary call: their sizes, and x's, cos's and out's strides
+// along them.
+struct Lead {
+  std::vector<int64_t> size, xs, cs, os;
+};
+
+// Rows [begin, end) of ``rotate_rows``, walked from the row ``begin`` with an odometer over
+// the leading dimensions. A function of its own, not inlined, every scalar a value and the
+// output known to alias no input (see ``rms_after_range``).
 template <typename T>
-void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                 at::Tensor& out) {
+__attribute__((noinline)) void rotate_range(const T* __restrict__ xb, const T* __restrict__ cb,
+                                            const T* __restrict__ sb, T* __restrict__ ob,
+                                            const Lead& lead, int64_t d, int64_t begin,
+                                            int64_t end) {
   using A = op_t<T>;
-  const int64_t nd = x.dim();
-  const int64_t d = x.size(nd - 1), h = d / 2;
-  auto size = x.sizes();
-  auto xs = x.strides();
-  auto cs = cos.strides();
-  auto os = out.strides();
-  const T* xb = x.data_ptr<T>();
-  const T* cb = cos.data_ptr<T>();
-  const T* sb = sin.data_ptr<T>();
-  T* ob = out.data_ptr<T>();
-  int64_t rows = 1;
-  for (int64_t i = 0; i + 1 < nd; ++i) rows *= size[i];
-  std::vector<int64_t> index(static_cast<size_t>(nd), 0);
-  int64_t xo = 0, co = 0, oo = 0;
+  const int64_t h = d / 2;
+  const int64_t nl = static_cast<int64_t>(lead.size.size());
+  const int64_t* size = lead.size.data();
+  const int64_t* xs = lead.xs.data();
+  const int64_t* cs = lead.cs.data();
+  const int64_t* os = lead.os.data();
   auto mul = [](T a, T b) { return cast_to<T, A>(cast_to<A, T>(a) * cast_to<A, T>(b)); };
   auto add = [](T a, T b) { return cast_to<T, A>(cast_to<A, T>(a) + cast_to<A, T>(b)); };
-  for (int64_t r = 0; r < rows; ++r) {
+  // the leading index of row ``begin``, and its offsets
+  std::vector<int64_t> index(static_cast<size_t>(nl), 0);
+  int64_t xo = 0, co = 0, oo = 0;
+  int64_t rest = begin;
+  for (int64_t dim = nl - 1; dim >= 0; --dim) {
+    index[dim] = rest % size[dim];
+    rest /= size[dim];
+    xo += index[dim] * xs[dim];
+    co += index[dim] * cs[dim];
+    oo += index[dim] * os[dim];
+  }
+  for (int64_t r = begin; r < end; ++r) {
     const T* xr = xb + xo;
     const T* c = cb + co;
     const T* s = sb + co;
@@ -293,7 +365,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       o[i] = add(first, second);
     }
     // the next row: an odometer over the leading dimensions
-    for (int64_t dim = nd - 2; dim >= 0; --dim) {
+    for (int64_t dim = nl - 1; dim >= 0; --dim) {
       if (++index[dim] < size[dim]) {
         xo += xs[dim];
         co += cs[dim];
@@ -306,6 +378,31 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       index[dim] = 0;
     }
   }
+}
+
+// ``x * cos + rotate_half(x) * sin`` for every row (the last dimension, d = 2h) of x,
+// each product and the sum rounded to T as torch's elementwise ops round them.
+// Rows are walked over x's leading dimensions with x's, cos's and out's strides (cos's are
+// sin's: the caller made both contiguous before broadcasting them alike); the last
+// dimension of x, cos and out has stride 1 (the caller's), and out's rows do not overlap.
+template <typename T>
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& out) {
+  const int64_t nd = x.dim();
+  const int64_t d = x.size(nd - 1);
+  auto leading = [](at::IntArrayRef v) { return std::vector<int64_t>(v.begin(), v.end() - 1); };
+  const Lead lead{leading(x.sizes()), leading(x.strides()), leading(cos.strides()),
+                  leading(out.strides())};
+  int64_t rows = 1;
+  for (int64_t n : lead.size) rows *= n;
+  const T* xb = x.data_ptr<T>();
+  const T* cb = cos.data_ptr<T>();
+  const T* sb = sin.data_ptr<T>();
+  T* ob = out.data_ptr<T>();
+  at::parallel_for(0, rows, row_grain(d), [&lead, xb, cb, sb, ob, d](int64_t begin,
+                                                                     int64_t end) {
+    rotate_range<T>(xb, cb, sb, ob, lead, d, begin, end);
+  });
 }
 
 // ``rotate_rows`` on x, with ``cos`` and ``sin`` contiguous (the caller's: small, [batch or
