@@ -11,7 +11,11 @@ never win. CPU, one thread by default, under ``torch.no_grad()``.
 The clock is the calling thread's CPU time (``time.thread_time``): with one intra-op
 thread every kernel runs on that thread, and on a shared machine wall-clock medians of
 one and the same kernel were seen to differ by 2x between neighbouring rows, while CPU
-time leaves out the time the thread waits for a core. ``--wall`` times wall clock.
+time leaves out the time the thread waits for a core. ``--wall`` times wall clock, and so
+does ``--threads N`` for N > 1: the calling thread's CPU time would leave out what the
+other threads do. Inductor keeps the code it compiles in a cache on disk that does not
+tell thread counts apart: time each thread count with its own ``TORCHINDUCTOR_CACHE_DIR``,
+or the compiled rows may run code made for another.
 
 Buckets:
 
@@ -20,12 +24,17 @@ Buckets:
   chunked prefill (q_len 16, kv_len 512, causal); head_dim 64 and 128, fp32 and bf16.
 - attention training (forward + backward of ``out.sum()``, grad mode on): causal
   q_len == kv_len in {16, 128, 512}, head_dim 64 (MHA) and 128 (GQA, 128 only).
-- rms_norm, rotary, linear: tokens in {1, 64, 4096}, two feature sizes, fp32 and bf16;
+- rms_norm, rotary, linear: tokens in {1, 64, 4096} (``--tokens`` for others), two
+  feature sizes (rms_norm: 512 and 4096, ``--hidden`` for others), fp32 and bf16;
   rms_norm also in LlamaRMSNorm's form (``cast_before_weight``), rotary also in the half
   layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
 
+A row is timed on the buckets its table ``when`` accepts; ``--any-when`` times every
+available row serving the bucket's features, to measure where a row's region should end.
+
 Usage: ``python benchmarks/bench_rows.py [--threads N] [--quick] [--json PATH]
-[--family F ...] [--no-training] [--wall] [--device cuda]``.
+[--family F ...] [--no-training] [--wall] [--device cuda] [--tokens N ...]
+[--hidden N ...] [--any-when]``.
 The whole run takes about three minutes on two cores, about half of it compiling.
 """
 
@@ -135,14 +144,17 @@ def training_buckets(quick: bool) -> list[Bucket]:
     return out
 
 
-def token_buckets(family: str, quick: bool) -> list[Bucket]:
-    """rms_norm / rotary / linear over tokens {1, 64, 4096} and two feature sizes."""
+def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = None,
+                  hidden: tuple[int, ...] | None = None) -> list[Bucket]:
+    """rms_norm / rotary / linear over tokens {1, 64, 4096} (or ``tokens``) and two feature
+    sizes (rms_norm's: ``hidden``, when given)."""
     out: list[Bucket] = []
-    tokens = (1, 64) if quick else (1, 64, 4096)
+    if tokens is None:
+        tokens = (1, 64) if quick else (1, 64, 4096)
     for dt, dtype in DTYPES.items():
         for n in tokens:
             if family == "rms_norm":
-                for f in (512, 4096):
+                for f in hidden or (512, 4096):
                     x = _rand(n, f, dtype=dtype, seed=n)
                     w = torch.rand(f).to(dtype) + 0.5
                     out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt}", (x, w)))
@@ -174,15 +186,16 @@ def half_call(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[Any, ...]
     return q, k, emb.cos().to(dtype), emb.sin().to(dtype), 1
 
 
-def rows_for(bucket: Bucket) -> tuple[dict[str, Callable[[], object]], set[str]]:
-    """The rows that serve ``bucket`` here: name -> zero-argument call; and the
-    non-faithful ones."""
+def rows_for(bucket: Bucket, any_when: bool = False
+             ) -> tuple[dict[str, Callable[[], object]], set[str]]:
+    """The rows that serve ``bucket`` here (``any_when``: whatever their ``when`` says):
+    name -> zero-argument call; and the non-faithful ones."""
     reg = dispatch.current()
     ctx = ops.context(bucket.family, *bucket.args, **bucket.kwargs)
     calls: dict[str, Callable[[], object]] = {}
     unfaithful: set[str] = set()
     for rec in reg.family(bucket.family).rows:
-        if (not reg.availability(rec)[0] or not rec.spec.matches(ctx)
+        if (not reg.availability(rec)[0] or not (any_when or rec.spec.matches(ctx))
                 or not asked_features(ctx) <= rec.features):
             continue
         obj, args, kwargs = rec.obj, bucket.args, bucket.kwargs
@@ -213,11 +226,12 @@ def time_rows(calls: dict[str, Callable[[], object]], rounds: int,
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def run(buckets: list[Bucket], rounds: int, timer: Callable[[], float]) -> list[Result]:
+def run(buckets: list[Bucket], rounds: int, timer: Callable[[], float],
+        any_when: bool = False) -> list[Result]:
     results = []
     for b in buckets:
         start = time.perf_counter()
-        calls, unfaithful = rows_for(b)
+        calls, unfaithful = rows_for(b, any_when)
         # Few rounds for the slow shapes: their medians are steady and the run stays short.
         probe = min(timeit.timeit(fn, number=1, timer=timer) for fn in calls.values())
         n_rounds = rounds if probe < 0.02 else max(3, rounds // 3)
@@ -274,14 +288,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="time wall clock instead of this thread's CPU time")
     parser.add_argument("--device", default="cpu",
                         help="where the calls' tensors live (cuda: wall clock, synchronised)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="token counts of the rms_norm, rotary and linear buckets")
+    parser.add_argument("--hidden", type=int, nargs="+",
+                        help="feature sizes of the rms_norm buckets")
+    parser.add_argument("--any-when", action="store_true",
+                        help="time every available row, whatever its table when says")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear"]
     reg = dispatch.current()
-    timer: Callable[[], float] = time.perf_counter if args.wall else time.thread_time
-    clock = "wall clock" if args.wall else "CPU time of the calling thread"
+    wall = args.wall or args.threads > 1  # other threads' work is no CPU time of this one
+    timer: Callable[[], float] = time.perf_counter if wall else time.thread_time
+    clock = "wall clock" if wall else "CPU time of the calling thread"
     if device.type == "cuda":  # kernels run asynchronously: each reading waits for them
         def timer() -> float:
             torch.cuda.synchronize(device)
@@ -298,8 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     for fam in families:
         with torch.no_grad():
             buckets = (attention_buckets(args.quick) if fam == "attention"
-                       else token_buckets(fam, args.quick))
-            results = run(on(buckets, device), args.rounds, timer)
+                       else token_buckets(fam, args.quick, args.tokens and tuple(args.tokens),
+                                          args.hidden and tuple(args.hidden)))
+            results = run(on(buckets, device), args.rounds, timer, args.any_when)
         print()
         print(render(fam, results))
         report[fam] = [{"bucket": r.bucket.label, "us": r.us, "winner": r.winner,
