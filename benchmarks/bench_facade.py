@@ -47,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import interleaved_us, paired_ratios
 
 import astrai.dispatch as d
-from astrai import ops
+from astrai import native, ops
 from astrai.backends.rotary import rotary_freqs
-from astrai.ops import FAMILY_CALLS, native
+from astrai.dispatch import facade
+from astrai.dispatch.facade import FACADES
 
 Fn = Callable[[], torch.Tensor]
 
@@ -108,11 +109,8 @@ def python_path(fn: Fn) -> Fn:
     """``fn`` with the compiled hot path out of force (the pure-Python path)."""
 
     def plain() -> torch.Tensor:
-        ops._lookup, ops._call_hot = None, ops._python_call_hot
-        try:
+        with facade.python_path():
             return fn()
-        finally:
-            ops._lookup, ops._call_hot = ops._LOOKUP, ops._CALL_HOT
 
     return plain
 
@@ -190,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 return c.call_row(obj)
 
             def floor(c: Case = c, row: Fn = row,
-                      describe: Callable[..., Any] = (FAMILY_CALLS[c.family].describe
+                      describe: Callable[..., Any] = (FACADES[c.family].call.describe
                                                       if c.full else print)
                       ) -> torch.Tensor:
                 describe(*c.full or ())  # the facade's one validation of the call, then the row

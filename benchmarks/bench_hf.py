@@ -170,7 +170,7 @@ def parts(model: Any, tokens: int, keys: int, what: str) -> None:
 
     import astrai.dispatch as d
     from astrai import ops
-    from astrai.integrations.transformers.attention import astrai_attention_forward
+    from astrai.families.attention.transformers import astrai_attention_forward
 
     layer = model.model.layers[0]
     attn, norm, proj = layer.self_attn, layer.input_layernorm, layer.mlp.gate_proj

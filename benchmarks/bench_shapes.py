@@ -2,7 +2,7 @@
 cost of a decision, by how the tables key on ``q_len``.
 
 Three attention tables, each served the same 1 000 prefill calls (q [1, L, 1, 8],
-L = 1..1000, CPU) - the decision only (``ops._attention``: validate, key, look up,
+L = 1..1000, CPU) - the decision only (the attention facade's route: validate, key, look up,
 count; no kernel runs), first pass (with its misses) and then steady state:
 
 - ``shipped``   the shipped table: no row compares a shape axis, so none is read;
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 import astrai.dispatch as d
-from astrai import ops
 from astrai.backends.attention.math import math_attention
 from astrai.backends.attention.sdpa import sdpa_attention
+from astrai.dispatch.facade import FACADES
 
 LENGTHS = range(1, 1001)
 TABLE = """\
@@ -67,7 +67,7 @@ def _raw_table() -> None:
 def _passes(calls: list[tuple[Any, ...]]) -> tuple[int, float, float]:
     """Misses, then µs per call of the first pass and the median of 5 later passes."""
     d.stats(reset=True)
-    pick: Callable[..., Any] = ops._attention
+    pick: Callable[..., Any] = FACADES["attention"].plain
     start = time.perf_counter()
     for args in calls:
         pick(None, args)

@@ -27,6 +27,7 @@ import torch
 
 import astrai.dispatch as dispatch
 from astrai import ops
+from astrai.dispatch.facade import python_path
 
 MISS_MODULES, MISS_MOVES, HIT_MOVES = 8, 20, 4
 
@@ -36,6 +37,7 @@ def path_of(call: Callable[[], object]) -> list[str]:
     (calls within it) collapsed."""
     seen: list[str] = []
     row: list[FrameType] = []  # the served row's frame while it runs (not dispatch)
+    facade: list[str] = []  # the module of the facade the call starts in
 
     def module(frame: FrameType | None) -> str:
         return "" if frame is None else str(frame.f_globals.get("__name__", ""))
@@ -48,8 +50,10 @@ def path_of(call: Callable[[], object]) -> list[str]:
                 row.clear()
             return
         name = module(frame)
+        if not facade and event == "call" and name.startswith("astrai"):
+            facade.append(name)
         if event == "call" and name.startswith("astrai.backends") and (
-                module(frame.f_back) == "astrai.ops"):
+                module(frame.f_back) in facade):
             row.append(frame)  # the facade calls the row it was handed: the kernel's time
             return
         if event == "return":  # back in the caller's module
@@ -70,14 +74,11 @@ def measure() -> dict[str, list[str]]:
     torch.set_num_threads(1)
     w = torch.ones(512)
     dispatch.refresh()
-    compiled, ops._lookup = ops._lookup, None  # the Python path (the compiled one has no frames)
-    try:
+    with python_path():  # the Python path (the compiled one has no frames)
         ops.rms_norm(torch.randn(1, 1, 512), w)  # the snapshot's first call: probes, key plan
         x = torch.randn(1, 512)  # one decode token again, a signature not decided yet
         miss = path_of(lambda: ops.rms_norm(x, w))
         hit = path_of(lambda: ops.rms_norm(x, w))
-    finally:
-        ops._lookup = compiled
     return {"miss": miss, "hit": hit}
 
 

@@ -109,6 +109,22 @@ def built() -> ModuleType:
 
 
 @pytest.fixture
+def hot(built: ModuleType) -> Iterator[ModuleType]:
+    """The facades with the compiled hot path in force (plans made from now on)."""
+    from astrai.dispatch import facade, state
+
+    was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
+    facade.adopt(built)
+    state.reset()  # a snapshot whose routes make their plans with it
+    yield built
+    facade.adopt(was[0])
+    facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
+    for f in facade.FACADES.values():
+        f.lookup = was[1]
+    state.reset()
+
+
+@pytest.fixture
 def write_yaml(tmp_path: Path) -> Callable[[str, str], Path]:
     """Write ``text`` (dedented) to ``tmp_path/name`` and return the path."""
 

@@ -192,7 +192,7 @@ class TestTable:
 def test_fast_check_agrees_with_full_check() -> None:
     """The facade's fast acceptance of a rotary call is exactly the full check's."""
     from astrai.backends.rotary import check_rotary_call
-    from astrai.ops._families import describe_rotary
+    from astrai.families.rotary import describe_rotary
 
     xs = [(2, 5, 3, 8), (1, 5, 3, 8), (5, 3, 8), (2, 5, 3, 7), (2, 5, 3, 0), (5, 8), (2, 5)]
     tables = [(2, 5, 4, 2), (1, 5, 4, 2), (3, 5, 4, 2), (5, 4, 2), (2, 4, 4, 2), (5, 4, 3),

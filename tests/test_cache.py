@@ -812,7 +812,7 @@ class TestFacadeLastWorld:
     @staticmethod
     def counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         """The families ``decide`` is called for by a facade from now on."""
-        from astrai.ops import _facade
+        from astrai.dispatch import facade as _facade
 
         return spy(monkeypatch, _facade, "decide")
 

@@ -38,6 +38,7 @@ from transformers import (
 
 import astrai.dispatch as dispatch
 from astrai.backends.native import native_available
+from astrai.families.attention.model import attention_site
 from astrai.integrations.transformers import (
     FAMILIES,
     RoutingError,
@@ -45,7 +46,6 @@ from astrai.integrations.transformers import (
     restore_model,
     verify_model,
 )
-from astrai.integrations.transformers.recognise import attention_site
 from astrai.lock.make import check_lock, lock_workload
 from astrai.record.recording import record
 from astrai.tune.run import tune_workload
@@ -531,7 +531,7 @@ class TestRotarySites:
     def test_pairwise_layout_served(self) -> None:
         toy = ToyCohereAttention()
         assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
-        (site,) = toy.__dict__["_astrai_route"].rotary
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
         assert (site.layout, site.upcast, site.partial) == ("pairwise", True, False)
         for dtype in (torch.float32, torch.bfloat16):
             args = tuple(t.to(dtype) for t in self.toy_call())
@@ -557,8 +557,8 @@ class TestRotarySites:
         plain, wide = ToyHalfAttention(), ToyUpcastAttention()
         dispatch_model(plain, ["rotary"])
         dispatch_model(wide, ["rotary"])
-        (narrow_site,) = plain.__dict__["_astrai_route"].rotary
-        (wide_site,) = wide.__dict__["_astrai_route"].rotary
+        (narrow_site,) = plain.__dict__["_astrai_route"].parts["rotary"]
+        (wide_site,) = wide.__dict__["_astrai_route"].parts["rotary"]
         assert (narrow_site.layout, narrow_site.upcast) == ("half", False)
         assert (wide_site.layout, wide_site.upcast) == ("half", True)
         q, k, cos, sin = (t.to(torch.bfloat16) for t in self.toy_call())
@@ -572,7 +572,7 @@ class TestRotarySites:
         toy = ToyAttention()
         report = dispatch_model(toy, ["rotary"])
         assert report.counts() == {"rotary": 1}
-        (site,) = toy.__dict__["_astrai_route"].rotary
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
         assert site.layout == "partial"
         args = self.toy_call()
         want = type(toy).forward(toy, *args)
@@ -677,7 +677,8 @@ class TestWrappedRotary:
             def forward(self, *args: Any, **kwargs: Any) -> Any:
                 return half_rotary_pos_emb(*args, **kwargs)
 
-        from astrai.integrations.transformers.recognise import call_signature, rotary_sites
+        from astrai.families.rotary.model import rotary_sites
+        from astrai.integrations.transformers.recognise import call_signature
         assert call_signature(Opaque()) is None
         owner = {"apply_rotary_pos_emb": Opaque()}
         code = compile("def forward(q, k, c, s):\n    return apply_rotary_pos_emb(q, k, c, s)\n",
@@ -690,7 +691,7 @@ class TestWrappedRotary:
         from transformers.models.llama import modeling_llama
         fn = modeling_llama.apply_rotary_pos_emb
         _plain, routed = build("llama")
-        assert routed.model.layers[0].self_attn.__dict__["_astrai_route"].rotary
+        assert routed.model.layers[0].self_attn.__dict__["_astrai_route"].parts["rotary"]
         if isinstance(fn, nn.Module):  # HF kernels is installed: transformers wraps it
             detail = [r.detail for r in dispatch_model(routed).routed if r.family == "rotary"]
             assert detail and all("apply_rotary_pos_emb" in d for d in detail)
@@ -733,7 +734,7 @@ class TestThreeArgumentRotary:
         args = self.call()
         want = type(toy).forward(toy, *args)
         report = dispatch_model(toy, ["rotary"])
-        layouts = sorted(s.layout for s in toy.__dict__["_astrai_route"].rotary)
+        layouts = sorted(s.layout for s in toy.__dict__["_astrai_route"].parts["rotary"])
         assert report.counts() == {"rotary": 1} and layouts == ["complex", "pairs"]
         dispatch.reset_stats()
         got = toy(*args)

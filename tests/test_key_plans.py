@@ -13,6 +13,7 @@ validation beyond the common shape) the compiled path answers.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -22,13 +23,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from astrai import ops
 from astrai.dispatch.expr.analysis import comparisons
 from astrai.dispatch.expr.spec import Spec
+from astrai.dispatch.facade import FACADES, FIRST_TENSOR_READING, extended_keyer, interval_keyer
 from astrai.dispatch.keying import KeyPlan
 from astrai.dispatch.reading import Layout, encode, read
-from astrai.ops import _families
-from astrai.ops._families import FIRST_TENSOR_READING, extended_keyer, interval_keyer
+from astrai.families import every_family
 from tests.test_native import _common, _full, _hot_args, _random_calls
 
 NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
@@ -39,7 +39,7 @@ INT_BASE = {"rms_norm": ("ndim",), "linear": ("ndim",), "rotary": ("ndim", "head
 
 def _spec_texts(draw: Any, name: str) -> list[str]:
     """Random conditions over ``name``'s lazy axes (and its int base axes)."""
-    fc = ops._CALLS[name]
+    fc = FACADES[name].call
     ints = [a for a in fc.lazy if a not in ("device", "sm")]
     texts = []
     for axis in draw(st.lists(st.sampled_from(ints), max_size=3, unique=True)):
@@ -59,7 +59,7 @@ def _plan(draw: Any, name: str) -> KeyPlan:
     specs = [Spec.parse(t) for t in _spec_texts(draw, name)]
     if draw(st.integers(0, 9)) == 0:
         specs.append(Spec.of(lambda ctx: True, "opaque"))
-    return KeyPlan(ops._CALLS[name].family, comparisons(specs))
+    return KeyPlan(FACADES[name].call.family, comparisons(specs))
 
 
 class _Slow(Exception):
@@ -70,7 +70,7 @@ def _python_key(name: str, plan: KeyPlan, full: tuple[Any, ...]
                 ) -> tuple[Any, ...] | BaseException:
     """The route's key of the call given as its full argument tuple (as the route's
     ``_keyer`` makes it), or what it raises."""
-    fc = ops._CALLS[name]
+    fc = FACADES[name].call
     single = plan.interval(fc.reads, fc.readers)
     if single is not None:
         keyer: Any = interval_keyer(fc.describe, *single)
@@ -87,15 +87,20 @@ def _python_key(name: str, plan: KeyPlan, full: tuple[Any, ...]
 def slow_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     """``[flag]``: set when a ``describe`` validates beyond its fast path."""
     flag = [False]
-    for helper in ("_tensors", "_attention_slow", "check_rotary_half_call",
-                   "check_rotary_call"):
-        real = getattr(_families, helper)
+    modules = {sys.modules[f.facades[0].call.describe.__module__]
+               for f in every_family().values()}
+    for module in modules:
+        for helper in ("require_tensors", "_attention_slow", "check_rotary_half_call",
+                       "check_rotary_call"):
+            real = getattr(module, helper, None)
+            if real is None:
+                continue
 
-        def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            flag[0] = True
-            return _real(*args, **kwargs)
+            def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                flag[0] = True
+                return _real(*args, **kwargs)
 
-        monkeypatch.setattr(_families, helper, wrapped)
+            monkeypatch.setattr(module, helper, wrapped)
     yield flag
 
 
@@ -122,13 +127,13 @@ def test_the_compiled_key_is_the_python_key(built: ModuleType, slow_paths: list[
     plans = {name: _plan(data.draw, name) for name in NAMES}
     made: dict[str, tuple[Any, Layout]] = {}
     for name in NAMES:
-        fc = ops._CALLS[name]
+        fc = FACADES[name].call
         shape = plans[name].layout(fc.reads, fc.lazy)
         made[name] = (built.plan(*encode(fc.reading, shape)), shape)  # type: ignore[arg-type]
     answered = dict.fromkeys(NAMES, 0)
     with torch.set_grad_enabled(grad):
         for name, hot_args, full in _calls(seed):
-            fc = ops._CALLS[name]
+            fc = FACADES[name].call
             plan, shape = made[name]
             compiled = built.key(plan, *hot_args)
             meant = read(fc.reading, shape, hot_args)  # type: ignore[arg-type]

@@ -27,21 +27,9 @@ from torch.overrides import TorchFunctionMode
 import astrai.dispatch as d
 from astrai import native, ops
 from astrai.dispatch import state
+from astrai.dispatch.facade import FACADES
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def hot(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The facades with the compiled hot path in force (plans made from now on)."""
-    for name in ("_LOOKUP", "_lookup", "_CALL_HOT", "_call_hot"):
-        monkeypatch.setattr(ops, name, built.lookup)
-    monkeypatch.setattr(ops, "_NATIVE", built)
-    monkeypatch.setattr(state, "hot_planner", built.plan)
-    state.reset()  # a snapshot whose routes make their plans with it
-    yield built
-    monkeypatch.undo()
-    state.reset()
 
 
 def _hot_args(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -50,7 +38,7 @@ def _hot_args(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _ask(hot: ModuleType, name: str, args: tuple[Any, ...]) -> Any:
-    return hot.lookup(ops._LAST[name], *_hot_args(name, args))
+    return hot.lookup(FACADES[name].last, *_hot_args(name, args))
 
 
 def _full(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -66,7 +54,7 @@ def _full(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _route(name: str, args: tuple[Any, ...]) -> Any:
     """What the Python route serves the call with, or the exception it raises."""
     try:
-        return ops._PLAIN[name](None, _full(name, args))
+        return FACADES[name].plain(None, _full(name, args))
     except Exception as e:
         return e
 
@@ -183,17 +171,17 @@ def test_a_change_of_world_is_declined(hot: ModuleType, name: str,
     def fn(last: Any, *args: Any) -> Any:
         return hot.lookup(last, *_hot_args(name, args))
 
-    family = ops._CALLS[name].family
+    family = FACADES[name].call.family
     row = {"linear": "torch", "attention": "math"}.get(family, "reference")
     with d.op_backend(**{family: row}):
-        assert fn(ops._LAST[name], *args) is None  # another scope
-    assert fn(ops._LAST[name], *args) is not None
+        assert fn(FACADES[name].last, *args) is None  # another scope
+    assert fn(FACADES[name].last, *args) is not None
     monkeypatch.setenv("ASTR_OPS", f"{family}={row}")
-    assert fn(ops._LAST[name], *args) is None  # another ASTR_OPS
+    assert fn(FACADES[name].last, *args) is None  # another ASTR_OPS
     monkeypatch.delenv("ASTR_OPS")
-    assert fn(ops._LAST[name], *args) is not None
+    assert fn(FACADES[name].last, *args) is not None
     state.reset()  # another snapshot
-    assert fn(ops._LAST[name], *args) is None
+    assert fn(FACADES[name].last, *args) is None
 
 
 @pytest.mark.parametrize("asked", [{}, {"weight_offset": 1.0}, {"cast_before_weight": True},
@@ -201,10 +189,10 @@ def test_a_change_of_world_is_declined(hot: ModuleType, name: str,
 def test_an_rms_norm_form_is_answered_with_its_own_decision(hot: ModuleType,
                                                              asked: dict[str, Any]) -> None:
     x, w, eps = _common("rms_norm")
-    last = ops._LAST["rms_norm"]
+    last = FACADES["rms_norm"].last
     flags = ("weight_offset" in asked, "cast_before_weight" in asked)
     assert hot.lookup(last, x, w, eps, *flags) is None
-    served = ops._PLAIN["rms_norm"](None, (x, w, eps, asked))
+    served = FACADES["rms_norm"].plain(None, (x, w, eps, asked))
     assert hot.lookup(last, x, w, eps, *flags).call is served
     assert hot.lookup(last, x, w, eps, 1, 0) is None  # the forms are booleans
     form = ops.rms_norm_form(**asked)
@@ -226,7 +214,7 @@ class _Mode(TorchFunctionMode):
 def test_what_python_could_read_otherwise_is_declined(hot: ModuleType) -> None:
     x, w, eps = _common("rms_norm")
     assert _agrees(hot, "rms_norm", (x, w, eps))
-    last = ops._LAST["rms_norm"]
+    last = FACADES["rms_norm"].last
     assert hot.lookup(last, x.as_subclass(_Sub), w, eps, False, False) is None
     with _Mode():
         assert hot.lookup(last, x, w, eps, False, False) is None
@@ -281,10 +269,10 @@ def test_a_recording_sees_every_call_with_the_compiled_path_loaded(hot: ModuleTy
     x, w = torch.randn(2, 16), torch.randn(16)
     ops.rms_norm(x, w)
     with d.record() as rec:
-        assert ops._lookup is None
+        assert FACADES["rms_norm"].lookup is None
         ops.rms_norm(x, w)
         ops.rms_norm(x, w)
-    assert ops._lookup is hot.lookup
+    assert FACADES["rms_norm"].lookup is hot.lookup
     assert sum(c.count for c in rec.calls) == 2
 
 
@@ -570,15 +558,17 @@ from pathlib import Path
 import torch
 
 from astrai import native, ops
+from astrai.dispatch import facade
+from astrai.dispatch.facade import FACADES
 from astrai.dispatch.resolution import set_max_decisions
 
 hot = native.load_from(Path(sys.argv[1]))
-ops._adopt(hot)
+facade.adopt(hot)
 how = sys.argv[2]
 x, w = torch.randn(2, 16), torch.randn(16)
-want = ops._PLAIN["rms_norm"](None, (x, w, 1e-6, {}))(x, w, 1e-6)
+want = FACADES["rms_norm"].plain(None, (x, w, 1e-6, {}))(x, w, 1e-6)
 set_max_decisions(1)
-last = ops._LAST["rms_norm"]
+last = FACADES["rms_norm"].last
 ops.rms_norm(x, w)
 world, decisions, plan = last[0][0], last[0][1], last[0][3]
 assert plan is not None
@@ -655,7 +645,7 @@ else:
     assert fired, "no collection in the call"
     if how == "gc-world":
         assert got is None, got
-        assert ops._PLAIN["rms_norm"](None, (x, w, 1e-6, {})) is not decided.call
+        assert FACADES["rms_norm"].plain(None, (x, w, 1e-6, {})) is not decided.call
     else:
         assert got is decided, got
         out = got.call(x, w, 1e-6)
@@ -682,7 +672,7 @@ import torch
 
 from astrai import native
 from astrai.dispatch.reading import Layout, encode
-from astrai.ops._families import RMS_NORM_READING
+from astrai.families.rms_norm import RMS_NORM_READING
 
 path = native._path()
 assert path.exists(), path

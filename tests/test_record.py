@@ -18,6 +18,7 @@ import torch
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.dispatch import FileFormatError, op_backend, record, use_profile
+from astrai.dispatch.facade import FACADES
 from astrai.models.llama import LlamaConfig, TinyLlama, generate_paged
 from astrai.record.workload import (
     ObjectArg,
@@ -205,16 +206,14 @@ class TestCost:
 
     def test_facades_take_their_plain_route_unless_recording(self) -> None:
         """The facades switch to recording routes only while a recording is in force."""
-        plain = ops._PLAIN["attention"]
-        assert ops._attention is plain
+        attention = FACADES["attention"]
+        assert attention.route is attention.plain
         with record():
-            assert ops._attention is not plain
+            assert attention.route is not attention.plain
             with record():
-                assert ops._attention is not plain
-            assert ops._attention is not plain
-        assert ops._attention is plain
-        assert (ops._rotary, ops._rms_norm, ops._linear) == (
-            ops._PLAIN["rotary"], ops._PLAIN["rms_norm"], ops._PLAIN["linear"])
+                assert attention.route is not attention.plain
+            assert attention.route is not attention.plain
+        assert all(f.route is f.plain for f in FACADES.values())
 
     def test_stopped_recording_stays_empty(self) -> None:
         """Calls after the block are not recorded."""

@@ -32,11 +32,10 @@ from astrai.dispatch import (
     use_profile,
 )
 from astrai.dispatch.expr.analysis import comparisons
+from astrai.dispatch.facade import FACADES, route
 from astrai.dispatch.keying import key_plan
 from astrai.dispatch.registry import current
 from astrai.kv_cache import KVPool, decode_batch, prefill_batch
-from astrai.ops import FAMILY_CALLS
-from astrai.ops._facade import route
 
 
 def _marker(value: float) -> Callable[..., torch.Tensor]:
@@ -113,7 +112,7 @@ class TestFacadesReadTheAxes:
 
 class TestNothingReadUnlessCompared:
     def _counting(self, family: str) -> tuple[Callable[..., Any], dict[str, int]]:
-        fc = FAMILY_CALLS[family]
+        fc = FACADES[family].call
         calls = dict.fromkeys(fc.readers, 0)
 
         def counted(axis: str, read: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,7 +131,7 @@ class TestNothingReadUnlessCompared:
         for _ in range(3):
             pick(None, (q, q, q, None, 0, None, False, None, {}))
         # once each, to build the context of the first (missed) call
-        assert calls == dict.fromkeys(FAMILY_CALLS["attention"].readers, 1)
+        assert calls == dict.fromkeys(FACADES["attention"].call.readers, 1)
         plans = [p for (fam, _), p in current().facade_keys.items() if fam == "attention"]
         # no keyer: the base values are the key, and so for the compiled hot path too
         assert plans and all(p[0] is None for p in plans)
@@ -146,10 +145,10 @@ class TestNothingReadUnlessCompared:
             pick(None, (q, q, q, None, 0, None, False, None, {}))
         # q_len for each call's key, read by this route's own reader; the decision was
         # taken by the other route's call, so no context is built here
-        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 0), "q_len": 3}
+        assert calls == {**dict.fromkeys(FACADES["attention"].call.readers, 0), "q_len": 3}
         q2 = torch.zeros(1, 2000, 2, 8)  # a length in another interval: a miss, a context
         pick(None, (q2, q2, q2, None, 0, None, False, None, {}))
-        assert calls == {**dict.fromkeys(FAMILY_CALLS["attention"].readers, 1), "q_len": 5}
+        assert calls == {**dict.fromkeys(FACADES["attention"].call.readers, 1), "q_len": 5}
 
 
 class TestCutPoints:

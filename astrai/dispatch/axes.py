@@ -69,7 +69,7 @@ COMMON_DTYPES: tuple[str, ...] = (
 
 #: The forward modes a call can be in; ``None`` is training / a plain forward.
 FWD_MODES: tuple[str, ...] = ("prefill", "decode")
-#: The rotary layouts: adjacent pairs (the default) and transformers' halves.
+#: The ``layout`` axis's values: adjacent pairs (the default) and transformers' halves.
 ROTARY_LAYOUTS: tuple[str, ...] = ("pairs", "half")
 
 
@@ -245,7 +245,7 @@ class CallContext:
                               flag="--cuda")
     ndim: int | None = _axis("int", None, "number of dimensions of the main input",
                              nullable=True, flag="--ndim")
-    head_dim: int | None = _axis("int", None, "attention head size", nullable=True,
+    head_dim: int | None = _axis("int", None, "head size (the last dim of a head)", nullable=True,
                                  flag="--head-dim", minimum=1)
     has_cache: bool = _axis("bool", False, "a KV cache is passed", flag="--cache")
     has_mask: bool = _axis("bool", False, "an attention mask is passed", flag="--mask")
@@ -256,39 +256,38 @@ class CallContext:
                                flag="--device", lazy=True)
     sm: int | None = _size("CUDA compute capability as major*10+minor (90 for Hopper); "
                            "none off CUDA", "--sm")
-    batch: int | None = _size("attention: sequences in the call", "--batch")
-    q_len: int | None = _size("attention: query tokens per sequence (packed/paged: the "
-                              "longest)", "--q-len")
-    kv_len: int | None = _size("attention: key tokens per sequence (the longest)", "--kv-len")
-    heads: int | None = _size("attention and rotary: query heads", "--heads", 1)
-    kv_heads: int | None = _size("attention: key/value heads (== heads: MHA, fewer: GQA)",
+    batch: int | None = _size("sequences in the call", "--batch")
+    q_len: int | None = _size("query tokens per sequence (packed/paged: the longest)", "--q-len")
+    kv_len: int | None = _size("key tokens per sequence (the longest)", "--kv-len")
+    heads: int | None = _size("query heads", "--heads", 1)
+    kv_heads: int | None = _size("key/value heads (== heads: MHA, fewer: GQA)",
                                  "--kv-heads", 1)
-    tokens: int | None = _size("linear, rms_norm, rotary: rows of the input (product of the "
-                               "leading dimensions)", "--tokens")
-    in_features: int | None = _size("linear: input features", "--in-features")
-    out_features: int | None = _size("linear: output features", "--out-features")
+    tokens: int | None = _size("rows of the input (product of the leading "
+                               "dimensions)", "--tokens")
+    in_features: int | None = _size("input features", "--in-features")
+    out_features: int | None = _size("output features", "--out-features")
     # The features a call may ask for: off unless asked; served only by rows declaring them.
-    scale: bool = _axis("bool", False, "attention: a softmax scale other than "
+    scale: bool = _axis("bool", False, "a softmax scale other than "
                         "head_dim ** -0.5", flag="--scale", feature=True)
-    softcap: bool = _axis("bool", False, "attention: logits soft-capped, cap * tanh(s / cap)",
+    softcap: bool = _axis("bool", False, "logits soft-capped, cap * tanh(s / cap)",
                           flag="--softcap", feature=True)
-    dropout: bool = _axis("bool", False, "attention: dropout on the probabilities (p > 0)",
+    dropout: bool = _axis("bool", False, "dropout on the probabilities (p > 0)",
                           flag="--dropout", feature=True)
-    window: int | None = _axis("int", None, "attention: sliding window, each query sees its "
+    window: int | None = _axis("int", None, "sliding window, each query sees its "
                                "last window keys (itself included)", nullable=True,
                                flag="--window", minimum=1, feature=True)
-    sinks: bool = _axis("bool", False, "attention: a learned sink logit per head joins the "
+    sinks: bool = _axis("bool", False, "a learned sink logit per head joins the "
                         "softmax", flag="--sinks", feature=True)
-    return_weights: bool = _axis("bool", False, "attention: the probabilities are returned "
+    return_weights: bool = _axis("bool", False, "the probabilities are returned "
                                  "with the output", flag="--return-weights", feature=True)
-    layout: str = _axis("enum", "pairs", "rotary: which elements turn together: adjacent "
+    layout: str = _axis("enum", "pairs", "which elements turn together: adjacent "
                         "pairs (2i, 2i+1), or the halves (i, i + head_dim/2) of "
-                        "transformers' apply_rotary_pos_emb", values=ROTARY_LAYOUTS,
+                        "transformers' rotary", values=ROTARY_LAYOUTS,
                         flag="--layout", feature=True)
-    weight_offset: bool = _axis("bool", False, "rms_norm: the weight is applied as "
+    weight_offset: bool = _axis("bool", False, "the weight is applied as "
                                 "offset + weight (Gemma: 1 + weight)", flag="--weight-offset",
                                 feature=True)
-    cast_before_weight: bool = _axis("bool", False, "rms_norm: normalised in float32, cast "
+    cast_before_weight: bool = _axis("bool", False, "normalised in float32, cast "
                                      "back to the input's dtype, then scaled by the weight "
                                      "(LlamaRMSNorm)", flag="--cast-before-weight",
                                      feature=True)

@@ -72,8 +72,11 @@ baseline: dict[object, int] = {}
 recordings: tuple[Any, ...] = ()
 #: Called with ``True`` when recording starts (no recording was in force) and ``False``
 #: when it ends: the facades switch to their recording routes and back, so a call costs
-#: nothing extra while nothing records (``astrai.ops`` registers its switch on import).
+#: nothing extra while nothing records (``astrai.dispatch.facade`` registers its switch on import).
 record_switches: list[Callable[[bool], None]] = []
+#: ``note(ctx, backend, incidental)``: adds a call to the recordings in force (set by
+#: ``astrai.record.recording`` when it is loaded, which starting a recording does).
+note_call: Callable[..., None] | None = None
 #: Serialises starting and ending recordings (never taken on the call path).
 record_lock = threading.Lock()
 #: Decision locks read for ``ASTR_LOCK``: (raw path, raw mode) -> the lock in force, or

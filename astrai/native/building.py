@@ -16,8 +16,8 @@ GCC/Clang facilities); there the build says so and the pure-Python path serves.
 
 from __future__ import annotations
 
-__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "SOURCES", "NativeBuildError", "build",
-           "built_path", "compiler"]
+__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "SOURCES",
+           "NativeBuildError", "build", "built_path", "compiler"]
 
 import hashlib
 import importlib.machinery
@@ -244,7 +244,8 @@ import torch.utils.cpp_extension as ext
 a = json.loads(sys.argv[1])
 os.environ["PATH"] = os.pathsep.join(a["path"] + [os.environ.get("PATH", "")])
 ext.load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"],
-         extra_ldflags=a["ldflags"], build_directory=a["work"], is_python_module=True, verbose=False, with_cuda=False)
+         extra_ldflags=a["ldflags"], build_directory=a["work"], is_python_module=True,
+         verbose=False, with_cuda=False)
 """
 
 

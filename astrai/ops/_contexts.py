@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch.axes import AXES, CallContext
-from astrai.ops._families import device_axes
+from astrai.dispatch.facade import device_axes
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:

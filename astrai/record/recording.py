@@ -165,6 +165,9 @@ def note_call(ctx: CallContext, explicit: Any, incidental: tuple[str, ...] = ())
         recording.add(key, make)
 
 
+process.note_call = note_call
+
+
 def record_process(path: str) -> Recording:
     """Record this whole process and write the workload at exit (``ASTR_RECORD``); a
     forked child writes nothing. The process that set ``ASTR_RECORD`` writes ``path``;

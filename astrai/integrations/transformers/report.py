@@ -5,16 +5,15 @@ from __future__ import annotations
 __all__ = ["DispatchReport", "NotRouted", "Routed"]
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
-
-_FAMILIES = ("attention", "rotary", "rms_norm", "linear")
 
 
 @dataclass(frozen=True)
 class Routed:
-    """One module whose calls of ``family`` go through astrai (for ``attention`` and
-    ``rotary``: an attention layer, the call site)."""
+    """One module whose calls of ``family`` go through astrai (for a family served at
+    call sites: the layer whose forward calls them)."""
 
     family: str
     path: str  # the module's name in the model (``model.layers.0.self_attn``)
@@ -50,11 +49,16 @@ class DispatchReport:
     matmul_flops: tuple[int, int] = (0, 0)
     #: What else the report must say about the model as a whole (hub kernels asked for).
     notes: tuple[str, ...] = ()
+    #: The families ``dispatch_model`` knew, in the order it reports them, and what it
+    #: counts for each (``modules``, ``call sites``).
+    order: tuple[str, ...] = ()
+    nouns: Mapping[str, str] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Modules (call sites) routed, per family, every family asked for included."""
         got = Counter(r.family for r in self.routed)
-        return {f: got[f] for f in _FAMILIES if f in self.families or got[f]}
+        order = list(dict.fromkeys([*self.order, *got]))
+        return {f: got[f] for f in order if f in self.families or got[f]}
 
     def paths(self, family: str) -> list[str]:
         """The modules routed for ``family``."""
@@ -86,7 +90,7 @@ class DispatchReport:
         for family, n in self.counts().items():
             kinds: Counter[tuple[str, str]] = Counter(
                 (r.kind, r.detail) for r in self.routed if r.family == family)
-            what = "call sites" if family in ("attention", "rotary") else "modules"
+            what = self.nouns.get(family, "modules")
             lines.append(f"  {family:<10} {n:>4} {what} routed")
             lines += [f"      {count} x {kind}" + (f": {detail}" if detail else "")
                       for (kind, detail), count in sorted(kinds.items())]

@@ -83,8 +83,7 @@ import torch
 
 from astrai.dispatch import CallContext, explain
 from astrai.errors import UnsupportedFeatureError
-from astrai.ops import attention
-from astrai.ops import context as facade_context
+from astrai.families.attention import ATTENTION, attention
 
 #: The ``attn_implementation`` name that ``register()`` installs.
 ATTN_IMPLEMENTATION = "astrai"
@@ -396,7 +395,8 @@ def call_context(
     """
     (q, k, v), keywords = _translate(None, query, key, value, attention_mask, dropout,
                                      scaling, is_causal, kwargs)
-    return facade_context("attention", q, k, v, **keywords)
+    call = ATTENTION.call
+    return call.context(*call.bind((q, k, v), keywords))
 
 
 def explain_call(

@@ -21,11 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.integrations.transformers.attention import (
-    watch_collector,
-    weights_collected,
-)
-from astrai.ops import attention
+from astrai.families.attention import attention
+from astrai.families.attention.transformers import watch_collector, weights_collected
 
 #: What an ALiBi layer must hold for ``alibi_attention_forward`` to read it.
 _NEEDS = ("query_key_value", "dense", "_reshape", "num_heads", "head_dim", "inv_norm_factor",

@@ -1,0 +1,81 @@
+"""What a family tells ``dispatch_model``: which modules of a model compute it, and how
+their calls reach its facade.
+
+A family's ``ModelRecognition`` answers in two ways, either or both:
+
+- **whole modules** - ``claims(module)`` says a module is of the family's kind (a norm,
+  a linear layer; tried in the order families are declared: the first family claiming a
+  module owns it), and ``module(module)`` says how it is served: an ``Installed``
+  forward (set on the instance, reading the module's parameters on every call), the
+  reason it cannot be (a ``str``, or a ``Refused`` naming another kind), or ``None``
+  (nothing to do). ``layer(module)`` does the same for a module no family claims, before
+  its call sites are looked at (an attention layer that computes ALiBi itself);
+- **call sites** - ``sites(module, forward, model)`` finds the functions a layer's
+  ``forward`` (its class's) calls by global name that compute the family, and gives a
+  ``Sites``: what each of those names stands for in a copy of the forward (a router to
+  the facade). Sites of several families in one forward are served by one copy.
+
+``expected(module)`` names a module the family expected to serve (a container named
+after it) and why, reported when nothing at or under it was routed for the family.
+``holds_weights`` says whether the parameters of the modules it routes reach astrai (for
+the report's shares); ``noun`` is what the report counts (``modules`` or ``call sites``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Installed", "ModelRecognition", "Refused", "Sites"]
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Installed:
+    """A module's forward as astrai serves it: ``forward(self, *args, **kwargs)``, set on
+    the instance (holding no module, so that a copy of the model binds it to the copy),
+    with the report's words for it and what was recognised."""
+
+    forward: Callable[..., Any]
+    detail: str = ""
+    form: Any = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A module of a kind the family knows that it cannot serve: why, and the kind the
+    report lists it under (the family's name unless given)."""
+
+    reason: str
+    kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Sites:
+    """The call sites a family serves in one layer's forward: the globals the forward
+    reads them from, what each global name stands for in the rebuilt forward, the
+    report's words, and what was recognised (kept on the module's route)."""
+
+    owner: dict[str, Any]
+    replacements: Mapping[str, Any]
+    detail: str
+    parts: tuple[Any, ...] = ()
+
+
+Answer = Installed | Refused | str | None
+
+
+@dataclass(frozen=True)
+class ModelRecognition:
+    """How ``dispatch_model`` finds and serves a family in a model (see the module
+    docstring)."""
+
+    claims: Callable[[nn.Module], bool] | None = None
+    module: Callable[[nn.Module], Answer] | None = None
+    layer: Callable[[nn.Module], Answer] | None = None
+    sites: Callable[[nn.Module, Any, nn.Module], tuple[Sites | None, list[str]]] | None = None
+    expected: Callable[[nn.Module], str | None] | None = None
+    holds_weights: bool = False
+    noun: str = "modules"

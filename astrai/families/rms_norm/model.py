@@ -1,0 +1,242 @@
+"""RMS norms in a model: which modules compute one, told by what they compute, and
+the forward that sends their calls to ``ops.rms_norm``.
+
+A module whose class is an RMS norm by name (or ``torch.nn.RMSNorm``), with one weight
+vector and an epsilon attribute, is run - its class's own ``forward``, on a copy holding
+a random weight, hooks left out - on a few small inputs (float32; bfloat16 with a
+bfloat16 and with a float32 weight; one row small enough that epsilon matters), and
+compared with each form the facade computes (weight applied in float32 or after the
+cast back; ``weight`` or ``1 + weight``). The form that equals it, within float32
+tolerance in float32 and within one rounding in bfloat16 (the closest in bfloat16 when
+two pass), is the module's; none that does is a reason. Any other module named a norm
+is claimed too, and reported as a norm astrai does not serve.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EPS_NAMES", "RECOGNITION", "NormForm", "is_rms_kind", "rms_norm_form"]
+
+import copy
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from astrai.backends.rms_norm import reference_rms_norm
+from astrai.families.recognition import Installed, ModelRecognition, Refused
+from astrai.families.rms_norm import rms_norm_form as rms_norm_call
+from astrai.integrations.transformers.recognise import is_norm_kind
+
+#: The epsilon attributes RMS norms carry, in the order they are tried.
+EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "norm_eps")
+_TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+                nn.LocalResponseNorm)
+_RMS_NAME = re.compile(r"rms.?norm|t5layernorm", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """How to serve one RMS norm module through ``astrai.ops.rms_norm``."""
+
+    eps_attr: str  # the attribute holding epsilon, read on every call
+    weight_offset: float  # 0.0, or 1.0 for Gemma's (1 + weight)
+    cast_before_weight: bool  # LlamaRMSNorm: weight * normed.to(input dtype)
+    eps_from_dtype: bool = False  # torch.nn.RMSNorm with eps=None: finfo(x.dtype).eps
+
+    def describe(self) -> str:
+        """The form in words, for the report."""
+        parts = ["weight after the cast back (LlamaRMSNorm)" if self.cast_before_weight
+                 else "weight in float32"]
+        if self.weight_offset:
+            parts.append(f"{self.weight_offset:g} + weight")
+        parts.append("eps = finfo(dtype).eps" if self.eps_from_dtype
+                     else f"eps from .{self.eps_attr}")
+        return ", ".join(parts)
+
+    def keywords(self) -> dict[str, Any]:
+        """The facade's feature keywords for this form."""
+        out: dict[str, Any] = {}
+        if self.weight_offset:
+            out["weight_offset"] = self.weight_offset
+        if self.cast_before_weight:
+            out["cast_before_weight"] = True
+        return out
+
+
+def is_rms_kind(module: nn.Module) -> bool:
+    """Whether ``module`` is an RMS norm by class (``torch.nn.RMSNorm``, or a class named
+    ``...RMSNorm...``)."""
+    return isinstance(module, nn.RMSNorm) or bool(_RMS_NAME.search(type(module).__name__))
+
+
+
+#: The forms tried, as ``(weight_offset, cast_before_weight)``.
+_FORMS = ((0.0, True), (0.0, False), (1.0, False), (1.0, True))
+_FP32_TOL = 1e-5
+_BF16_TOL = 2.0 ** -7  # one rounding of bfloat16 (8 bits of mantissa), relative
+
+
+def rms_norm_form(module: nn.Module) -> NormForm | str:
+    """``module``'s ``NormForm``, or why it cannot be served as an RMS norm."""
+    cls = type(module)
+    if isinstance(module, _TORCH_NORMS):
+        return f"torch.nn.{cls.__name__} is not an RMS norm (astrai has no family for it)"
+    if not (isinstance(module, nn.RMSNorm) or _RMS_NAME.search(cls.__name__)):
+        return ("not an RMS norm by its class name, so astrai does not try to serve it "
+                "(astrai has no family for other norms)")
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return "it has no weight vector (astrai's rms_norm scales by a weight of [features])"
+    extra = [n for n, p in module.named_parameters(recurse=True) if n != "weight"]
+    extra += [n for n, b in module.named_buffers(recurse=True) if b is not None]
+    if extra:
+        return f"it holds more than a weight ({', '.join(extra)}), which astrai would ignore"
+    if not weight.is_floating_point():
+        return f"its weight is {weight.dtype}, so what it computes cannot be checked"
+    if isinstance(module, nn.RMSNorm) and tuple(module.normalized_shape) != tuple(weight.shape):
+        return f"it normalises over {tuple(module.normalized_shape)}, more than the last dim"
+    eps_names = [n for n in EPS_NAMES if _eps_value(module, n) is not _NO_EPS]
+    if not eps_names:
+        return (f"no epsilon attribute astrai knows ({', '.join(EPS_NAMES)}) holds a "
+                f"number")
+    best: tuple[float, NormForm] | None = None
+    failures: list[str] = []
+    for name in eps_names:
+        from_dtype = _eps_value(module, name) is None
+        probes = _probes(module, name, from_dtype)
+        for offset, cast in _FORMS:
+            form = NormForm(name, offset, cast, from_dtype)
+            got = _compare(probes, form)
+            if isinstance(got, str):
+                failures.append(got)
+            elif best is None or got < best[0]:
+                best = (got, form)
+    if best is None:
+        reason = min(failures, key=len) if failures else "no probe ran"
+        return f"its output matches no RMS norm form astrai serves ({reason})"
+    return best[1]
+
+
+_NO_EPS: Any = object()
+
+
+def _eps_value(module: nn.Module, name: str) -> Any:
+    """The epsilon ``module.name`` holds (``None`` only for ``torch.nn.RMSNorm``'s
+    default), or ``_NO_EPS``."""
+    value = module.__dict__.get(name, _NO_EPS)
+    if value is None and isinstance(module, nn.RMSNorm) and name == "eps":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return _NO_EPS
+    return float(value)
+
+
+def _probe_inputs(hidden: int, eps: float, dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(4, hidden, generator=g, device="cpu")
+    x[0] *= math.sqrt(eps) if eps > 0 else 1e-3  # a row whose mean square is about eps
+    return x.to(device=device, dtype=dtype)
+
+
+#: One probe: the input, the weight, epsilon, and the module's own output (or ``None``
+#: when it does not take that dtype combination).
+_Probe = tuple[torch.Tensor, torch.Tensor, float, Any]
+#: The dtypes of (input, weight) a norm is probed in.
+_PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                 (torch.bfloat16, torch.float32))
+
+
+def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool) -> list[_Probe]:
+    """The module's own forward on each probe (run once, whatever forms it is compared
+    with), a random weight in its copy."""
+    weight = module._parameters["weight"]
+    assert weight is not None
+    device, hidden = torch.device("cpu"), weight.shape[0]  # a meta weight is probed too
+    g = torch.Generator().manual_seed(hidden + 1)
+    random_weight = torch.randn(hidden, generator=g, device=device)
+    probes: list[_Probe] = []
+    for x_dtype, w_dtype in _PROBE_DTYPES:
+        eps = torch.finfo(x_dtype).eps if eps_from_dtype else float(getattr(module, eps_attr))
+        x = _probe_inputs(hidden, eps, x_dtype, device)
+        w = random_weight.to(w_dtype)
+        try:
+            want = _own_forward(module, w, x)
+        except Exception:  # a dtype combination the module does not take: not compared
+            want = None
+        probes.append((x, w, eps, want))
+    return probes
+
+
+def _compare(probes: list[_Probe], form: NormForm) -> float | str:
+    """The bfloat16 error of ``form`` against the module's outputs in ``probes`` (float32
+    must pass), or why it does not match."""
+    bf16_error = 0.0
+    ran = 0
+    for x, w, eps, want in probes:
+        if want is None:
+            continue
+        got = reference_rms_norm(x, w, eps, weight_offset=form.weight_offset,
+                                 cast_before_weight=form.cast_before_weight)
+        if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or (
+                want.shape != got.shape):
+            what = (f"{want.dtype} {tuple(want.shape)}" if isinstance(want, torch.Tensor)
+                    else type(want).__name__)
+            return f"with {x.dtype} input and {w.dtype} weight it returns {what}"
+        tol = _FP32_TOL if x.dtype == torch.float32 else _BF16_TOL
+        err = ((want.float() - got.float()).abs() / (got.float().abs() + tol)).max().item()
+        if not err <= tol * 2:
+            return f"with {x.dtype} input and {w.dtype} weight its output differs by " \
+                   f"{err:.2g} (relative)"
+        ran += 1
+        if x.dtype != torch.float32:
+            bf16_error += err
+    if ran < 2:
+        return "it runs on fewer than two of the dtypes astrai checks it in"
+    return bf16_error
+
+
+def _own_forward(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> Any:
+    """The class's ``forward`` of a shallow copy of ``module`` holding ``weight``."""
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    with torch.no_grad():
+        return type(module).forward(probe, x)
+
+
+
+def _rms_norm_forward(form: NormForm) -> Callable[..., Any]:
+    """An RMS norm module's forward in ``form``, through ``ops.rms_norm``: the weight read
+    from the module's parameters and epsilon from its attribute, on every call. Holds no
+    module (a copy of the model binds it to the copy)."""
+    call = rms_norm_call(**form.keywords())
+    eps_attr, from_dtype = form.eps_attr, form.eps_from_dtype
+
+    def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight: Any
+        try:
+            weight = self._parameters["weight"]
+        except KeyError:  # parametrized since: its weight is a property
+            weight = self.weight
+        eps = (torch.finfo(hidden_states.dtype).eps if from_dtype
+               else self.__dict__[eps_attr])
+        return call(hidden_states, weight, eps)
+
+    return rms_norm_forward
+
+
+def _route(module: nn.Module) -> Installed | Refused:
+    form = rms_norm_form(module)
+    if isinstance(form, str):
+        return Refused(form, None if is_rms_kind(module) else "norm")
+    return Installed(_rms_norm_forward(form), form.describe(), form)
+
+
+#: Norms: whole modules (every module named a norm is claimed, and reported when it is
+#: not an RMS norm astrai serves), whose parameters reach astrai.
+RECOGNITION = ModelRecognition(claims=is_norm_kind, module=_route, holds_weights=True)
