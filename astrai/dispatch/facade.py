@@ -303,11 +303,11 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
             return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
                                                process.compile_key)]
         seen = last[0]
-        world: Any = seen[0]  # read by position: the hot path of every call
+        world: Any = seen.world
         state = process.snapshot
-        same_snapshot = world is not None and world[0] is state
+        same_snapshot = world is not None and world.snapshot is state
         if same_snapshot:
-            keyer, hot = seen[2], seen[3]  # the last world's snapshot: its key plan
+            keyer, hot = seen.keyer, seen.plan  # the last world's snapshot: its key plan
         else:
             state = state or current()
             got = state.facade_keys.get(slot)
@@ -318,11 +318,12 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
             key = values = describe(*args)
         else:
             key, values = keyer(*args)
-        # ``world.in_force(world)``, inlined: the hot path of every call.
-        if (same_snapshot and backend is None and world[1] is current_scope()
-                and world[2] is environ_get(OPS_KEY)
-                and (world[3] is None or world[4] is environ_get(world[3]))):
-            d = seen[1].get(key)
+        # ``world.in_force(world)``, inlined (a call into another module costs the hot path
+        # of every call): the snapshot was checked above.
+        if (same_snapshot and backend is None and world.scope is current_scope()
+                and world.ops is environ_get(OPS_KEY)
+                and (world.alias_key is None or world.alias is environ_get(world.alias_key))):
+            d = seen.decisions.get(key)
             if d is not None:
                 next(d.counter)
                 return d.call  # type: ignore[no-any-return]

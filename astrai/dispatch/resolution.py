@@ -101,8 +101,8 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     """
     if world is None:
         world = world_now(state or current(), family)
-    state, scope = world[0], world[1]
-    key = (family, world[2], world[4], scope.cache_token)
+    state, scope = world.snapshot, world.scope
+    key = (family,) + world.key
     seen = state.worlds.get(key)
     if seen is None:
         seen = _world_view(world, family, key)
@@ -187,7 +187,7 @@ def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContex
     """
     if world is None:
         world = world_now(process.snapshot or current(), family)
-    state, scope = world[0], world[1]
+    state, scope = world.snapshot, world.scope
     if explicit is None or explicit.__class__ is str:
         ekey = explicit
     else:
@@ -196,7 +196,7 @@ def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContex
             return _uncached(world, family, explicit, build(*args))
     if scope.uncacheable and family in scope.uncacheable:
         return _uncached(world, family, explicit, build(*args))
-    key = (family, sig, ekey, scope.cache_token, world[2], world[4])
+    key = (family, sig, ekey) + world.key
     got = state.decisions.get(key)
     if got is None:
         return miss(world, key, family, explicit, build(*args))

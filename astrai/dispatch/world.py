@@ -4,10 +4,11 @@ A decision of a family depends on the call's axis values and explicit handle, an
 its *world*: the table snapshot in force, the ``op_backend`` / ``use_profile`` scope,
 and the raw values of ``ASTR_OPS`` and of the family's legacy alias variable. The world
 is read once per decision (``world_now``) and then only passed on: the decision-cache
-key is made from it, the evaluator parses the environment from it (never from
+key is made from it (``World.key``), the evaluator parses the environment from it (never from
 ``os.environ`` again), and the facades' last world and ``resolve``'s memo are checked
-against it. A variable changed by another thread while a decision is taken therefore
-cannot put a decision made under one value into the cache under another.
+against it (``in_force``; the compiled hot path does the same checks in C++). A variable
+changed by another thread while a decision is taken therefore cannot put a decision made
+under one value into the cache under another.
 """
 
 from __future__ import annotations
@@ -25,31 +26,39 @@ from astrai.dispatch.scopes import Scope, current_scope
 class World(NamedTuple):
     """One decision's world (module docstring). ``ops`` and ``alias`` are the raw values
     as ``os.environ`` stores them (``None`` when unset); ``alias_key`` is the family's
-    legacy variable, pre-encoded (``None`` when the family has none)."""
+    legacy variable, pre-encoded (``None`` when the family has none). ``key`` is what
+    every cache made in a world is keyed by besides the family and the call (the
+    snapshot owns those caches): the scope's token and the raw values - the decision
+    cache's key is ``(family, call key, handle key) + world.key``, the snapshot's
+    environment-and-view memo's ``(family,) + world.key``. The compiled hot path reads the
+    first five fields by position."""
 
     snapshot: Registry
     scope: Scope
     ops: Any
     alias_key: Any
     alias: Any
+    key: tuple[Any, ...]
 
 
 def world_now(state: Registry, family: str) -> World:
     """The world of a decision of ``family`` taken now on ``state``."""
     alias_key = state.alias_keys.get(family)
-    return World(state, current_scope(), environ_get(OPS_KEY), alias_key,
-                 None if alias_key is None else environ_get(alias_key))
+    scope, ops = current_scope(), environ_get(OPS_KEY)
+    alias = None if alias_key is None else environ_get(alias_key)
+    return World(state, scope, ops, alias_key, alias, (scope.cache_token, ops, alias))
 
 
 def in_force(world: World) -> bool:
     """Whether ``world`` is still the world now, by identity alone (the hot-path check:
     an unchanged variable reads back as the very same object)."""
-    return (world[0] is process.snapshot and world[1] is current_scope()
-            and world[2] is environ_get(OPS_KEY)
-            and (world[3] is None or world[4] is environ_get(world[3])))
+    return (world.snapshot is process.snapshot and world.scope is current_scope()
+            and world.ops is environ_get(OPS_KEY)
+            and (world.alias_key is None or world.alias is environ_get(world.alias_key)))
 
 
 def same_world(a: World, b: World) -> bool:
     """Whether two worlds are the same objects, element by element (equal is not enough:
-    a last world is checked by identity)."""
-    return all(x is y for x, y in zip(a, b, strict=True))
+    a last world is checked by identity; ``key`` is made of the others)."""
+    return (a.snapshot is b.snapshot and a.scope is b.scope and a.ops is b.ops
+            and a.alias_key is b.alias_key and a.alias is b.alias)

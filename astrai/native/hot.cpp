@@ -94,7 +94,7 @@ PyObject* env_get(PyObject* key) {
 // ``world.in_force(world)``: the same objects as now, by identity. ``world`` is held by
 // the caller.
 bool in_force(PyObject* world) {
-  if (!PyTuple_Check(world) || PyTuple_GET_SIZE(world) != 5) return false;
+  if (!PyTuple_Check(world) || PyTuple_GET_SIZE(world) < 5) return false;
   PyObject* snap = PyDict_GetItemWithError(g.process, g.snapshot);
   if (snap == nullptr) {
     PyErr_Clear();
