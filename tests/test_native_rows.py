@@ -390,7 +390,12 @@ class TestWhatOnlyTorchSees:
         assert got.handed_off("rms_norm") == got.handed_off("rotary", "native") == 1
         assert "rms_norm     native                  1  of them handed to torch's operations" \
             in got.table()
+        said = dispatch.explain("rms_norm", dispatch.CallContext("rms_norm"))
+        assert ("note: of the calls row native was chosen for, 1 ran on torch's operations "
+                "(its kernel declined them; stats().handed)") in said
         assert dispatch.stats(reset=True).handed and not dispatch.stats().handed
+        assert "ran on torch's operations" not in dispatch.explain(
+            "rms_norm", dispatch.CallContext("rms_norm"))
 
     def test_a_nested_tensor_is_an_error_not_a_crash(self) -> None:
         code = """

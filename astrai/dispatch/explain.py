@@ -22,6 +22,7 @@ from astrai.dispatch.provenance import describe
 from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import evaluate, settle
 from astrai.dispatch.scopes import active_view
+from astrai.dispatch.stats import stats
 from astrai.dispatch.verdicts import (
     BY_NAME,
     DISABLED,
@@ -135,6 +136,10 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
               if p is not None and p.provenance is not None]
     if process.hot_notes is not None:
         notes += process.hot_notes(family, state)
+    handed = stats().handed
+    notes += [f"of the calls row {r} was chosen for, {n} ran on {to} (its kernel "
+              f"declined them; stats().handed)"
+              for (f, r, to), n in sorted(handed.items()) if f == family]
     row = origin = error = None
     try:
         res = evaluate(family, ctx, explicit, state=state, notes=notes)

@@ -102,7 +102,7 @@ def evaluate(family: str, ctx: CallContext, explicit: Any = None, *,
     if world is None:
         world = world_now(state or current(), family)
     state, scope = world.snapshot, world.scope
-    key = (family,) + world.key
+    key = (family, *world.key)
     seen = state.worlds.get(key)
     if seen is None:
         seen = _world_view(world, family, key)
@@ -196,7 +196,7 @@ def decide(family: str, sig: Any, explicit: Any, build: Callable[..., CallContex
             return _uncached(world, family, explicit, build(*args))
     if scope.uncacheable and family in scope.uncacheable:
         return _uncached(world, family, explicit, build(*args))
-    key = (family, sig, ekey) + world.key
+    key = (family, sig, ekey, *world.key)
     got = state.decisions.get(key)
     if got is None:
         return miss(world, key, family, explicit, build(*args))

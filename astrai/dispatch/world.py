@@ -29,8 +29,8 @@ class World(NamedTuple):
     legacy variable, pre-encoded (``None`` when the family has none). ``key`` is what
     every cache made in a world is keyed by besides the family and the call (the
     snapshot owns those caches): the scope's token and the raw values - the decision
-    cache's key is ``(family, call key, handle key) + world.key``, the snapshot's
-    environment-and-view memo's ``(family,) + world.key``. The compiled hot path reads the
+    cache's key is ``(family, call key, handle key, *world.key)``, the snapshot's
+    environment-and-view memo's ``(family, *world.key)``. The compiled hot path reads the
     first five fields by position."""
 
     snapshot: Registry
