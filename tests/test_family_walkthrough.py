@@ -7,20 +7,28 @@ from __future__ import annotations
 
 import ast
 import importlib
+import random
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import astrai
 import astrai.dispatch as d
 from astrai import ops
+from astrai.dispatch.expr.analysis import comparisons
+from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.facade import FACADES
+from astrai.dispatch.keying import KeyPlan
+from astrai.dispatch.reading import encode, read
 from astrai.families import declared, every_family, undeclare
 from astrai.integrations.transformers import (
     RoutingError,
@@ -28,6 +36,7 @@ from astrai.integrations.transformers import (
     restore_model,
     verify_model,
 )
+from tests.test_key_plans import _python_key
 
 DOCS = Path(__file__).parent.parent / "docs" / "families.md"
 FILES = ("scaleshift/scale_shift.yaml", "scaleshift/rows.py", "scaleshift/declaration.py")
@@ -236,3 +245,46 @@ def test_the_check_sees_a_family_named_in_code(tmp_path: Path) -> None:
                      "from astrai.families.linear import linear\n", encoding="utf-8")
     assert sorted(_mentions(probe, _builtin_names(), "dispatch/probe.py")) == [
         "dispatch/probe.py:2: 'rms_norm'", "dispatch/probe.py:3: import astrai.families.linear"]
+
+
+# -- the walkthrough's Reading agrees with its describe ---------------------------------
+
+
+def _toy_args(rng: random.Random) -> tuple[Any, ...]:
+    """A call of scale_shift: mostly well formed, sometimes not (shapes, dtypes, types)."""
+    dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
+    shape = rng.choice([(1, 8), (3, 8), (2, 5, 8), (8,), (300, 8), (0, 8)])
+    x = torch.zeros(shape, dtype=dtype)
+    f = rng.choice([8, 8, 8, 7])
+    scale = torch.zeros(f, dtype=rng.choice([dtype, dtype, torch.float16]))
+    shift: Any = rng.choice([torch.zeros(f, dtype=dtype), torch.zeros(f, dtype=dtype),
+                             torch.zeros(1, f, dtype=dtype), 1.0])
+    return x, scale, shift
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(points=st.lists(st.integers(0, 400), max_size=3), device=st.booleans(),
+       seed=st.integers(0, 10_000), grad=st.booleans())
+def test_its_compiled_key_is_its_python_key(family: ModuleType, built: ModuleType,
+                                            points: list[int], device: bool, seed: int,
+                                            grad: bool) -> None:
+    """For random calls under random tables (cut points on ``tokens``, ``device``
+    compared or not), the compiled path's key of a call is what the declaration's
+    ``Reading`` means, and the route's own key; it answers every well-formed call."""
+    texts = [f"tokens >= {p}" for p in points] + (["device == cpu"] if device else [])
+    plan = KeyPlan("scale_shift", comparisons([Spec.parse(t) for t in texts]))
+    fc = FACADES["scale_shift"].call
+    shape = plan.layout(fc.reads, fc.lazy)
+    made = built.plan(*encode(fc.reading, shape))  # type: ignore[arg-type]
+    rng = random.Random(seed)
+    with torch.set_grad_enabled(grad):
+        for _ in range(25):
+            args = _toy_args(rng)
+            compiled = built.key(made, *args)
+            assert compiled == read(fc.reading, shape, args)  # type: ignore[arg-type]
+            python = _python_key("scale_shift", plan, args)
+            if isinstance(python, BaseException):
+                assert compiled is None, args
+            else:
+                assert compiled == python, (args, shape)
