@@ -66,6 +66,8 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
                                    query_pre_attn_scalar=24),
 }
 #: Norm modules per model: two per layer (four for Gemma 2) and the final one.
+#: The families a Llama-style model computes.
+LLAMA_FAMILIES = {"attention", "rotary", "rms_norm", "linear"}
 NORMS = {"llama": 5, "mistral": 5, "qwen2": 5, "gemma": 5, "gemma2": 9}
 LINEARS = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the lm head
 #: Which form each architecture's norms are served in.
@@ -137,7 +139,7 @@ class TestModels:
         plain, routed = build(arch)
         report = dispatch_model(routed)  # a second call: nothing left to do
         assert report.changed == 0
-        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS,
+        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS[arch], "linear": LINEARS}
         # everything that holds a weight is routed but the token embedding (a lookup)
         assert [(n.family, n.path) for n in report.not_routed] == [
@@ -148,7 +150,7 @@ class TestModels:
         torch.testing.assert_close(logits(routed, ids), logits(plain, ids), atol=1e-5,
                                    rtol=1e-5)
         counts = verify_model(routed, ids)
-        assert set(counts) == set(FAMILIES) and min(counts.values()) > 0
+        assert set(counts) == LLAMA_FAMILIES and min(counts.values()) > 0
         assert counts["rms_norm"] == NORMS[arch] and counts["linear"] == LINEARS
         assert counts["rotary"] == counts["attention"] == LAYERS
 
@@ -218,7 +220,7 @@ class TestDispatch:
         assert report.changed == LAYERS and report.counts()["rotary"] == LAYERS
         report = dispatch_model(model)  # attention joins the rotary already routed
         assert report.changed == LAYERS
-        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS,
+        assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS["llama"], "linear": LINEARS}
         torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()))
 
@@ -236,7 +238,7 @@ class TestDispatch:
         logits(plain, tokens())
         assert served() == {}
         logits(routed, tokens())
-        assert set(served()) == set(FAMILIES)
+        assert set(served()) == LLAMA_FAMILIES
 
     def test_eager_masks_and_left_padding(self) -> None:
         plain, routed = build("llama", impl="eager")
@@ -301,17 +303,17 @@ class TestDispatch:
             logits(routed, tokens())
             greedy(routed, tokens(batch=1, seq=4))
         workload = wl.workload()
-        assert set(workload.families()) == set(FAMILIES)
+        assert set(workload.families()) == LLAMA_FAMILIES
         path = workload.save(tmp_path / "wl.yaml")
         tuned = tune_workload(type(workload).load(path), tmp_path / "tuned.yaml", rounds=1,
                               progress=False)
-        assert {b.family for b in tuned.buckets} == set(FAMILIES)
+        assert {b.family for b in tuned.buckets} == LLAMA_FAMILIES
         assert not [t for t in tuned.timings if t.skipped]
         dispatch.load_tables(tmp_path / "tuned.yaml")
         with dispatch.use_profile(tuned.name):
             torch.testing.assert_close(logits(routed, tokens()), logits(routed, tokens()))
         lock = lock_workload(workload)
-        assert {d.family for d in lock.decisions} == set(FAMILIES)
+        assert {d.family for d in lock.decisions} == LLAMA_FAMILIES
         assert check_lock(lock).ok
 
     def test_compile_fullgraph(self) -> None:
@@ -365,7 +367,7 @@ class TestNotRouted:
         report = dispatch_model(model)
         reasons = {(n.family, n.path): n.reason for n in report.not_routed}
         assert "matches no RMS norm form" in reasons[("rms_norm", "model.norm")]
-        assert "not an RMS norm" in reasons[("norm", "model.layers.0.post_attention_layernorm")]
+        assert report.paths("layer_norm") == ["model.layers.0.post_attention_layernorm"]
         assert report.counts()["rms_norm"] == NORMS["llama"] - 2
         assert "model.norm (WeirdRMSNorm)" in str(report)
         torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()),

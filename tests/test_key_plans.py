@@ -29,12 +29,18 @@ from astrai.dispatch.facade import FACADES, FIRST_TENSOR_READING, extended_keyer
 from astrai.dispatch.keying import KeyPlan
 from astrai.dispatch.reading import Layout, encode, read
 from astrai.families import every_family
-from tests.test_native import _common, _full, _hot_args, _random_calls
+from tests.test_native import (
+    NAMES,  # every built-in facade
+    _common,
+    _full,
+    _hot_args,
+    _random_calls,
+)
 
-NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
 #: The int axes a spec may compare, per facade (its lazy ones and its int base ones).
 INT_BASE = {"rms_norm": ("ndim",), "linear": ("ndim",), "rotary": ("ndim", "head_dim"),
-            "rotary_half": ("ndim", "head_dim"), "attention": ("ndim", "head_dim")}
+            "rotary_half": ("ndim", "head_dim"), "attention": ("ndim", "head_dim"),
+            "layer_norm": ("ndim",)}
 
 
 def _spec_texts(draw: Any, name: str) -> list[str]:

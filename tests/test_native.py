@@ -124,6 +124,12 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
         yield "attention", (qa, ka, va, None, rng.choice([None, None, _t((1, 1, s, 7))]),
                             rng.choice([None, None, "prefill", "decode", "bad"]))
 
+        xn: Any = _t((*lead, f), dt()) if rng.random() < 0.95 else "x"
+        xd = xn.dtype if isinstance(xn, torch.Tensor) else torch.float32
+        wn = rng.choice([None, _t((f,), xd), _t((f,), xd), _t((w_len,), xd), _t((f,)),
+                         _t((f, 1), xd)])
+        yield "layer_norm", (xn, wn, rng.choice([None, _t((f,), xd), _t((f,), dt())]), eps)
+
 
 def test_every_answer_is_the_routes_decision_and_no_refused_call_is_answered(
         hot: ModuleType) -> None:
@@ -143,6 +149,7 @@ def test_every_answer_is_the_routes_decision_and_no_refused_call_is_answered(
 def _common(name: str) -> tuple[Any, ...]:
     return {
         "rms_norm": (_t((1, 512)), _t((512,)), 1e-6),
+        "layer_norm": (_t((1, 512)), _t((512,)), _t((512,)), 1e-5),
         "linear": (_t((3, 16)), _t((8, 16)), _t((8,))),
         "rotary": (_t((1, 2, 4, 8)), _t((2, 4, 2))),
         "rotary_half": (_t((1, 4, 2, 8)), _t((1, 2, 2, 8)), _t((1, 2, 8)), _t((1, 2, 8)), 1),
@@ -151,7 +158,7 @@ def _common(name: str) -> tuple[Any, ...]:
     }[name]
 
 
-NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention"]
+NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "layer_norm"]
 
 
 @pytest.mark.parametrize("name", NAMES)

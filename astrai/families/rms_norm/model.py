@@ -8,8 +8,7 @@ bfloat16 and with a float32 weight; one row small enough that epsilon matters), 
 compared with each form the facade computes (weight applied in float32 or after the
 cast back; ``weight`` or ``1 + weight``). The form that equals it, within float32
 tolerance in float32 and within one rounding in bfloat16 (the closest in bfloat16 when
-two pass), is the module's; none that does is a reason. Any other module named a norm
-is claimed too, and reported as a norm astrai does not serve.
+two pass), is the module's; none that does is a reason.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ import torch
 from torch import nn
 
 from astrai.backends.rms_norm import reference_rms_norm
-from astrai.families.recognition import Installed, ModelRecognition, Refused
+from astrai.families.recognition import Installed, ModelRecognition
 from astrai.families.rms_norm import rms_norm_form as rms_norm_call
-from astrai.integrations.transformers.recognise import is_norm_kind
 
 #: The epsilon attributes RMS norms carry, in the order they are tried.
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "norm_eps")
@@ -230,13 +228,12 @@ def _rms_norm_forward(form: NormForm) -> Callable[..., Any]:
     return rms_norm_forward
 
 
-def _route(module: nn.Module) -> Installed | Refused:
+def _route(module: nn.Module) -> Installed | str:
     form = rms_norm_form(module)
     if isinstance(form, str):
-        return Refused(form, None if is_rms_kind(module) else "norm")
+        return form
     return Installed(_rms_norm_forward(form), form.describe(), form)
 
 
-#: Norms: whole modules (every module named a norm is claimed, and reported when it is
-#: not an RMS norm astrai serves), whose parameters reach astrai.
-RECOGNITION = ModelRecognition(claims=is_norm_kind, module=_route, holds_weights=True)
+#: RMS norms: whole modules, whose parameters reach astrai.
+RECOGNITION = ModelRecognition(claims=is_rms_kind, module=_route, holds_weights=True)

@@ -57,7 +57,7 @@ from astrai.families import every_family
 from astrai.families.recognition import Installed, ModelRecognition, Refused, Sites
 from astrai.integrations.transformers.coverage import shares, unaccounted
 from astrai.integrations.transformers.rebind import rebind
-from astrai.integrations.transformers.recognise import own_forward
+from astrai.integrations.transformers.recognise import is_norm_kind, own_forward
 from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
 
 #: The attribute a routed module carries its ``Route`` in.
@@ -176,6 +176,10 @@ class _Dispatch:
                 if family in self.wanted and route is None and recognition.module is not None:
                     self.answer(family, path, module, recognition.module(module))
                 return
+        if is_norm_kind(module):  # a norm of a kind no family claims: said, not skipped
+            self.refuse("norm", path, module, "a norm of a kind no astrai family claims (no "
+                        "declared family recognises its class as one it serves)")
+            return
         self.layer(path, module, route)
 
     def answer(self, family: str, path: str, module: nn.Module, answer: Any) -> bool:
