@@ -24,8 +24,11 @@ Buckets:
   chunked prefill (q_len 16, kv_len 512, causal); head_dim 64 and 128, fp32 and bf16.
 - attention training (forward + backward of ``out.sum()``, grad mode on): causal
   q_len == kv_len in {16, 128, 512}, head_dim 64 (MHA) and 128 (GQA, 128 only).
-- rms_norm, rotary, linear: tokens in {1, 64, 4096} (``--tokens`` for others), two
-  feature sizes (rms_norm: 512 and 4096, ``--hidden`` for others), fp32 and bf16;
+- rms_norm, rotary, linear, layer_norm, activation: tokens in {1, 64, 4096} (``--tokens``
+  for others), two feature sizes (rms_norm and layer_norm: 512 and 4096; activation 4096;
+  ``--hidden`` for others), fp32 and bf16; layer_norm also weightless (OLMo's) and every
+  activation, each beside the model's own code for it (column ``(model)``: nn.LayerNorm,
+  OLMo's float32 norm, transformers' activation classes);
   rms_norm also in LlamaRMSNorm's form (``cast_before_weight``), rotary also in the half
   layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
 
@@ -42,12 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,6 +65,7 @@ from astrai.dispatch.axes import asked_features
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SAMPLE_S = 0.004  # each timed sample runs the call this long, at least
 TIE = 0.03  # rows within 3% of the fastest are named with it: that close is noise here
+OWN = "(model)"  # the column of the model's own code
 
 
 @dataclass
@@ -72,6 +78,9 @@ class Bucket:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     train: bool = False
+    #: The model's own code for the same call, timed beside the rows as ``(model)`` (it
+    #: never wins: it is what the rows are measured against).
+    own: Callable[[], object] | None = None
 
 
 @dataclass
@@ -83,14 +92,14 @@ class Result:
 
     @property
     def winner(self) -> str:
-        fair = {k: v for k, v in self.us.items() if k not in self.unfaithful}
+        fair = {k: v for k, v in self.us.items() if k not in self.unfaithful and k != OWN}
         return min(fair, key=fair.__getitem__)
 
     @property
     def ties(self) -> list[str]:
         """Other faithful rows within ``TIE`` of the winner."""
         best = self.us[self.winner]
-        return [k for k, v in self.us.items() if k != self.winner
+        return [k for k, v in self.us.items() if k != self.winner and k != OWN
                 and k not in self.unfaithful and v <= best * (1 + TIE)]
 
 
@@ -167,12 +176,50 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                                       (x, rotary_freqs(torch.arange(n)[None], hd))))
                     out.append(Bucket(family, f"tokens{n:<5} 8x{hd:<4} {dt} half",
                                       half_call(n, hd, dtype)))
+            elif family == "layer_norm":
+                for f in hidden or (512, 4096):
+                    x = _rand(n, f, dtype=dtype, seed=n)
+                    w, b = torch.rand(f).to(dtype) + 0.5, torch.rand(f).to(dtype)
+                    out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt}",
+                                      (x, w, b, 1e-5), own=partial(_own_layer_norm, x, w, b)))
+                    out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} olmo",
+                                      (x, None, None, 1e-5), own=partial(_own_olmo, x)))
+            elif family == "activation":
+                for f in hidden or (4096,):
+                    x = _rand(n, f, dtype=dtype, seed=n)
+                    for act, own in _OWN_ACTS.items():
+                        out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
+                                          (x, act), own=partial(own, x)))
             else:
                 for fi, fo in ((512, 512), (1024, 4096)):
                     x = _rand(n, fi, dtype=dtype, seed=n)
                     w = _rand(fo, fi, dtype=dtype, seed=fo) / fi**0.5
                     out.append(Bucket(family, f"tokens{n:<5} {fi}->{fo:<5} {dt}", (x, w)))
     return out
+
+
+def _own_layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``nn.LayerNorm``'s forward (what GPT-2, BERT, OPT... run)."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def _own_olmo(x: torch.Tensor) -> torch.Tensor:
+    """OLMo's weightless norm: float32, then cast back."""
+    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), None, None,
+                                          eps=1e-5).to(x.dtype)
+
+
+def _own_gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``NewGELUActivation``, op by op in x's dtype."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                       * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+#: Each activation with the code models run for it (transformers' ``ACT2FN`` classes).
+_OWN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": _own_gelu_new, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": torch.nn.functional.relu}
 
 
 def half_call(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[Any, ...]:
@@ -206,6 +253,8 @@ def rows_for(bucket: Bucket, any_when: bool = False
             calls[rec.name] = lambda obj=obj, args=args, kwargs=kwargs: obj(*args, **kwargs)
         if not rec.faithful:
             unfaithful.add(rec.name)
+    if bucket.own is not None and calls:
+        calls[OWN] = bucket.own
     return calls, unfaithful
 
 
@@ -244,6 +293,8 @@ def run(buckets: list[Bucket], rounds: int, timer: Callable[[], float],
 def render(family: str, results: list[Result], title: str = "") -> str:
     rows = [name for name in (r.name for r in dispatch.current().family(family).rows)
             if any(name in res.us for res in results)]
+    if any(OWN in res.us for res in results):
+        rows.append(OWN)
     width = max(len(r.bucket.label) for r in results)
     head = f"{'bucket':{width}}  " + "  ".join(f"{n:>13}" for n in rows) + "  winner"
     lines = [f"{title or family} (median us per call; * fastest faithful row; ~ not faithful)",
@@ -298,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    families = args.family or ["attention", "rms_norm", "rotary", "linear"]
+    families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
+                               "activation"]
     reg = dispatch.current()
     wall = args.wall or args.threads > 1  # other threads' work is no CPU time of this one
     timer: Callable[[], float] = time.perf_counter if wall else time.thread_time

@@ -132,12 +132,13 @@ def coverage_row(name: str, report: Any) -> str:
     left: dict[str, int] = {}
     for n in report.not_routed:
         left[n.family] = left.get(n.family, 0) + 1
-    cells = " | ".join(str(counts.get(f, 0)) for f in ("attention", "rotary", "rms_norm",
-                                                        "linear"))
+    cells = " | ".join(str(counts.get(f, 0)) for f in COLUMNS)
     rest = ", ".join(f"{family} {n}" for family, n in sorted(left.items())) or "-"
     return (f"| {name} | {cells} | {shares['matmul_flops']:.0%} | "
             f"{shares['parameters']:.0%} | {rest} |")
 
 
-TABLE_HEAD = ("| model type | attention | rotary | rms_norm | linear | matmul FLOPs | "
-              "parameters | not routed |\n|---|---|---|---|---|---|---|---|")
+#: The families the table has a column for, in order.
+COLUMNS = ("attention", "rotary", "rms_norm", "layer_norm", "linear", "activation")
+TABLE_HEAD = ("| model type | " + " | ".join(COLUMNS) + " | matmul FLOPs | parameters | "
+              "not routed |\n|" + "---|" * (len(COLUMNS) + 4))

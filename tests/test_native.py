@@ -129,6 +129,7 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
         wn = rng.choice([None, _t((f,), xd), _t((f,), xd), _t((w_len,), xd), _t((f,)),
                          _t((f, 1), xd)])
         yield "layer_norm", (xn, wn, rng.choice([None, _t((f,), xd), _t((f,), dt())]), eps)
+        yield "activation", (xn, rng.choice(["silu", "gelu", "relu", "swish", 1, None]))
 
 
 def test_every_answer_is_the_routes_decision_and_no_refused_call_is_answered(
@@ -150,6 +151,7 @@ def _common(name: str) -> tuple[Any, ...]:
     return {
         "rms_norm": (_t((1, 512)), _t((512,)), 1e-6),
         "layer_norm": (_t((1, 512)), _t((512,)), _t((512,)), 1e-5),
+        "activation": (_t((1, 512)), "silu"),
         "linear": (_t((3, 16)), _t((8, 16)), _t((8,))),
         "rotary": (_t((1, 2, 4, 8)), _t((2, 4, 2))),
         "rotary_half": (_t((1, 4, 2, 8)), _t((1, 2, 2, 8)), _t((1, 2, 8)), _t((1, 2, 8)), 1),
@@ -158,7 +160,8 @@ def _common(name: str) -> tuple[Any, ...]:
     }[name]
 
 
-NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "layer_norm"]
+NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "layer_norm",
+         "activation"]
 
 
 @pytest.mark.parametrize("name", NAMES)

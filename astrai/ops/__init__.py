@@ -13,8 +13,9 @@ declared one through its facade, any other through its table alone.
 
 from __future__ import annotations
 
-__all__ = ["AttentionFeatures", "apply_rotary", "apply_rotary_half", "attention", "call",
-           "compiled_path", "context", "layer_norm", "linear", "rms_norm", "rms_norm_form"]
+__all__ = ["AttentionFeatures", "activation", "apply_rotary", "apply_rotary_half", "attention",
+           "call", "compiled_path", "context", "layer_norm", "linear", "rms_norm",
+           "rms_norm_form"]
 
 import os
 from typing import Any
@@ -43,6 +44,7 @@ from astrai.dispatch.world import in_force, world_now
 from astrai.families import facade_for
 
 # The public facades of the built-in families (each declared in its own package).
+from astrai.families.activation import activation
 from astrai.families.attention import AttentionFeatures, attention
 from astrai.families.layer_norm import layer_norm
 from astrai.families.linear import linear
