@@ -38,7 +38,7 @@ FEATURES_OFF = {name: AXES[name].default for name in FEATURE_AXES}
 ASTR_VARS = ("ASTR_OPS", "ASTR_TABLES", "ASTR_BACKEND")
 LINEAR_IMPL = "astrai.backends.linear:torch_linear"
 SHIPPED = shipped_tables_dir()
-FAMILIES = ("attention", "linear", "rms_norm", "rotary")
+FAMILIES = ("activation", "attention", "layer_norm", "linear", "rms_norm", "rotary")
 NO_TRACE = ("Traceback", "BrokenPipeError", "Exception ignored")
 POSIX = pytest.mark.skipif(os.name == "nt", reason="pipes and shells as on POSIX")
 
@@ -270,7 +270,7 @@ class TestClosedPipe:
     def test_head_one_line(self, runs: dict[str, Any], cmd: str) -> None:
         """``astrai-ops CMD | head -1``: the first line arrives, the rest ends quietly."""
         got: Piped = runs[f"head-{cmd}"]
-        first = {"list": "ASTR_OPS=''\n", "lint": "attention: "}[cmd]
+        first = {"list": "ASTR_OPS=''\n", "lint": "activation: "}[cmd]
         assert got.first.startswith(first)
         assert got.stderr == ""
         assert got.returncode in (0, 141)  # 0 when it had written everything already

@@ -228,7 +228,8 @@ class TestDispatch:
 
     def test_error_unknown_family(self) -> None:
         _, routed = build("llama")
-        with pytest.raises(ValueError, match="unknown family 'rope'; families: attention"):
+        with pytest.raises(ValueError,
+                           match="unknown family 'rope'; families: activation, attention, "):
             dispatch_model(routed, ["rope"])
         with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
             dispatch_model("model")  # type: ignore[arg-type]

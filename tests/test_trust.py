@@ -265,7 +265,8 @@ class TestOpsCall:
 
     def test_error_unknown_family(self) -> None:
         """An unknown family is a KeyError listing the known ones."""
-        with pytest.raises(KeyError, match=r"Unknown family: 'gelu'.*known families: attention"):
+        with pytest.raises(KeyError,
+                           match=r"Unknown family: 'gelu'.*known families: activation, attention"):
             ops.call("gelu", torch.randn(2))
 
 

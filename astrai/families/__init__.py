@@ -114,10 +114,18 @@ def declared(name: str) -> Family | None:
 
 
 def every_family() -> dict[str, Family]:
-    """Every declared family by name: the built-in ones first, in the order they declare
-    themselves, then the rest in the order declared."""
+    """Every declared family by name: the built-in ones first, by name, then the rest in
+    the order declared (an order that does not depend on what was imported first)."""
     _load_builtin()
-    return dict(_DECLARED)
+    builtin = sorted(n for n, f in _DECLARED.items() if _is_builtin(f))
+    return {**{n: _DECLARED[n] for n in builtin},
+            **{n: f for n, f in _DECLARED.items() if not _is_builtin(f)}}
+
+
+def _is_builtin(family: Family) -> bool:
+    """Whether ``family`` is one of this package's."""
+    return bool(getattr(family.facades[0].function, "__module__", "").startswith(
+        f"{__name__}."))
 
 
 def facade_for(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Facade | None:
