@@ -26,9 +26,10 @@ Buckets:
   q_len == kv_len in {16, 128, 512}, head_dim 64 (MHA) and 128 (GQA, 128 only).
 - rms_norm, rotary, linear, layer_norm, activation: tokens in {1, 64, 4096} (``--tokens``
   for others), two feature sizes (rms_norm and layer_norm: 512 and 4096; activation 4096;
-  ``--hidden`` for others), fp32 and bf16; layer_norm also weightless (OLMo's) and every
-  activation, each beside the model's own code for it (column ``(model)``: nn.LayerNorm,
-  OLMo's float32 norm, transformers' activation classes);
+  ``--hidden`` for others), fp32 and bf16; layer_norm also weightless (OLMo's), every
+  activation, and gated_activation with silu and gelu_tanh, each beside the model's own code
+  for it (column ``(model)``: nn.LayerNorm, OLMo's float32 norm, transformers' activation
+  classes, an MLP's ``act_fn(gate) * up``);
   rms_norm also in LlamaRMSNorm's form (``cast_before_weight``), rotary also in the half
   layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
 
@@ -190,6 +191,12 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                     for act, own in _OWN_ACTS.items():
                         out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
                                           (x, act), own=partial(own, x)))
+            elif family == "gated_activation":
+                for f in hidden or (4096,):
+                    g, u = _rand(n, f, dtype=dtype, seed=n), _rand(n, f, dtype=dtype, seed=n + 1)
+                    for act in ("silu", "gelu_tanh"):
+                        out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
+                                          (g, u, act), own=partial(_own_gated, g, u, act)))
             else:
                 for fi, fo in ((512, 512), (1024, 4096)):
                     x = _rand(n, fi, dtype=dtype, seed=n)
@@ -220,6 +227,12 @@ _OWN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
     "gelu_tanh": _own_gelu_new, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": torch.nn.functional.relu}
+
+
+def _own_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """A Llama-style MLP's ``act_fn(gate) * up`` (transformers' activation class, then the
+    product)."""
+    return _OWN_ACTS[act](gate) * up
 
 
 def half_call(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[Any, ...]:
@@ -350,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
-                               "activation"]
+                               "activation", "gated_activation"]
     reg = dispatch.current()
     wall = args.wall or args.threads > 1  # other threads' work is no CPU time of this one
     timer: Callable[[], float] = time.perf_counter if wall else time.thread_time

@@ -139,6 +139,7 @@ def coverage_row(name: str, report: Any) -> str:
 
 
 #: The families the table has a column for, in order.
-COLUMNS = ("attention", "rotary", "rms_norm", "layer_norm", "linear", "activation")
+COLUMNS = ("attention", "rotary", "rms_norm", "layer_norm", "linear", "activation",
+           "gated_activation")
 TABLE_HEAD = ("| model type | " + " | ".join(COLUMNS) + " | matmul FLOPs | parameters | "
               "not routed |\n|" + "---|" * (len(COLUMNS) + 4))

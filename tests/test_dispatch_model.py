@@ -66,7 +66,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 #: Norm modules per model: two per layer (four for Gemma 2) and the final one.
 #: The families a Llama-style model computes.
-LLAMA_FAMILIES = {"attention", "rotary", "rms_norm", "linear", "activation"}
+LLAMA_FAMILIES = {"attention", "rotary", "rms_norm", "linear", "gated_activation"}
 NORMS = {"llama": 5, "mistral": 5, "qwen2": 5, "gemma": 5, "gemma2": 9}
 LINEARS = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the lm head
 #: Which form each architecture's norms are served in.
@@ -140,7 +140,7 @@ class TestModels:
         assert report.changed == 0
         assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS[arch], "linear": LINEARS,
-                                   "activation": LAYERS}
+                                   "activation": 0, "gated_activation": LAYERS}
         # everything that holds a weight is routed but the token embedding (a lookup)
         assert [(n.family, n.path) for n in report.not_routed] == [
             ("embedding", "model.embed_tokens")]
@@ -178,7 +178,7 @@ class TestModels:
     @pytest.mark.parametrize("arch", ARCHS)
     def test_restore(self, arch: str) -> None:
         plain, routed = build(arch)
-        assert restore_model(routed) == NORMS[arch] + LINEARS + 2 * LAYERS  # + activations
+        assert restore_model(routed) == NORMS[arch] + LINEARS + 2 * LAYERS  # + the MLPs
         assert own_forwards(routed) == {}
         dispatch.reset_stats()
         ids = tokens()
@@ -198,14 +198,14 @@ class TestModels:
         assert served() == {"rms_norm": {"reference": NORMS[arch]},
                             "rotary": {"reference": LAYERS},
                             "linear": {"torch": LINEARS}, "attention": {"math": LAYERS},
-                            "activation": {"torch": LAYERS}}
+                            "gated_activation": {"torch": LAYERS}}
 
 
 class TestDispatch:
     def test_second_call_changes_nothing(self) -> None:
         _, routed = build("llama")
         before = own_forwards(routed)
-        assert len(before) == NORMS["llama"] + LINEARS + 2 * LAYERS  # + activations
+        assert len(before) == NORMS["llama"] + LINEARS + 2 * LAYERS  # + the MLPs
         report = dispatch_model(routed)
         assert report.changed == 0 and own_forwards(routed) == before
 
@@ -220,10 +220,10 @@ class TestDispatch:
         report = dispatch_model(model, ["rotary"])
         assert report.changed == LAYERS and report.counts()["rotary"] == LAYERS
         report = dispatch_model(model)  # attention joins the rotary already routed
-        assert report.changed == 2 * LAYERS  # the layers again, and the activations
+        assert report.changed == 2 * LAYERS  # the layers again, and the MLPs
         assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS["llama"], "linear": LINEARS,
-                                   "activation": LAYERS}
+                                   "activation": 0, "gated_activation": LAYERS}
         torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()))
 
     def test_error_unknown_family(self) -> None:
@@ -285,7 +285,7 @@ class TestDispatch:
         torch.testing.assert_close(got, logits(plain, ids), atol=1e-5, rtol=1e-5)
         assert {f: set(rows) for f, rows in served().items()} == {
             "rms_norm": {"reference"}, "rotary": {"reference"}, "linear": {"torch"},
-            "attention": {"math"}, "activation": {"reference"}}
+            "attention": {"math"}, "gated_activation": {"reference"}}
 
     def test_explain_a_routed_call(self) -> None:
         _, routed = build("gemma2")

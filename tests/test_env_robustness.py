@@ -49,7 +49,8 @@ from astrai.dispatch import (
 )
 from astrai.errors import AstraiError
 
-SHIPPED = ("activation", "attention", "layer_norm", "linear", "rms_norm", "rotary")
+SHIPPED = ("activation", "attention", "gated_activation", "layer_norm", "linear", "rms_norm",
+           "rotary")
 EXAMPLES = 300
 CALLS = {
     "attention": CallContext("attention", dtype=torch.float32, ndim=4, head_dim=8),

@@ -40,7 +40,7 @@ from tests.test_native import (
 #: The int axes a spec may compare, per facade (its lazy ones and its int base ones).
 INT_BASE = {"rms_norm": ("ndim",), "linear": ("ndim",), "rotary": ("ndim", "head_dim"),
             "rotary_half": ("ndim", "head_dim"), "attention": ("ndim", "head_dim"),
-            "layer_norm": ("ndim",), "activation": ("ndim",)}
+            "layer_norm": ("ndim",), "activation": ("ndim",), "gated_activation": ("ndim",)}
 
 
 def _spec_texts(draw: Any, name: str) -> list[str]:

@@ -130,6 +130,8 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
                          _t((f, 1), xd)])
         yield "layer_norm", (xn, wn, rng.choice([None, _t((f,), xd), _t((f,), dt())]), eps)
         yield "activation", (xn, rng.choice(["silu", "gelu", "relu", "swish", 1, None]))
+        un = rng.choice([xn, xn, _t((*lead, f), dt()), _t((*lead, f + 1), xd), "u"])
+        yield "gated_activation", (xn, un, rng.choice(["silu", "gelu_tanh", "swish", None]))
 
 
 def test_every_answer_is_the_routes_decision_and_no_refused_call_is_answered(
@@ -152,6 +154,7 @@ def _common(name: str) -> tuple[Any, ...]:
         "rms_norm": (_t((1, 512)), _t((512,)), 1e-6),
         "layer_norm": (_t((1, 512)), _t((512,)), _t((512,)), 1e-5),
         "activation": (_t((1, 512)), "silu"),
+        "gated_activation": (_t((1, 512)), _t((1, 512)), "silu"),
         "linear": (_t((3, 16)), _t((8, 16)), _t((8,))),
         "rotary": (_t((1, 2, 4, 8)), _t((2, 4, 2))),
         "rotary_half": (_t((1, 4, 2, 8)), _t((1, 2, 2, 8)), _t((1, 2, 8)), _t((1, 2, 8)), 1),
@@ -161,7 +164,7 @@ def _common(name: str) -> tuple[Any, ...]:
 
 
 NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "layer_norm",
-         "activation"]
+         "activation", "gated_activation"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -36,7 +36,8 @@ from tests.conftest import TOY_TABLE, ctx
 
 Write = Callable[[str, str], Path]
 
-SHIPPED = ("activation", "attention", "layer_norm", "linear", "rms_norm", "rotary")
+SHIPPED = ("activation", "attention", "gated_activation", "layer_norm", "linear", "rms_norm",
+           "rotary")
 ONE_ROW = """\
 version: 1
 family: {family}

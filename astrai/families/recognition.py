@@ -36,11 +36,14 @@ from torch import nn
 class Installed:
     """A module's forward as astrai serves it: ``forward(self, *args, **kwargs)``, set on
     the instance (holding no module, so that a copy of the model binds it to the copy),
-    with the report's words for it and what was recognised."""
+    with the report's words for it, what was recognised and the children it covers."""
 
     forward: Callable[..., Any]
     detail: str = ""
     form: Any = None
+    #: The direct children the installed forward no longer calls (its work covers
+    #: theirs): they are not routed on their own.
+    covers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ declared one through its facade, any other through its table alone.
 from __future__ import annotations
 
 __all__ = ["AttentionFeatures", "activation", "apply_rotary", "apply_rotary_half", "attention",
-           "call", "compiled_path", "context", "layer_norm", "linear", "rms_norm",
-           "rms_norm_form"]
+           "call", "compiled_path", "context", "gated_activation", "layer_norm", "linear",
+           "rms_norm", "rms_norm_form"]
 
 import os
 from typing import Any
@@ -46,6 +46,7 @@ from astrai.families import facade_for
 # The public facades of the built-in families (each declared in its own package).
 from astrai.families.activation import activation
 from astrai.families.attention import AttentionFeatures, attention
+from astrai.families.gated_activation import gated_activation
 from astrai.families.layer_norm import layer_norm
 from astrai.families.linear import linear
 from astrai.families.rms_norm import rms_norm, rms_norm_form

@@ -98,12 +98,14 @@ class Route:
     forward: Callable[..., Any] | None = None  # a layer's rebuilt forward
     # Per family whose call sites the rebuilt forward serves: what it gave.
     sites: dict[str, Sites] = field(default_factory=dict)
+    # The direct children the installed forward no longer calls (not routed on their own).
+    covers: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Route:
         # The installed forward is bound to the module: copy it (the module's copy binds
         # it to itself); the rest is code, shared.
         return Route(self.families, copy.deepcopy(self.installed, memo), dict(self.details),
-                     dict(self.parts), self.forward, dict(self.sites))
+                     dict(self.parts), self.forward, dict(self.sites), self.covers)
 
     def __reduce__(self) -> Any:
         raise TypeError("a module routed by astrai's dispatch_model cannot be pickled: call "
@@ -157,6 +159,8 @@ class _Dispatch:
         self.model, self.known, self.wanted = model, known, wanted
         self.changed = 0
         self.refused: list[NotRouted] = []
+        # Modules a routed parent's forward covers (it no longer calls them), by id.
+        self.covered: set[int] = set()
         # ``(family, path, reason)`` of modules a family expected to serve.
         self.expected: list[tuple[str, str, str]] = []
 
@@ -165,12 +169,16 @@ class _Dispatch:
                                       reason))
 
     def module(self, path: str, module: nn.Module) -> None:
+        if id(module) in self.covered:
+            return
         route: Route | None = module.__dict__.get(ROUTE_ATTR)
         if route is not None and own_forward(module) is not route.installed:
             for family in sorted(route.families & self.wanted):
                 self.refuse(family, path, module, "its forward was replaced on the instance "
                             "after astrai routed it; astrai leaves it alone")
             return
+        if route is not None:
+            self.cover(module, route.covers)
         for family, recognition in self.known.items():
             if recognition.claims is not None and recognition.claims(module):
                 if family in self.wanted and route is None and recognition.module is not None:
@@ -195,9 +203,18 @@ class _Dispatch:
         if not self._foreign(family, path, module, None):
             _install(module, answer.forward, Route(frozenset({family}),
                                                    details={family: answer.detail},
-                                                   parts={family: answer.form}))
+                                                   parts={family: answer.form},
+                                                   covers=answer.covers))
+            self.cover(module, answer.covers)
             self.changed += 1
         return True
+
+    def cover(self, module: nn.Module, names: tuple[str, ...]) -> None:
+        """Leave the children ``names`` of ``module`` unrouted: its forward covers them."""
+        for name in names:
+            child = module._modules.get(name)
+            if child is not None:
+                self.covered.add(id(child))
 
     def _foreign(self, family: str, path: str, module: nn.Module, route: Route | None) -> bool:
         """Whether someone else set this module's forward (then it is refused)."""

@@ -1,0 +1,188 @@
+"""Gated MLPs in a model: a module whose forward computes ``down(act(gate(x)) * up(x))``
+(Llama, Mistral, Qwen, Gemma, ...) or, with one fused projection,
+``down(act(g) * u)`` where ``g, u = gate_up(x).chunk(2, -1)`` (Phi-3), told by what it
+computes, and the forward that sends the gated product to ``ops.gated_activation``.
+
+A module is claimed when its direct children are one activation module and linear layers
+(modules holding a 2-d weight) whose shapes fit one of the two forms. It is run - its
+class's own forward, on a copy whose layers hold random weights on the CPU, hooks left out
+- on a random input and compared with each assignment of its layers to the form's roles;
+the activation is the one its activation module computes. The routed forward calls the
+module's own layers (each served by the linear family) and ``ops.gated_activation``; it no
+longer calls the activation module, which the route covers (it is not routed on its own).
+"""
+
+from __future__ import annotations
+
+__all__ = ["RECOGNITION", "GatedForm", "gated_form"]
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from astrai.families.activation.model import activation_of, is_activation_kind
+from astrai.families.gated_activation import gated_activation
+from astrai.families.recognition import Installed, ModelRecognition
+
+
+@dataclass(frozen=True)
+class GatedForm:
+    """How to serve one gated MLP: its layers by role (``gate_up`` for a fused
+    projection, else ``gate`` and ``up``), its ``down`` layer, the activation module it
+    covers and the activation it computes."""
+
+    act_name: str
+    act: str
+    down: str
+    gate: str | None = None
+    up: str | None = None
+    gate_up: str | None = None
+
+    def describe(self) -> str:
+        """The form in words, for the report."""
+        if self.gate_up is not None:
+            return f"{self.down}({self.act}(gate) * up), gate, up = {self.gate_up}(x).chunk(2)"
+        return f"{self.down}({self.act}({self.gate}(x)) * {self.up}(x))"
+
+
+def _layers(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """The children holding a 2-d weight, by name: ``(in, out)`` features (``nn.Linear``'s
+    weight is ``[out, in]``)."""
+    out = {}
+    for name, child in module._modules.items():
+        w = None if child is None else child._parameters.get("weight")
+        if isinstance(child, nn.Linear) and isinstance(w, torch.Tensor) and w.dim() == 2:
+            out[name] = (w.shape[1], w.shape[0])
+    return out
+
+
+def _activation_child(module: nn.Module) -> str | None:
+    acts = [n for n, c in module._modules.items() if c is not None and is_activation_kind(c)]
+    return acts[0] if len(acts) == 1 else None
+
+
+def _candidates(layers: dict[str, tuple[int, int]]) -> list[dict[str, str]]:
+    """Assignments of layers to roles whose shapes fit a form."""
+    found: list[dict[str, str]] = []
+    if len(layers) == 3:
+        for gate, up, down in itertools.permutations(layers, 3):
+            (gi, go), (ui, uo), (di, do) = layers[gate], layers[up], layers[down]
+            if gi == ui == do and go == uo == di:
+                found.append({"gate": gate, "up": up, "down": down})
+    if len(layers) == 2:
+        for gate_up, down in itertools.permutations(layers, 2):
+            (gi, go), (di, do) = layers[gate_up], layers[down]
+            if go == 2 * di and gi == do:
+                found.append({"gate_up": gate_up, "down": down})
+    return found
+
+
+def _claims(module: nn.Module) -> bool:
+    if any(p is not None for p in module._parameters.values()):
+        return False
+    return _activation_child(module) is not None and bool(_candidates(_layers(module)))
+
+
+def _probe(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose layers hold random float32 weights on the CPU."""
+    g = torch.Generator().manual_seed(23)
+    probe = copy.copy(module)
+    probe._modules = dict(module._modules)
+    probe._forward_hooks, probe._forward_pre_hooks = type(module._forward_hooks)(), type(
+        module._forward_pre_hooks)()
+    for name in _layers(module):
+        layer = nn.Linear(1, 1)  # replaced below: the child's shapes, random values
+        child = module._modules[name]
+        assert child is not None
+        w = child._parameters["weight"]
+        b = child._parameters.get("bias")
+        assert w is not None
+        layer.weight = nn.Parameter(torch.randn(tuple(w.shape), generator=g) / w.shape[1] ** 0.5,
+                                    requires_grad=False)
+        bias = None if b is None else nn.Parameter(torch.randn(tuple(b.shape), generator=g),
+                                                   requires_grad=False)
+        layer.register_parameter("bias", bias)
+        probe._modules[name] = layer
+    return probe
+
+
+def _compute(probe: nn.Module, form: GatedForm, x: torch.Tensor) -> torch.Tensor:
+    m = probe._modules
+    act = m[form.act_name]
+    assert act is not None
+    if form.gate_up is not None:
+        gate, up = m[form.gate_up](x).chunk(2, dim=-1)  # type: ignore[misc]
+    else:
+        gate, up = m[form.gate](x), m[form.up](x)  # type: ignore[index, misc]
+    return m[form.down](act(gate) * up)  # type: ignore[misc, no-any-return]
+
+
+def gated_form(module: nn.Module) -> GatedForm | str:
+    """``module``'s ``GatedForm``, or why it is not served as a gated MLP."""
+    act_name = _activation_child(module)
+    assert act_name is not None
+    act_module = module._modules[act_name]
+    assert act_module is not None
+    act = activation_of(act_module)
+    if act.startswith("refused: "):
+        return f"its activation {act_name}: {act.removeprefix('refused: ')}"
+    probe = _probe(module)
+    layers = _layers(module)
+    failures: list[str] = []
+    for roles in _candidates(layers):
+        form = GatedForm(act_name, act, **roles)
+        first = layers[roles.get("gate_up") or roles["gate"]][0]
+        x = torch.randn(2, 3, first, generator=torch.Generator().manual_seed(29))
+        try:
+            with torch.no_grad():
+                got = type(module).forward(probe, x)
+                want = _compute(probe, form, x)
+        except Exception as exc:
+            failures.append(f"its forward raised {type(exc).__name__} on [2, 3, {first}]")
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            failures.append("its forward returns another shape")
+            continue
+        gap = float((got - want).abs().max()) / (1.0 + float(want.abs().max()))
+        if gap <= 1e-5:
+            return form
+        failures.append(f"differs by {gap:.2g}")
+    return (f"its layers fit a gated MLP but its forward computes none of its forms "
+            f"({'; '.join(dict.fromkeys(failures))})")
+
+
+def _gated_forward(form: GatedForm) -> Callable[..., Any]:
+    """The MLP's forward: its own layers, the gated product through the facade."""
+    act, down = form.act, form.down
+    if form.gate_up is not None:
+        gate_up = form.gate_up
+
+        def fused_forward(self: nn.Module, x: torch.Tensor) -> Any:
+            m = self._modules
+            gate, up = m[gate_up](x).chunk(2, dim=-1)  # type: ignore[misc]
+            return m[down](gated_activation(gate, up, act))  # type: ignore[misc]
+
+        return fused_forward
+    gate_name, up_name = form.gate, form.up
+
+    def gated_forward(self: nn.Module, x: torch.Tensor) -> Any:
+        m = self._modules
+        return m[down](gated_activation(m[gate_name](x), m[up_name](x), act))  # type: ignore[index, misc]
+
+    return gated_forward
+
+
+def _route(module: nn.Module) -> Installed | str:
+    form = gated_form(module)
+    if isinstance(form, str):
+        return form
+    return Installed(_gated_forward(form), form.describe(), form, covers=(form.act_name,))
+
+
+#: Gated MLPs: whole modules (their layers routed on their own, their activation covered).
+RECOGNITION = ModelRecognition(claims=_claims, module=_route)

@@ -1,0 +1,175 @@
+"""The gated_activation family: act(gate) * up as one call (its rows, its facade's
+validation, its table's regions), and the gated MLPs ``dispatch_model`` recognises by
+what they compute (three projections, or Phi-3's fused gate_up), their activation covered."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import astrai.dispatch as d
+from astrai import ops
+from astrai.backends.activation import ACTIVATIONS, torch_activation
+from astrai.backends.gated_activation import (
+    inductor_gated_activation,
+    reference_gated_activation,
+    torch_gated_activation,
+)
+from astrai.backends.inductor import inductor_available
+from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_the_rows_compute_act_gate_times_up(act: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(3, 40, generator=g, dtype=torch.float64) * 4 for _ in range(2))
+    want = torch_activation(gate, act) * up
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 5e-2)
+    for row in (torch_gated_activation, reference_gated_activation):
+        got = row(gate.to(dtype), up.to(dtype), act)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    got = ops.gated_activation(gate.to(dtype), up.to(dtype), act)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(inductor_available() is not True, reason="inductor cannot compile here")
+def test_the_fused_row_is_the_reference() -> None:
+    gate, up = torch.randn(70, 64), torch.randn(70, 64)
+    torch.testing.assert_close(inductor_gated_activation(gate, up, "silu"),
+                               reference_gated_activation(gate, up, "silu"))
+
+
+@pytest.mark.parametrize("args, error, match", [
+    ((torch.randn(2, 8), torch.randn(2, 7), "silu"), ValueError, "of one shape and dtype"),
+    ((torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64), "silu"), ValueError,
+     "of one shape and dtype"),
+    ((torch.randn(2, 8), torch.randn(2, 8), "swish"), ValueError, "unknown act 'swish'"),
+    ((torch.randn(2, 8), [0.0], "silu"), TypeError, "up must be a torch.Tensor"),
+])
+def test_a_malformed_call_is_refused(args: tuple[Any, ...], error: type[Exception],
+                                     match: str) -> None:
+    with pytest.raises(error, match=match):
+        ops.gated_activation(*args)
+
+
+def test_the_table_gives_the_fused_row_its_measured_region() -> None:
+    def row(tokens: int, dtype: torch.dtype) -> str:
+        ctx = ops.context("gated_activation", torch.zeros(tokens, 8, dtype=dtype),
+                          torch.zeros(tokens, 8, dtype=dtype), "silu")
+        return d.resolve("gated_activation", ctx).name
+
+    fused = "inductor_large" if inductor_available() is True else "torch"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert row(1, dtype) == row(255, dtype) == "torch"
+        assert row(256, dtype) == row(4096, dtype) == fused
+
+
+# -- in a model --------------------------------------------------------------------
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int = 16, inner: int = 24, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = nn.SiLU() if act == "silu" else nn.GELU(approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SwappedMLP(LlamaMLP):
+    """The activation on the layer named ``up``: roles are found by computing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, hidden: int = 16, inner: int = 24) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class SumMLP(LlamaMLP):
+    """Shaped like a gated MLP, computes a sum."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(16, 64), nn.Linear(64, 16), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlps = nn.ModuleList([LlamaMLP(), LlamaMLP(act="gelu_tanh"), SwappedMLP(),
+                                   Phi3MLP(), SumMLP(), PlainMLP()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mlp in self.mlps:
+            x = x + mlp(x)
+        return x
+
+
+def test_dispatch_model_routes_gated_mlps_by_what_they_compute() -> None:
+    torch.manual_seed(0)
+    plain = Model()
+    model = copy.deepcopy(plain)
+    report = dispatch_model(model)
+    details = {r.path: r.detail for r in report.routed if r.family == "gated_activation"}
+    assert details == {
+        "mlps.0": "down_proj(silu(gate_proj(x)) * up_proj(x))",
+        "mlps.1": "down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))",
+        "mlps.2": "down_proj(silu(up_proj(x)) * gate_proj(x))",
+        "mlps.3": "down_proj(silu(gate) * up), gate, up = gate_up_proj(x).chunk(2)"}
+    refused = {n.path: n.reason for n in report.not_routed if n.family == "gated_activation"}
+    assert list(refused) == ["mlps.4"] and "computes none of its forms" in refused["mlps.4"]
+    # the covered activations are not routed on their own; the others are
+    acts = sorted(r.path for r in report.routed if r.family == "activation")
+    assert acts == ["mlps.4.act_fn", "mlps.5.act"]
+    assert len(report.paths("linear")) == 3 * 4 + 2 + 2
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)
+    served = verify_model(model, x)
+    assert served["gated_activation"] == 4 and served["activation"] == 2
+    again = dispatch_model(model)
+    assert again.changed == 0 and again.counts() == report.counts()
+    restore_model(model)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    assert torch.equal(model(x), plain(x))
+
+
+def test_an_mlp_whose_activation_astrai_does_not_compute_is_refused() -> None:
+    mlp = LlamaMLP()
+
+    class MishActivation(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.mish(x)
+
+    mlp.act_fn = MishActivation()
+    report = dispatch_model(nn.Sequential(mlp))
+    reasons = [n.reason for n in report.not_routed if n.family == "gated_activation"]
+    assert len(reasons) == 1 and reasons[0].startswith("its activation act_fn: ")
