@@ -173,3 +173,19 @@ def test_an_mlp_whose_activation_astrai_does_not_compute_is_refused() -> None:
     report = dispatch_model(nn.Sequential(mlp))
     reasons = [n.reason for n in report.not_routed if n.family == "gated_activation"]
     assert len(reasons) == 1 and reasons[0].startswith("its activation act_fn: ")
+
+
+def test_an_activation_routed_before_is_covered_when_its_mlp_is_routed() -> None:
+    """Routing the activation alone, then everything: the MLP's route covers the activation,
+    which gets its own forward back (it is no longer called), and verify_model holds."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(LlamaMLP())
+    model = copy.deepcopy(plain)
+    assert dispatch_model(model, ["activation"]).paths("activation") == ["0.act_fn"]
+    report = dispatch_model(model)
+    assert report.paths("gated_activation") == ["0"] and report.paths("activation") == []
+    assert "forward" not in model[0].act_fn.__dict__
+    x = torch.randn(2, 16)
+    assert verify_model(model, x)["gated_activation"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-6, rtol=1e-6)

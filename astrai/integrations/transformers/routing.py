@@ -210,11 +210,17 @@ class _Dispatch:
         return True
 
     def cover(self, module: nn.Module, names: tuple[str, ...]) -> None:
-        """Leave the children ``names`` of ``module`` unrouted: its forward covers them."""
+        """Leave the children ``names`` of ``module`` unrouted: its forward covers them (a
+        child routed by an earlier call gets its own forward back)."""
         for name in names:
             child = module._modules.get(name)
-            if child is not None:
-                self.covered.add(id(child))
+            if child is None:
+                continue
+            self.covered.add(id(child))
+            route = child.__dict__.get(ROUTE_ATTR)
+            if route is not None and own_forward(child) is route.installed:
+                del child.__dict__[ROUTE_ATTR], child.__dict__["forward"]
+                self.changed += 1
 
     def _foreign(self, family: str, path: str, module: nn.Module, route: Route | None) -> bool:
         """Whether someone else set this module's forward (then it is refused)."""
