@@ -93,7 +93,8 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
         lead = tuple(rng.choice([1, 2, 3, 300]) for _ in range(rng.choice([0, 1, 2, 3])))
         w_len = f if rng.random() < 0.8 else f + 1
         eps = rng.choice([1e-6, 0.0, -1.0, 1, True, float("nan"), None])
-        w: Any = _t((w_len,), dt()) if rng.random() < 0.9 else _t((f, 1))
+        w: Any = (_t((w_len,), dt()) if rng.random() < 0.85
+                  else rng.choice([_t((f, 1)), None]))
         x: Any = _t((*lead, f), dt()) if rng.random() < 0.95 else "x"
         yield "rms_norm", (x, w, eps)
 

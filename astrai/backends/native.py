@@ -64,7 +64,7 @@ def native_available() -> bool | Unavailable:
     return Unavailable(f"astrai's native extension is not loaded: {extension.status().reason}")
 
 
-def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                     weight_offset: float = 0.0,
                     cast_before_weight: bool = False) -> torch.Tensor:
     """``reference_rms_norm``'s result in one pass (its forms too; see the module
@@ -73,7 +73,7 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         return torch_rms_norm(x, weight, eps, weight_offset=weight_offset,
                               cast_before_weight=cast_before_weight)
     kernels = _kernels()
-    if kernels is not None:
+    if kernels is not None and weight is not None:  # the kernel scales by a weight
         out = kernels.rms_norm_kernel(x, weight, float(eps), float(weight_offset),
                                       bool(cast_before_weight))
         if out is not None:

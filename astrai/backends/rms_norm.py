@@ -1,7 +1,8 @@
 """RMS norm: rows ``torch`` (``torch.rms_norm``), ``inductor`` and ``reference`` (float32).
 
 ``rms_norm(x, weight, eps) = x / sqrt(mean(x**2, -1) + eps) * weight`` over the
-last dimension; ``weight`` is ``[x.shape[-1]]``. The output has ``x``'s shape and
+last dimension; ``weight`` is ``[x.shape[-1]]``, or ``None`` for no scaling (Llama 4's
+QK norm: normalised in float32, cast back once). The output has ``x``'s shape and
 dtype. Rows are plain functions: the table's ``when`` decides which calls they
 serve, and the facade (``astrai.ops.rms_norm``) validates shapes before any row
 runs, so a row does neither.
@@ -58,7 +59,7 @@ def torch_rms_norm_available() -> bool | Unavailable:
 _FULL = (torch.float32, torch.float64)
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                    weight_offset: float = 0.0,
                    cast_before_weight: bool = False) -> torch.Tensor:
     """PyTorch's fused RMS norm; a weight of another dtype is cast to ``x``'s.
@@ -67,6 +68,8 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     kernel too: without the weight for ``cast_before_weight`` (the weight multiplies
     after the cast), with ``weight_offset + weight`` as its weight for the offset form.
     """
+    if weight is None:  # no scaling (the facade allows no form then)
+        return torch.rms_norm(x, (x.shape[-1],), None, eps)
     if weight_offset or cast_before_weight:
         return _torch_model_form(x, weight, eps, weight_offset, cast_before_weight)
     if weight.dtype is not x.dtype:
@@ -91,7 +94,8 @@ def _torch_model_form(x: torch.Tensor, weight: torch.Tensor, eps: float, offset:
 
 
 def reference_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, weight_offset: float = 0.0,
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
+    weight_offset: float = 0.0,
     cast_before_weight: bool = False,
 ) -> torch.Tensor:
     """The fallback: mean of squares, ``rsqrt`` and weight, all in float32 (or float64);
@@ -99,19 +103,21 @@ def reference_rms_norm(
     return _reference(x, weight, eps, weight_offset, cast_before_weight)
 
 
-def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+def _reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
                cast_before_weight: bool) -> torch.Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     xw = x.to(compute)
     normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:  # no scaling: one cast back
+        return normed.to(x.dtype)
     if cast_before_weight:  # LlamaRMSNorm: weight * normed.to(input dtype)
         return (weight + offset if offset else weight) * normed.to(x.dtype)
     # Gemma's (1 + weight) in float32 when offset, then one cast back
     return (normed * (weight.to(compute) + offset if offset else weight.to(compute))).to(x.dtype)
 
 
-def _compiled_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                        cast_before_weight: bool) -> torch.Tensor:
+def _compiled_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        offset: float, cast_before_weight: bool) -> torch.Tensor:
     """``_reference`` as inductor compiles it: the same operations, with the one rounding
     inductor would otherwise leave out written as a cast. Inductor keeps an intermediate
     result of a half type in float32 unless a cast rounds it, while eager mode rounds
@@ -122,6 +128,8 @@ def _compiled_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offse
     compute = torch.promote_types(x.dtype, torch.float32)
     xw = x.to(compute)
     normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return normed.to(x.dtype)
     if cast_before_weight:
         scale = weight
         if offset:
@@ -142,7 +150,7 @@ _compiled = Compiled(_compiled_reference, dynamic=True,
                      options={"emulate_precision_casts": True})
 
 
-def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, *,
                       weight_offset: float = 0.0,
                       cast_before_weight: bool = False) -> torch.Tensor:
     """``reference_rms_norm`` compiled by inductor (dynamic shapes, compiled lazily), with
@@ -152,9 +160,9 @@ def inductor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     # Python numbers from here: a NumPy scalar would reach the compiled function as a
     # tensor, which torch.compile's guards do not hold under torch.inference_mode.
     eps, offset, cast = float(eps), float(weight_offset), bool(cast_before_weight)
-    if cast and offset:
+    if cast and offset and weight is not None:
         offset = _offset_as(offset, weight.dtype)
     # Keyed by rank and form too: a copy per key keeps each graph's guards to one kind
     # of input.
-    key = (x.dtype, weight.dtype, x.device, x.dim(), offset, cast)
+    key = (x.dtype, None if weight is None else weight.dtype, x.device, x.dim(), offset, cast)
     return _compiled(key, x, weight, eps, offset, cast)  # type: ignore[no-any-return]

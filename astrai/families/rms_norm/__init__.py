@@ -70,10 +70,11 @@ def rms_norm_features(features: dict[str, Any]) -> dict[str, Any]:
     return asked
 
 
-def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                       features: dict[str, Any] = _NONE) -> tuple[Any, ...]:
-    """``weight`` is ``[x.shape[-1]]``; ``eps`` is a non-negative number. ``features``
-    (checked by ``rms_norm_features``) add ``RMS_NORM_ASKS`` when there are any."""
+    """``weight`` is ``[x.shape[-1]]`` or ``None`` (no scaling: Llama 4's QK norm); ``eps``
+    is a non-negative number. ``features`` (checked by ``rms_norm_features``) add
+    ``RMS_NORM_ASKS`` when there are any; a weightless call takes none."""
     if isinstance(x, Tensor) and isinstance(weight, Tensor):
         shape, ws = x.shape, weight.shape
         if (len(ws) == 1 and shape and ws[0] == shape[-1] and eps.__class__ is float
@@ -81,6 +82,8 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             if features:
                 return _forms(x.dtype, x.is_cuda, len(shape), features)
             return (x.dtype, x.is_cuda, len(shape), _grad())
+    if weight is None:
+        return _weightless(x, eps, features)
     require_tensors("rms_norm", x=x, weight=weight)
     if len(x.shape) < 1 or tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm expects x [..., features] and weight [features]; got x "
@@ -89,6 +92,22 @@ def describe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
     if features:
         return _forms(x.dtype, x.is_cuda, len(x.shape), features)
+    return (x.dtype, x.is_cuda, len(x.shape), _grad())
+
+
+def _weightless(x: Any, eps: Any, features: dict[str, Any]) -> tuple[Any, ...]:
+    """A call without a weight: ``x [..., f]``, ``eps`` a number >= 0, no form."""
+    if (isinstance(x, Tensor) and len(x.shape) and eps.__class__ is float and eps >= 0
+            and not features):
+        return (x.dtype, x.is_cuda, len(x.shape), _grad())  # the common weightless call
+    require_tensors("rms_norm", x=x)
+    if len(x.shape) < 1:
+        raise ValueError(f"rms_norm expects x [..., features]; got x {tuple(x.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"rms_norm eps must be a number >= 0, got {eps!r}")
+    if features:
+        raise ValueError(f"rms_norm without a weight takes no {' or '.join(features)} (they "
+                         f"are forms of applying the weight)")
     return (x.dtype, x.is_cuda, len(x.shape), _grad())
 
 
@@ -106,22 +125,26 @@ RMS_NORM_SHAPE: dict[str, Callable[..., Any]] = {
     "tokens": leading_rows(0, 1)}
 
 #: ``rms_norm(x, weight, eps, weight_offset asked, cast_before_weight asked)``: x [..., f],
-#: weight [f], eps an exact float >= 0; the feature axes when either form is asked.
+#: weight [f] (or None, without a form), eps an exact float >= 0; the feature axes when
+#: either form is asked.
 _RMS_SHAPE: tuple[Op, ...] = (("tensor", 0), ("tensor", 1), ("ndim", 1, 1), ("ndim_ge", 0, 1),
                               ("size_eq", 1, 0, 0, -1), ("float_ge0", 2))
 _RMS_BASE: tuple[Op, ...] = (("dtype", 0), ("cuda", 0), ("ndim", 0), ("grad",))
 _RMS_LAZY: dict[str, Op] = {**DEVICE_OPS, "tokens": ("rows", 0, 1)}
 RMS_NORM_READING = Reading(5, (
     Case((("is", 3, 2), ("is", 4, 2), *_RMS_SHAPE), _RMS_BASE, _RMS_LAZY),
+    Case((("is", 1, 0), ("is", 3, 2), ("is", 4, 2), ("tensor", 0), ("ndim_ge", 0, 1),
+          ("float_ge0", 2)), _RMS_BASE, _RMS_LAZY),
     Case((("bool", 3), ("bool", 4), *_RMS_SHAPE), (*_RMS_BASE, ("arg", 3), ("arg", 4)),
          _RMS_LAZY),
 ))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
              backend: Any = None, *, weight_offset: float = 0.0,
              cast_before_weight: bool = False) -> torch.Tensor:
-    """RMS normalisation over the last dimension, scaled by ``weight``.
+    """RMS normalisation over the last dimension, scaled by ``weight`` (``None``: not
+    scaled, as Llama 4's QK norm).
 
     The forms models define are features, served only by rows that declare them:
     ``weight_offset=1.0`` applies the weight as ``1 + weight`` (Gemma);
@@ -143,14 +166,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = False
-                  ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+                  ) -> Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]:
     """``rms_norm(x, weight, eps)`` with the form's features fixed and checked once: the
     call a model's norm module makes on every forward, without building and checking
     its keywords each time (``dispatch_model`` serves each norm module with one)."""
     asked = rms_norm_features({"weight_offset": weight_offset,
                                "cast_before_weight": cast_before_weight})
     if not asked:
-        def plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        def plain(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
             f = RMS_NORM
             if f.lookup is not None and not compiling():
                 d = f.lookup(f.last, x, weight, eps, False, False)
@@ -163,7 +186,7 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
 
     offset, cast = "weight_offset" in asked, "cast_before_weight" in asked
 
-    def form(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def form(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         f = RMS_NORM
         if f.lookup is not None and not compiling():
             d = f.lookup(f.last, x, weight, eps, offset, cast)

@@ -33,7 +33,7 @@ from astrai.families.rms_norm import rms_norm_form as rms_norm_call
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "norm_eps")
 _TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
                 nn.LocalResponseNorm)
-_RMS_NAME = re.compile(r"rms.?norm|t5layernorm", re.IGNORECASE)
+_RMS_NAME = re.compile(r"rms.?norm|t5layernorm|l2.?norm", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,12 @@ class NormForm:
     weight_offset: float  # 0.0, or 1.0 for Gemma's (1 + weight)
     cast_before_weight: bool  # LlamaRMSNorm: weight * normed.to(input dtype)
     eps_from_dtype: bool = False  # torch.nn.RMSNorm with eps=None: finfo(x.dtype).eps
+    weightless: bool = False  # no weight at all (Llama 4's QK norm): no scaling
 
     def describe(self) -> str:
         """The form in words, for the report."""
-        parts = ["weight after the cast back (LlamaRMSNorm)" if self.cast_before_weight
+        parts = ["no weight" if self.weightless
+                 else "weight after the cast back (LlamaRMSNorm)" if self.cast_before_weight
                  else "weight in float32"]
         if self.weight_offset:
             parts.append(f"{self.weight_offset:g} + weight")
@@ -87,6 +89,10 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
         return ("not an RMS norm by its class name, so astrai does not try to serve it "
                 "(astrai has no family for other norms)")
     weight = module._parameters.get("weight")
+    held = [n for n, _ in module.named_parameters(recurse=True)]
+    held += [n for n, b in module.named_buffers(recurse=True) if b is not None]
+    if weight is None and not held:
+        return _weightless_form(module)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return "it has no weight vector (astrai's rms_norm scales by a weight of [features])"
     extra = [n for n, p in module.named_parameters(recurse=True) if n != "weight"]
@@ -119,6 +125,24 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
     return best[1]
 
 
+def _weightless_form(module: nn.Module) -> NormForm | str:
+    """The form of an RMS norm that holds no weight (Llama 4's ``L2Norm``): normalised,
+    not scaled."""
+    eps_names = [n for n in EPS_NAMES if _eps_value(module, n) is not _NO_EPS]
+    if not eps_names:
+        return (f"no epsilon attribute astrai knows ({', '.join(EPS_NAMES)}) holds a "
+                f"number")
+    failures: list[str] = []
+    for name in eps_names:
+        from_dtype = _eps_value(module, name) is None
+        form = NormForm(name, 0.0, False, from_dtype, weightless=True)
+        got = _compare(_probes(module, name, from_dtype, weightless=True), form)
+        if not isinstance(got, str):
+            return form
+        failures.append(got)
+    return f"its output matches no RMS norm form astrai serves ({min(failures, key=len)})"
+
+
 _NO_EPS: Any = object()
 
 
@@ -143,25 +167,26 @@ def _probe_inputs(hidden: int, eps: float, dtype: torch.dtype, device: torch.dev
 
 #: One probe: the input, the weight, epsilon, and the module's own output (or ``None``
 #: when it does not take that dtype combination).
-_Probe = tuple[torch.Tensor, torch.Tensor, float, Any]
+_Probe = tuple[torch.Tensor, torch.Tensor | None, float, Any]
 #: The dtypes of (input, weight) a norm is probed in.
 _PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                  (torch.bfloat16, torch.float32))
 
 
-def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool) -> list[_Probe]:
+def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool,
+            weightless: bool = False) -> list[_Probe]:
     """The module's own forward on each probe (run once, whatever forms it is compared
-    with), a random weight in its copy."""
-    weight = module._parameters["weight"]
-    assert weight is not None
-    device, hidden = torch.device("cpu"), weight.shape[0]  # a meta weight is probed too
+    with), a random weight in its copy (none for a weightless norm)."""
+    weight = None if weightless else module._parameters["weight"]
+    device = torch.device("cpu")
+    hidden = 64 if weight is None else weight.shape[0]  # a meta weight is probed too
     g = torch.Generator().manual_seed(hidden + 1)
     random_weight = torch.randn(hidden, generator=g, device=device)
     probes: list[_Probe] = []
     for x_dtype, w_dtype in _PROBE_DTYPES:
         eps = torch.finfo(x_dtype).eps if eps_from_dtype else float(getattr(module, eps_attr))
         x = _probe_inputs(hidden, eps, x_dtype, device)
-        w = random_weight.to(w_dtype)
+        w = None if weightless else random_weight.to(w_dtype)
         try:
             want = _own_forward(module, w, x)
         except Exception:  # a dtype combination the module does not take: not compared
@@ -184,11 +209,11 @@ def _compare(probes: list[_Probe], form: NormForm) -> float | str:
                 want.shape != got.shape):
             what = (f"{want.dtype} {tuple(want.shape)}" if isinstance(want, torch.Tensor)
                     else type(want).__name__)
-            return f"with {x.dtype} input and {w.dtype} weight it returns {what}"
+            return f"with {x.dtype} input and {_dtype(w)} weight it returns {what}"
         tol = _FP32_TOL if x.dtype == torch.float32 else _BF16_TOL
         err = ((want.float() - got.float()).abs() / (got.float().abs() + tol)).max().item()
         if not err <= tol * 2:
-            return f"with {x.dtype} input and {w.dtype} weight its output differs by " \
+            return f"with {x.dtype} input and {_dtype(w)} weight its output differs by " \
                    f"{err:.2g} (relative)"
         ran += 1
         if x.dtype != torch.float32:
@@ -198,8 +223,16 @@ def _compare(probes: list[_Probe], form: NormForm) -> float | str:
     return bf16_error
 
 
-def _own_forward(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> Any:
-    """The class's ``forward`` of a shallow copy of ``module`` holding ``weight``."""
+def _dtype(w: torch.Tensor | None) -> str:
+    return "no" if w is None else str(w.dtype)
+
+
+def _own_forward(module: nn.Module, weight: torch.Tensor | None, x: torch.Tensor) -> Any:
+    """The class's ``forward`` of a shallow copy of ``module`` holding ``weight`` (of the
+    module itself when it holds none)."""
+    if weight is None:
+        with torch.no_grad():
+            return type(module).forward(module, x)
     probe = copy.copy(module)
     probe._parameters = dict(module._parameters)
     probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
@@ -215,12 +248,15 @@ def _rms_norm_forward(form: NormForm) -> Callable[..., Any]:
     call = rms_norm_call(**form.keywords())
     eps_attr, from_dtype = form.eps_attr, form.eps_from_dtype
 
+    weightless = form.weightless
+
     def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight: Any
-        try:
-            weight = self._parameters["weight"]
-        except KeyError:  # parametrized since: its weight is a property
-            weight = self.weight
+        weight: Any = None
+        if not weightless:
+            try:
+                weight = self._parameters["weight"]
+            except KeyError:  # parametrized since: its weight is a property
+                weight = self.weight
         eps = (torch.finfo(hidden_states.dtype).eps if from_dtype
                else self.__dict__[eps_attr])
         return call(hidden_states, weight, eps)
