@@ -31,14 +31,13 @@ from torch import nn
 from astrai.backends.layer_norm import reference_layer_norm
 from astrai.families.layer_norm import layer_norm
 from astrai.families.recognition import Installed, ModelRecognition, Refused
-from astrai.integrations.transformers.recognise import is_norm_kind
+from astrai.families.rms_norm.model import is_rms_kind
 
 #: The epsilon attributes layer norms carry, in the order they are tried.
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 #: The epsilons tried for a module that holds none (it writes one into its forward).
 _USUAL_EPS = (1e-5, 1e-6, 1e-12, 1e-8)
 _LAYER_NAME = re.compile(r"layer.?norm", re.IGNORECASE)
-_RMS_NAME = re.compile(r"rms.?norm|t5layernorm", re.IGNORECASE)
 _FP32_TOL = 1e-5
 _BF16_TOL = 2.0 ** -7
 
@@ -67,7 +66,7 @@ def is_layer_norm_kind(module: nn.Module) -> bool:
     if isinstance(module, nn.LayerNorm):
         return True
     name = type(module).__name__
-    return bool(_LAYER_NAME.search(name)) and not _RMS_NAME.search(name)
+    return bool(_LAYER_NAME.search(name)) and not is_rms_kind(module)
 
 
 def _eps_value(module: nn.Module, name: str) -> float | None:
@@ -181,9 +180,5 @@ def _route(module: nn.Module) -> Installed | Refused:
     return Installed(_layer_norm_forward(form), form.describe(), form)
 
 
-def _claims(module: nn.Module) -> bool:
-    return is_layer_norm_kind(module) and is_norm_kind(module)
-
-
 #: Layer norms: whole modules, whose parameters reach astrai.
-RECOGNITION = ModelRecognition(claims=_claims, module=_route, holds_weights=True)
+RECOGNITION = ModelRecognition(claims=is_layer_norm_kind, module=_route, holds_weights=True)
