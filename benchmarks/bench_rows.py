@@ -32,6 +32,12 @@ Buckets:
   classes, an MLP's ``act_fn(gate) * up``);
   rms_norm also in LlamaRMSNorm's form (``cast_before_weight``), rotary also in the half
   layout of transformers' ``apply_rotary_pos_emb`` (q and k of 8 heads each).
+- moe_experts: 8 experts of hidden 1024 (``--hidden``), intermediate 1408, top 2, at the
+  same token counts, beside transformers' Mixtral expert stack; moe_router: Qwen3-MoE's
+  choice (64 experts, top 8) and DeepSeek-V3's (256 experts in 8 groups, top 8), beside
+  the models' own code for the choice; cross_entropy of logits [tokens, 32000] and
+  linear_cross_entropy of hidden 512 against a 32000-word head (inference, and a training
+  forward + backward), beside the head and transformers' loss formula.
 
 A row is timed on the buckets its table ``when`` accepts; ``--any-when`` times every
 available row serving the bucket's features, to measure where a row's region should end.
@@ -197,6 +203,12 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                     for act in ("silu", "gelu_tanh"):
                         out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
                                           (g, u, act), own=partial(_own_gated, g, u, act)))
+            elif family == "moe_experts":
+                out += _experts_buckets(n, dt, dtype, hidden)
+            elif family == "moe_router":
+                out += _router_buckets(n, dt, dtype)
+            elif family in ("cross_entropy", "linear_cross_entropy"):
+                out += _loss_buckets(family, n, dt, dtype, hidden)
             else:
                 for fi, fo in ((512, 512), (1024, 4096)):
                     x = _rand(n, fi, dtype=dtype, seed=n)
@@ -235,6 +247,114 @@ def _own_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     return _OWN_ACTS[act](gate) * up
 
 
+def _experts_buckets(n: int, dt: str, dtype: torch.dtype, hidden: tuple[int, ...] | None
+                     ) -> list[Bucket]:
+    """moe_experts: 8 experts, top 2, hidden 1024 (or ``hidden``), intermediate 1408, beside
+    transformers' own expert stack (Mixtral's) where transformers is installed."""
+    out = []
+    for h in hidden or (1024,):
+        e, i, k = 8, 1408, 2
+        gate_up = _rand(e, 2 * i, h, dtype=dtype, seed=11) / h**0.5
+        down = _rand(e, h, i, dtype=dtype, seed=12) / i**0.5
+        x = _rand(n, h, dtype=dtype, seed=n)
+        g = torch.Generator().manual_seed(n)
+        index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        weights = torch.rand(n, k, generator=g)
+        out.append(Bucket("moe_experts", f"tokens{n:<5} {e}x{h}x{i} top{k} {dt}",
+                          (x, index, weights, gate_up, down, "silu"),
+                          own=_own_experts(x, index, weights, gate_up, down)))
+    return out
+
+
+def _own_experts(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> Callable[[], object] | None:
+    """transformers' Mixtral expert stack holding these weights, called as its block
+    calls it (``None`` without transformers)."""
+    try:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    except ImportError:
+        return None
+    config = MixtralConfig(hidden_size=x.shape[1], intermediate_size=down.shape[2],
+                           num_local_experts=gate_up.shape[0], hidden_act="silu")
+    stack = MixtralExperts(config)
+    stack.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+    stack.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    return partial(stack, x, index, weights)
+
+
+def _router_buckets(n: int, dt: str, dtype: torch.dtype) -> list[Bucket]:
+    """moe_router: Qwen3-MoE's choice (64 experts, softmax, top 8, renormalised) and
+    DeepSeek-V3's (256 experts, sigmoid + bias, 8 groups keeping 4, top 8, times 2.5),
+    each beside the models' own code for it."""
+    qwen = _rand(n, 64, dtype=dtype, seed=n)
+    deep = _rand(n, 256, dtype=torch.float32, seed=n)  # DeepSeek's router runs in float32
+    bias = _rand(256, dtype=torch.float32, seed=9) * 0.1
+    return [Bucket("moe_router", f"tokens{n:<5} qwen3 64e top8 {dt}", (qwen, 8, "softmax", True),
+                   own=partial(_own_qwen_router, qwen)),
+            Bucket("moe_router", f"tokens{n:<5} deepseek 256e top8 fp32",
+                   (deep, 8, "sigmoid", True, bias, 8, 4, 2.5),
+                   own=partial(_own_deepseek_router, deep, bias))]
+
+
+def _own_qwen_router(logits: torch.Tensor) -> Any:
+    """Qwen3-MoE's choice after its router's matmul."""
+    top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), 8, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), index
+
+
+def _own_deepseek_router(logits: torch.Tensor, bias: torch.Tensor) -> Any:
+    """DeepSeek-V3's choice after its router's matmul (groups, correction bias)."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    groups = choice.view(-1, 8, 32).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = torch.zeros_like(groups).scatter_(1, torch.topk(groups, 4, dim=-1, sorted=False)[1], 1)
+    mask = kept.unsqueeze(-1).expand(-1, 8, 32).reshape(-1, 256)
+    index = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), 8, dim=-1,
+                       sorted=False)[1]
+    top = scores.gather(1, index)
+    return top / (top.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, index
+
+
+def _loss_buckets(family: str, n: int, dt: str, dtype: torch.dtype,
+                  hidden: tuple[int, ...] | None) -> list[Bucket]:
+    """cross_entropy of logits [n, 32000], and linear_cross_entropy of hidden [n, 512]
+    (``--hidden``) against a 32000-word head, in inference and as a training step
+    (forward + backward), beside the models' own code: the head, then transformers'
+    ``ForCausalLMLoss`` formula (float32 logits, ``F.cross_entropy``)."""
+    vocab = 32000
+    labels = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n))
+    if family == "cross_entropy":
+        logits = _rand(n, vocab, dtype=dtype, seed=n)
+        return [Bucket(family, f"tokens{n:<5} vocab{vocab} {dt}", (logits, labels),
+                       own=partial(_own_loss, logits, labels))]
+    out = []
+    for h in hidden or (512,):
+        x = _rand(n, h, dtype=dtype, seed=n)
+        w = _rand(vocab, h, dtype=dtype, seed=7) / h**0.5
+        out.append(Bucket(family, f"tokens{n:<5} {h}->{vocab} {dt}", (x, w, labels),
+                          own=partial(_own_head_loss, x, w, labels)))
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out.append(Bucket(family, f"tokens{n:<5} {h}->{vocab} {dt} train", (xg, wg, labels),
+                          train=True, own=partial(_own_head_loss, xg, wg, labels, True)))
+    return out
+
+
+def _own_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss on given logits (float32, ``F.cross_entropy``)."""
+    return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100)
+
+
+def _own_head_loss(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                   train: bool = False) -> Any:
+    """A model's head and its loss: the whole logits, then the loss (and its backward)."""
+    with torch.enable_grad() if train else torch.no_grad():
+        loss = _own_loss(torch.nn.functional.linear(x, w), labels)
+        if train:
+            loss.backward()
+    return loss
+
+
 def half_call(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[Any, ...]:
     """A half-layout rotary call as transformers makes it: q and k [1, 8, tokens,
     head_dim] (transposed from the projections' layout), cos/sin [1, tokens, head_dim]."""
@@ -251,7 +371,8 @@ def rows_for(bucket: Bucket, any_when: bool = False
     """The rows that serve ``bucket`` here (``any_when``: whatever their ``when`` says):
     name -> zero-argument call; and the non-faithful ones."""
     reg = dispatch.current()
-    ctx = ops.context(bucket.family, *bucket.args, **bucket.kwargs)
+    with torch.set_grad_enabled(bucket.train or torch.is_grad_enabled()):
+        ctx = ops.context(bucket.family, *bucket.args, **bucket.kwargs)
     calls: dict[str, Callable[[], object]] = {}
     unfaithful: set[str] = set()
     for rec in reg.family(bucket.family).rows:
@@ -260,8 +381,7 @@ def rows_for(bucket: Bucket, any_when: bool = False
             continue
         obj, args, kwargs = rec.obj, bucket.args, bucket.kwargs
         if bucket.train:
-            calls[rec.name] = lambda obj=obj, args=args, kwargs=kwargs: (
-                obj(*args, **kwargs).sum().backward())
+            calls[rec.name] = partial(_train_call, obj, args, kwargs)
         else:
             calls[rec.name] = lambda obj=obj, args=args, kwargs=kwargs: obj(*args, **kwargs)
         if not rec.faithful:
@@ -269,6 +389,13 @@ def rows_for(bucket: Bucket, any_when: bool = False
     if bucket.own is not None and calls:
         calls[OWN] = bucket.own
     return calls, unfaithful
+
+
+def _train_call(obj: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> None:
+    """The forward and the backward of ``out.sum()``, autograd recording."""
+    with torch.enable_grad():
+        obj(*args, **kwargs).sum().backward()
 
 
 def time_rows(calls: dict[str, Callable[[], object]], rounds: int,
@@ -363,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
-                               "activation", "gated_activation"]
+                               "activation", "gated_activation", "moe_experts", "moe_router",
+                               "cross_entropy", "linear_cross_entropy"]
     reg = dispatch.current()
     wall = args.wall or args.threads > 1  # other threads' work is no CPU time of this one
     timer: Callable[[], float] = time.perf_counter if wall else time.thread_time

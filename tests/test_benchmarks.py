@@ -68,6 +68,27 @@ def test_bench_hf_runs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
         assert f"\n{family:<12} " in out
 
 
+def test_bench_train_runs(monkeypatch: pytest.MonkeyPatch,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny model, two rounds: the memory and the time print beside their targets, the
+    loss served by the fused row, the gradients equal."""
+    pytest.importorskip("transformers")
+    bench = _script("bench_train")
+    monkeypatch.setattr(bench, "CONFIG", {**bench.CONFIG, "hidden_size": 64,
+                                          "intermediate_size": 128, "num_hidden_layers": 2,
+                                          "vocab_size": 2048})
+    threads = torch.get_num_threads()
+    try:
+        got = bench.main(["--rounds", "2", "--tokens", "512", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "linear_cross_entropy rows ['chunked']" in out
+    assert "peak memory of a step (torch.profiler)" in out and "(target <= 0.5: " in out
+    assert "step time routed / plain: " in out and "(target <= 1.0: " in out
+    assert got["grad_gap"] <= 1e-4 and 0 < got["memory"] < 1.0
+
+
 def test_trace_call_path_sees_the_facade_and_the_decision(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The path script traces the dispatch of one call (not the row it hands over): a hit

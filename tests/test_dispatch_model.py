@@ -140,7 +140,8 @@ class TestModels:
         assert report.changed == 0
         assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS[arch], "linear": LINEARS,
-                                   "activation": 0, "gated_activation": LAYERS}
+                                   "activation": 0, "gated_activation": LAYERS,
+                                   "moe_experts": 0, "moe_router": 0, "cross_entropy": 1}
         # everything that holds a weight is routed but the token embedding (a lookup)
         assert [(n.family, n.path) for n in report.not_routed] == [
             ("embedding", "model.embed_tokens")]
@@ -149,8 +150,8 @@ class TestModels:
         ids = tokens()
         torch.testing.assert_close(logits(routed, ids), logits(plain, ids), atol=1e-5,
                                    rtol=1e-5)
-        counts = verify_model(routed, ids)
-        assert set(counts) == LLAMA_FAMILIES and min(counts.values()) > 0
+        counts = verify_model(routed, ids, labels=ids)  # with labels: the loss too
+        assert set(counts) == LLAMA_FAMILIES | {"cross_entropy"} and min(counts.values()) > 0
         assert counts["rms_norm"] == NORMS[arch] and counts["linear"] == LINEARS
         assert counts["rotary"] == counts["attention"] == LAYERS
 
@@ -178,7 +179,7 @@ class TestModels:
     @pytest.mark.parametrize("arch", ARCHS)
     def test_restore(self, arch: str) -> None:
         plain, routed = build(arch)
-        assert restore_model(routed) == NORMS[arch] + LINEARS + 2 * LAYERS  # + the MLPs
+        assert restore_model(routed) == NORMS[arch] + LINEARS + 2 * LAYERS + 1  # MLPs, loss
         assert own_forwards(routed) == {}
         dispatch.reset_stats()
         ids = tokens()
@@ -205,7 +206,7 @@ class TestDispatch:
     def test_second_call_changes_nothing(self) -> None:
         _, routed = build("llama")
         before = own_forwards(routed)
-        assert len(before) == NORMS["llama"] + LINEARS + 2 * LAYERS  # + the MLPs
+        assert len(before) == NORMS["llama"] + LINEARS + 2 * LAYERS + 1  # MLPs, the loss
         report = dispatch_model(routed)
         assert report.changed == 0 and own_forwards(routed) == before
 
@@ -220,10 +221,11 @@ class TestDispatch:
         report = dispatch_model(model, ["rotary"])
         assert report.changed == LAYERS and report.counts()["rotary"] == LAYERS
         report = dispatch_model(model)  # attention joins the rotary already routed
-        assert report.changed == 2 * LAYERS  # the layers again, and the MLPs
+        assert report.changed == 2 * LAYERS + 1  # the layers again, the MLPs, the loss
         assert report.counts() == {"attention": LAYERS, "rotary": LAYERS, "layer_norm": 0,
                                    "rms_norm": NORMS["llama"], "linear": LINEARS,
-                                   "activation": 0, "gated_activation": LAYERS}
+                                   "activation": 0, "gated_activation": LAYERS,
+                                   "moe_experts": 0, "moe_router": 0, "cross_entropy": 1}
         torch.testing.assert_close(logits(model, tokens()), logits(plain, tokens()))
 
     def test_error_unknown_family(self) -> None:

@@ -146,7 +146,8 @@ class TestMetaDevice:
             model = AutoModelForCausalLM.from_config(_zoo._config("llama"))
             report = dispatch_model(model)  # the ambient default device is meta too
         assert report.counts() == {"attention": 2, "rotary": 2, "layer_norm": 0, "rms_norm": 5,
-                                   "linear": 15, "activation": 0, "gated_activation": 2}
+                                   "linear": 15, "activation": 0, "gated_activation": 2,
+                                   "moe_experts": 0, "moe_router": 0, "cross_entropy": 1}
         model.to_empty(device="cpu")
         model.load_state_dict(plain.state_dict())
         buffers = dict(plain.named_buffers())

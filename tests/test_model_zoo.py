@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from astrai.families.activation.model import is_activation_kind
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 from astrai.integrations.transformers.recognise import is_norm_kind
 from tests import _zoo
@@ -55,15 +56,31 @@ def test_dispatched_model_is_the_model(name: str) -> None:
     assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
 
     # every module routed serves a call through a row
-    counts = verify_model(routed, **feed)
+    labelled = {**feed, "labels": feed.get("decoder_input_ids", feed["input_ids"])}
+    counts = verify_model(routed, **labelled)  # the loss too
     assert counts["linear"] > 0 and min(counts.values()) > 0
 
     # the report accounts for every weight and every norm
+    # (a module whose parameters are all a routed module's - tied - reaches astrai there)
     named = {r.path for r in report.routed} | {n.path for n in report.not_routed}
+    tied = {id(p) for m in routed.modules() if "_astrai_route" in m.__dict__
+            for p in m._parameters.values()}
     for path, module in routed.named_modules():
-        holds = any(p is not None for p in module._parameters.values())
+        own = [p for p in module._parameters.values() if p is not None]
+        holds = bool(own) and (isinstance(module, torch.nn.Embedding)
+                               or not all(id(p) in tied for p in own))
         if (holds or is_norm_kind(module)) and "_astrai_route" not in module.__dict__:
             assert (path or "(the model)") in named, f"{path} ({type(module).__name__})"
+    # every weight, norm and activation reaches astrai (transformers 5: nothing is left
+    # but embedding lookups) - routed, or covered by a routed parent that no longer calls it
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        assert {n.family for n in report.not_routed} <= {"embedding"}, report.not_routed
+        for path, module in routed.named_modules():
+            if is_activation_kind(module) and "_astrai_route" not in module.__dict__:
+                parent, _, child = path.rpartition(".")
+                owner = routed.get_submodule(parent).__dict__.get("_astrai_route")
+                assert owner is not None and child in owner.covers, path
     got, total = report.parameters
     assert 0 < got <= total == sum(p.numel() for p in routed.parameters())  # each once
     assert 0 < report.matmul_flops[0] <= report.matmul_flops[1]

@@ -4,9 +4,10 @@ their calls reach its facade.
 A family's ``ModelRecognition`` answers in two ways, either or both:
 
 - **whole modules** - ``claims(module)`` says a module is of the family's kind (a norm,
-  a linear layer; tried in the order families are declared: the first family claiming a
-  module owns it), and ``module(module)`` says how it is served: an ``Installed``
-  forward (set on the instance, reading the module's parameters on every call), the
+  a linear layer; tried in the order families are declared: of the families claiming a
+  module, the first that routes it serves it), and ``module(module)`` says how it is
+  served: an ``Installed`` forward (set on the instance, reading the module's parameters
+  on every call), the
   reason it cannot be (a ``str``, or a ``Refused`` naming another kind), or ``None``
   (nothing to do). ``layer(module)`` does the same for a module no family claims, before
   its call sites are looked at (an attention layer that computes ALiBi itself);
@@ -23,9 +24,9 @@ the report's shares); ``noun`` is what the report counts (``modules`` or ``call 
 
 from __future__ import annotations
 
-__all__ = ["Installed", "ModelRecognition", "Refused", "Sites"]
+__all__ = ["Installed", "ModelRecognition", "Note", "Refused", "Sites"]
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,9 @@ class Installed:
     #: The direct children the installed forward no longer calls (its work covers
     #: theirs): they are not routed on their own.
     covers: tuple[str, ...] = ()
+    #: ``serves(args, kwargs)``: whether a call of the module with these arguments
+    #: reaches the family (a model's loss: only with labels); ``None``: every call does.
+    serves: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ class Refused:
 
     reason: str
     kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Note:
+    """What a family tells the report about a layer that has none of its work to route
+    (a NoPE layer computes no rotary): a note, not a module left unrouted."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,8 @@ class ModelRecognition:
     claims: Callable[[nn.Module], bool] | None = None
     module: Callable[[nn.Module], Answer] | None = None
     layer: Callable[[nn.Module], Answer] | None = None
-    sites: Callable[[nn.Module, Any, nn.Module], tuple[Sites | None, list[str]]] | None = None
+    sites: Callable[[nn.Module, Any, nn.Module],
+                    tuple[Sites | None, Sequence[str | Note]]] | None = None
     expected: Callable[[nn.Module], str | None] | None = None
     holds_weights: bool = False
     noun: str = "modules"

@@ -14,7 +14,8 @@ declared one through its facade, any other through its table alone.
 from __future__ import annotations
 
 __all__ = ["AttentionFeatures", "activation", "apply_rotary", "apply_rotary_half", "attention",
-           "call", "compiled_path", "context", "gated_activation", "layer_norm", "linear",
+           "call", "compiled_path", "context", "cross_entropy", "gated_activation",
+           "layer_norm", "linear", "linear_cross_entropy", "moe_experts", "moe_router",
            "rms_norm", "rms_norm_form"]
 
 import os
@@ -46,9 +47,13 @@ from astrai.families import facade_for
 # The public facades of the built-in families (each declared in its own package).
 from astrai.families.activation import activation
 from astrai.families.attention import AttentionFeatures, attention
+from astrai.families.cross_entropy import cross_entropy
 from astrai.families.gated_activation import gated_activation
 from astrai.families.layer_norm import layer_norm
 from astrai.families.linear import linear
+from astrai.families.linear_cross_entropy import linear_cross_entropy
+from astrai.families.moe_experts import moe_experts
+from astrai.families.moe_router import moe_router
 from astrai.families.rms_norm import rms_norm, rms_norm_form
 from astrai.families.rotary import apply_rotary, apply_rotary_half
 from astrai.ops._contexts import generic_context

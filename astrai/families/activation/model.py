@@ -12,7 +12,8 @@ tolerance in float32 and a few roundings in bfloat16; an activation of another k
 
 from __future__ import annotations
 
-__all__ = ["RECOGNITION", "activation_of", "is_activation_kind"]
+__all__ = ["RECOGNITION", "activation_child", "activation_of", "child_activation",
+           "is_activation_kind"]
 
 import re
 from collections.abc import Callable
@@ -37,6 +38,23 @@ def is_activation_kind(module: nn.Module) -> bool:
     if module._modules or any(p is not None for p in module._parameters.values()):
         return False
     return isinstance(module, _TORCH_ACTS) or bool(_ACT_NAME.search(type(module).__name__))
+
+
+def activation_child(module: nn.Module) -> str | None:
+    """The name of ``module``'s one direct child that may compute an activation (``None``:
+    none, or more than one)."""
+    acts = [n for n, c in module._modules.items() if c is not None and is_activation_kind(c)]
+    return acts[0] if len(acts) == 1 else None
+
+
+def child_activation(module: nn.Module) -> tuple[str, str]:
+    """``(name, act)`` of ``module``'s activation child: ``act`` what it computes, or
+    ``"refused: "`` and why it cannot be served."""
+    name = activation_child(module)
+    assert name is not None
+    child = module._modules[name]
+    assert child is not None
+    return name, activation_of(child)
 
 
 def _gap(module: nn.Module, act: str, x: torch.Tensor) -> float | str:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.families.activation.model import activation_of, is_activation_kind
+from astrai.families.activation.model import activation_child, child_activation
 from astrai.families.gated_activation import gated_activation
 from astrai.families.recognition import Installed, ModelRecognition
 
@@ -61,10 +61,6 @@ def _layers(module: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _activation_child(module: nn.Module) -> str | None:
-    acts = [n for n, c in module._modules.items() if c is not None and is_activation_kind(c)]
-    return acts[0] if len(acts) == 1 else None
-
 
 def _candidates(layers: dict[str, tuple[int, int]]) -> list[dict[str, str]]:
     """Assignments of layers to roles whose shapes fit a form."""
@@ -85,7 +81,7 @@ def _candidates(layers: dict[str, tuple[int, int]]) -> list[dict[str, str]]:
 def _claims(module: nn.Module) -> bool:
     if any(p is not None for p in module._parameters.values()):
         return False
-    return _activation_child(module) is not None and bool(_candidates(_layers(module)))
+    return activation_child(module) is not None and bool(_candidates(_layers(module)))
 
 
 def _probe(module: nn.Module) -> nn.Module:
@@ -124,11 +120,7 @@ def _compute(probe: nn.Module, form: GatedForm, x: torch.Tensor) -> torch.Tensor
 
 def gated_form(module: nn.Module) -> GatedForm | str:
     """``module``'s ``GatedForm``, or why it is not served as a gated MLP."""
-    act_name = _activation_child(module)
-    assert act_name is not None
-    act_module = module._modules[act_name]
-    assert act_module is not None
-    act = activation_of(act_module)
+    act_name, act = child_activation(module)
     if act.startswith("refused: "):
         return f"its activation {act_name}: {act.removeprefix('refused: ')}"
     probe = _probe(module)

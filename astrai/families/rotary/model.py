@@ -37,7 +37,7 @@ from torch import nn
 from astrai.backends.rotary import reference_rotary, reference_rotary_half
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import count_model_own
-from astrai.families.recognition import ModelRecognition, Sites
+from astrai.families.recognition import ModelRecognition, Note, Sites
 from astrai.families.rotary import apply_rotary, apply_rotary_half
 from astrai.integrations.transformers.rebind import global_names
 from astrai.integrations.transformers.recognise import call_signature, label, stand_in
@@ -398,13 +398,15 @@ def _pairs_router(site: RotarySite) -> Callable[..., Any]:
     return routed_rotary
 
 
-def _sites(module: nn.Module, forward: Any, model: nn.Module) -> tuple[Sites | None, list[str]]:
+def _sites(module: nn.Module, forward: Any, model: nn.Module
+           ) -> tuple[Sites | None, list[str | Note]]:
     """The rotary sites of a layer's ``forward``, and why the others are not routed."""
     found, refused = rotary_sites(forward)
-    reasons = [f"{name}: {reason}" for name, reason in refused]
+    reasons: list[str | Note] = [f"{name}: {reason}" for name, reason in refused]
     if found and module.__dict__.get("use_rope", True) in (False, 0):
-        reasons.append("the layer applies no rotary (its use_rope is off: a NoPE layer), so "
-                       "its rotary functions are not routed")
+        reasons.append(Note("the layer applies no rotary (its use_rope is off: a NoPE "
+                            "layer); its rotary functions, never called, are left as they "
+                            "are"))
         found = []
     if not found:
         return None, reasons

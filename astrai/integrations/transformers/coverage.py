@@ -1,12 +1,13 @@
 """How much of a model reaches astrai after ``dispatch_model``: the modules no family
 serves, and the share of parameters and weight-matmul FLOPs that the routed ones hold.
 
-``unaccounted(model, seen)`` lists every module holding a parameter of its own (an
-embedding, a stack of MoE experts, a router, anything else) that is neither routed nor
-already reported, with why no family serves it, so the report never leaves a weight
-out. ``shares(model, routed)`` counts each parameter tensor once; a module's
-FLOPs per token are two per element of its 2-d weights, and for a 3-d stack of experts
-``[experts, ...]`` the share a token runs (the config's ``num_experts_per_tok`` of
+``unaccounted(model, seen, routed)`` lists every module holding a parameter of its own
+(an embedding, a stack of MoE experts or a router no family recognised, anything else)
+that is neither routed nor already reported, with why no family serves it, so the report
+never leaves a weight out (a parameter tied to a routed module's reaches astrai with it).
+``shares(model, routed)`` counts each parameter tensor once; a module's FLOPs per token
+are two per element of its 2-d weights, and for a 3-d stack of experts ``[experts,
+...]`` the share a token runs (the config's ``num_experts_per_tok`` of
 them; all of them when the config does not say).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 __all__ = ["shares", "unaccounted"]
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from typing import Any
 
 import torch
@@ -51,14 +52,22 @@ def _flops(module: nn.Module, per_token: int | None) -> int:
     return total
 
 
-def unaccounted(model: nn.Module, seen: set[str]) -> Iterator[NotRouted]:
+def unaccounted(model: nn.Module, seen: set[str], routed: Set[str] = frozenset()
+                ) -> Iterator[NotRouted]:
     """A ``NotRouted`` for every module of ``model`` holding parameters of its own whose
-    path is not in ``seen`` (routed or reported already)."""
+    path is not in ``seen`` (routed or reported already), unless each of them is a
+    parameter of a module in ``routed`` too (tied: BERT's head holds its decoder's bias)
+    and the module is no embedding (whose lookup no family serves, tied or not)."""
+    reached = {id(p) for path, module in model.named_modules()
+               if (path or "(the model)") in routed for p in _own(module).values()}
     for path, module in model.named_modules():
         name = path or "(the model)"
         params = _own(module)
         if name in seen or not params:
             continue
+        if not isinstance(module, _EMBEDDINGS) and all(id(p) in reached
+                                                       for p in params.values()):
+            continue  # tied to a routed module's: they reach astrai there
         kind = type(module).__name__
         shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in params.items())
         if isinstance(module, _EMBEDDINGS):

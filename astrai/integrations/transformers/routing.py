@@ -9,10 +9,11 @@ architecture in the process are left as they are.
 
 This module knows no family by name. For each module of the model, in order:
 
-- a family that **claims** the module (a norm, a linear layer: the first family, in the
-  order families are declared, whose ``claims`` says so) routes it whole - its
-  ``Installed`` forward is set on the instance, reading the module's parameters on every
-  call - or refuses it with the reason;
+- a family that **claims** the module (a norm, a linear layer, a stack of experts) routes
+  it whole - its ``Installed`` forward is set on the instance, reading the module's
+  parameters on every call - or refuses it with the reason; of several claiming one
+  module, the first (in the order families are declared) that routes it wins, and when
+  none does the first one's refusal is reported;
 - else a family may route the **layer** whole (an attention layer computing ALiBi
   itself);
 - else the **call sites** of the layer's ``forward`` (its class's): the functions it
@@ -21,9 +22,9 @@ This module knows no family by name. For each module of the model, in order:
   for what its family gave (a router to the facade); the sites of several families in
   one forward share one copy.
 
-The rest - every module holding a weight that no family serves (embeddings, MoE
-experts, routers) - is listed with the reason (``coverage``), beside the shares of
-parameters and weight-matmul FLOPs reaching astrai.
+The rest - every module holding a weight that no family serves (embeddings) - is listed
+with the reason (``coverage``), beside the shares of parameters and weight-matmul FLOPs
+reaching astrai.
 
 Each routed module carries its ``Route`` (``_astrai_route``): what was routed, for which
 families, and the ``forward`` installed. ``dispatch_model`` routes a module once (a
@@ -54,7 +55,7 @@ from torch import nn
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import MODEL_OWN, stats
 from astrai.families import every_family
-from astrai.families.recognition import Installed, ModelRecognition, Refused, Sites
+from astrai.families.recognition import Installed, ModelRecognition, Note, Refused, Sites
 from astrai.integrations.transformers.coverage import shares, unaccounted
 from astrai.integrations.transformers.rebind import rebind
 from astrai.integrations.transformers.recognise import is_norm_kind, own_forward
@@ -100,12 +101,15 @@ class Route:
     sites: dict[str, Sites] = field(default_factory=dict)
     # The direct children the installed forward no longer calls (not routed on their own).
     covers: tuple[str, ...] = ()
+    # Whether a call with these arguments reaches the families (None: every call does).
+    serves: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Route:
         # The installed forward is bound to the module: copy it (the module's copy binds
         # it to itself); the rest is code, shared.
         return Route(self.families, copy.deepcopy(self.installed, memo), dict(self.details),
-                     dict(self.parts), self.forward, dict(self.sites), self.covers)
+                     dict(self.parts), self.forward, dict(self.sites), self.covers,
+                     self.serves)
 
     def __reduce__(self) -> Any:
         raise TypeError("a module routed by astrai's dispatch_model cannot be pickled: call "
@@ -163,6 +167,8 @@ class _Dispatch:
         self.covered: set[int] = set()
         # ``(family, path, reason)`` of modules a family expected to serve.
         self.expected: list[tuple[str, str, str]] = []
+        # What the families noted about layers with none of their work to route.
+        self.notes: list[str] = []
 
     def refuse(self, family: str, path: str, module: nn.Module, reason: str) -> None:
         self.refused.append(NotRouted(family, path or "(the model)", type(module).__name__,
@@ -179,16 +185,36 @@ class _Dispatch:
             return
         if route is not None:
             self.cover(module, route.covers)
-        for family, recognition in self.known.items():
-            if recognition.claims is not None and recognition.claims(module):
-                if family in self.wanted and route is None and recognition.module is not None:
-                    self.answer(family, path, module, recognition.module(module))
-                return
+        claimants = [(f, r) for f, r in self.known.items()
+                     if r.claims is not None and r.claims(module)]
+        if claimants:
+            if route is None:
+                self.claimed(path, module, claimants)
+            return
         if is_norm_kind(module):  # a norm of a kind no family claims: said, not skipped
             self.refuse("norm", path, module, "a norm of a kind no astrai family claims (no "
                         "declared family recognises its class as one it serves)")
             return
         self.layer(path, module, route)
+
+    def claimed(self, path: str, module: nn.Module,
+                claimants: list[tuple[str, ModelRecognition]]) -> None:
+        """Serve a module the families ``claimants`` claim (in the order declared): the
+        first that routes it wins; when none does, the first one's refusal is reported
+        (a router holds a weight the linear family claims and refuses, and the router
+        family serves)."""
+        refusal: tuple[str, Any] | None = None
+        for family, recognition in claimants:
+            if family not in self.wanted or recognition.module is None:
+                continue
+            answer = recognition.module(module)
+            if isinstance(answer, Installed):
+                self.answer(family, path, module, answer)
+                return
+            if answer is not None and refusal is None:
+                refusal = (family, answer)
+        if refusal is not None:
+            self.answer(refusal[0], path, module, refusal[1])
 
     def answer(self, family: str, path: str, module: nn.Module, answer: Any) -> bool:
         """Act on what a family answered for a whole module; whether it answered."""
@@ -204,7 +230,8 @@ class _Dispatch:
             _install(module, answer.forward, Route(frozenset({family}),
                                                    details={family: answer.detail},
                                                    parts={family: answer.form},
-                                                   covers=answer.covers))
+                                                   covers=answer.covers,
+                                                   serves=answer.serves))
             self.cover(module, answer.covers)
             self.changed += 1
         return True
@@ -252,7 +279,10 @@ class _Dispatch:
                 continue
             sites, reasons = recognition.sites(module, forward, self.model)
             for reason in reasons:
-                self.refuse(family, path, module, reason)
+                if isinstance(reason, Note):
+                    self.notes.append(f"{path or '(the model)'}: {reason.text}")
+                else:
+                    self.refuse(family, path, module, reason)
             if sites is not None:
                 found[family] = sites
             elif not reasons and recognition.expected is not None:
@@ -309,10 +339,11 @@ class _Dispatch:
                 refused.append(NotRouted(family, path or "(the model)",
                                          type(module).__name__, why))
         seen = {r.path for r in routed} | {n.path for n in refused}
-        refused += unaccounted(self.model, seen)
         weights = {f for f, r in self.known.items() if r.holds_weights}
-        params, flops = shares(self.model, {r.path for r in routed if r.family in weights})
-        notes: list[str] = []
+        reaching = {r.path for r in routed if r.family in weights}
+        refused += unaccounted(self.model, seen, reaching)
+        params, flops = shares(self.model, reaching)
+        notes = list(self.notes)
         if getattr(self.model, "use_kernels", False) is True:
             hub = sum("_kernel_repo" in m.__dict__ for m in self.model.modules())
             notes.append(
@@ -381,11 +412,15 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     routes = list(_live_routes(model))
     tally: dict[tuple[int, str], int] = {}
     taken: dict[int, list[dict[str, int]]] = {}
+    reached: set[int] = set()  # modules called with arguments that reach their families
     handles = []
     for _path, module, route in routes:
         families = tuple(route.families)
 
-        def before(m: nn.Module, _args: Any, families: tuple[str, ...] = families) -> None:
+        def before(m: nn.Module, args: Any, kwargs: Any, families: tuple[str, ...] = families,
+                   serves: Any = route.serves) -> None:
+            if serves is None or serves(args, kwargs):
+                reached.add(id(m))
             taken.setdefault(id(m), []).append(_served_now(families))
 
         def after(m: nn.Module, _args: Any, _out: Any,
@@ -395,7 +430,7 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
                 key = (id(m), family)
                 tally[key] = tally.get(key, 0) + n - then[family]
 
-        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after))
     try:
         with torch.no_grad():
@@ -409,7 +444,7 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
         for family in sorted(route.families):
             n = tally.get((id(module), family), 0)
             served[family] = served.get(family, 0) + n
-            if n <= 0:
+            if n <= 0 and (route.serves is None or id(module) in reached):
                 idle.append(f"{family} ({path or '(the model)'} {type(module).__name__})")
     if idle:
         raise RoutingError(f"routed but served no call: {'; '.join(idle)} (the model does "
