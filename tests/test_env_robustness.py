@@ -49,8 +49,8 @@ from astrai.dispatch import (
 )
 from astrai.errors import AstraiError
 
-SHIPPED = ("activation", "attention", "gated_activation", "layer_norm", "linear", "rms_norm",
-           "rotary")
+SHIPPED = ("activation", "attention", "cross_entropy", "gated_activation", "layer_norm",
+           "linear", "linear_cross_entropy", "moe_experts", "moe_router", "rms_norm", "rotary")
 EXAMPLES = 300
 CALLS = {
     "attention": CallContext("attention", dtype=torch.float32, ndim=4, head_dim=8),

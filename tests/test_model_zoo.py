@@ -56,7 +56,8 @@ def test_dispatched_model_is_the_model(name: str) -> None:
     assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
 
     # every module routed serves a call through a row
-    labelled = {**feed, "labels": feed.get("decoder_input_ids", feed["input_ids"])}
+    labels = feed.get("decoder_input_ids", feed["input_ids"]).contiguous()
+    labelled = {**feed, "labels": labels}
     counts = verify_model(routed, **labelled)  # the loss too
     assert counts["linear"] > 0 and min(counts.values()) > 0
 
