@@ -39,7 +39,7 @@ REDUCTIONS = ("mean", "sum", "none")
 CROSS_ENTROPY_READS = ("dtype", "device_cuda", "grad_enabled", "reduction", "vocab")
 
 
-def describe_labels(family: str, labels: Tensor, tokens: int, ignore_index: int,
+def describe_labels(labels: Tensor, tokens: int, ignore_index: int,
                     reduction: str) -> list[str]:
     """What is wrong with ``labels``, ``ignore_index`` and ``reduction`` (nothing: [])."""
     problems = []
@@ -64,7 +64,7 @@ def describe_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int,
     if logits.dim() != 2 or not logits.dtype.is_floating_point or not logits.shape[-1]:
         problems.append(f"logits must be a floating [tokens, vocab], got "
                         f"{tuple(logits.shape)} {logits.dtype}")
-    problems += describe_labels("cross_entropy", labels, logits.shape[0] if logits.dim() else -1,
+    problems += describe_labels(labels, logits.shape[0] if logits.dim() else -1,
                                 ignore_index, reduction)
     if problems:
         raise ValueError("cross_entropy: " + "; ".join(problems))

@@ -172,11 +172,6 @@ def loss_form(module: nn.Module) -> LossForm | str | None:
             "(shifted or not, ignore_index -100, mean or sum / num_items_in_batch)")
 
 
-def _wants_fused(kwargs: dict[str, Any]) -> bool:
-    labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-    return labelled and torch.is_grad_enabled()
-
-
 def _loss_forward(form: LossForm) -> Callable[..., Any]:
     loss_function = served_loss(form)
 
@@ -213,6 +208,11 @@ def _loss_forward(form: LossForm) -> Callable[..., Any]:
 def _serves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call of the model computes its loss (labels given)."""
     return kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+
+
+def _wants_fused(kwargs: dict[str, Any]) -> bool:
+    """Whether a call computes its loss with autograd recording (then the head defers)."""
+    return _serves((), kwargs) and torch.is_grad_enabled()
 
 
 def _route(module: nn.Module) -> Installed | str | None:

@@ -58,7 +58,7 @@ def describe_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor
         got = (f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, Tensor)
                else type(bias).__name__)
         problems.append(f"bias must be None or [vocab] of hidden's dtype, got {got}")
-    problems += describe_labels("linear_cross_entropy", labels,
+    problems += describe_labels(labels,
                                 hidden.shape[0] if hidden.dim() else -1, ignore_index,
                                 reduction)
     if problems:

@@ -87,8 +87,6 @@ def _int_attr(module: nn.Module, names: tuple[str, ...]) -> int | None:
 
 def _extra(module: nn.Module) -> str | None:
     """The name of the floating ``[E]`` tensor that is not the bias, if any."""
-    weight = module._parameters.get("weight")
-    assert weight is not None
     extra = [n for n, t in _tensors(module).items() if n not in ("weight", "bias")]
     return extra[0] if extra else None
 
