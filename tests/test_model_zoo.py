@@ -8,6 +8,7 @@ docs/transformers.md shows (``pytest -s``)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -54,6 +55,12 @@ def test_dispatched_model_is_the_model(name: str) -> None:
     torch.testing.assert_close(_zoo.logits(routed, feed), _zoo.logits(plain, feed),
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
+
+    # every routed forward names the parameters its class's does (generate and the
+    # Trainer decide what to pass by reading the model's forward)
+    for (path, mine), theirs in zip(routed.named_modules(), plain.modules(), strict=True):
+        if "_astrai_route" in mine.__dict__:
+            assert inspect.signature(mine.forward) == inspect.signature(theirs.forward), path
 
     # every module routed serves a call through a row
     labels = feed.get("decoder_input_ids", feed["input_ids"]).contiguous()

@@ -44,6 +44,7 @@ __all__ = ["FAMILIES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch_model",
            "model_families", "restore_model", "verify_model"]
 
 import copy
+import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -149,8 +150,29 @@ def _live_routes(model: nn.Module) -> Iterator[tuple[str, nn.Module, Route]]:
             yield path, module, route
 
 
+def _signed(function: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """``function`` as ``module``'s forward shows itself to ``inspect``: a copy (the same
+    code, no extra call) carrying the signature of the class's ``forward``. Callers read
+    it - ``generate`` looks for ``attention_mask`` and ``logits_to_keep``, the ``Trainer``
+    keeps the dataset columns the model's forward names - so a routed forward must name
+    the parameters its class's does."""
+    if not isinstance(function, types.FunctionType):
+        return function
+    try:
+        signature = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):  # a forward that shows no signature: none to keep
+        return function
+    signed = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                function.__defaults__, function.__closure__)
+    signed.__kwdefaults__ = function.__kwdefaults__
+    signed.__qualname__ = function.__qualname__
+    signed.__dict__.update(function.__dict__)
+    signed.__signature__ = signature  # type: ignore[attr-defined]
+    return signed
+
+
 def _install(module: nn.Module, function: Callable[..., Any], route: Route) -> None:
-    route.installed = types.MethodType(function, module)
+    route.installed = types.MethodType(_signed(function, module), module)
     module.__dict__[ROUTE_ATTR] = route
     module.__dict__["forward"] = route.installed
 
