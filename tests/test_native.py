@@ -355,9 +355,6 @@ def test_off_is_never_loaded_and_on_warns_when_it_cannot_build(tmp_path: Path) -
     assert "not loaded (failed:" in on.stdout, on.stdout
     assert on.stderr.count("ASTR_NATIVE=on, but the native extension is not available") == 1
     assert "torch.Size([1, 4])" in on.stdout  # the pure-Python path serves
-    auto = _run({"ASTR_NATIVE": "auto", "ASTR_NATIVE_DIR": str(tmp_path)}, STATUS)
-    assert "not built: `astrai-ops native --build` builds it" in auto.stdout
-    assert "astrai" not in auto.stderr  # nothing to warn about
     odd = _run({"ASTR_NATIVE": "maybe", "ASTR_NATIVE_DIR": str(tmp_path)}, STATUS)
     assert "ASTR_NATIVE='maybe' is not one of auto, on (1), off (0)" in odd.stderr
 
@@ -505,6 +502,82 @@ def test_the_command_line_says_why_a_build_fails(tmp_path: Path) -> None:
 def test_built_is_loaded_by_a_new_process(built: ModuleType) -> None:
     done = _run({"ASTR_NATIVE": ""}, STATUS)  # unset: auto
     assert "CPU kernels): loaded (built)" in done.stdout, done.stdout + done.stderr
+    assert "astrai" not in done.stderr  # nothing built, nothing to say
+
+
+#: A process whose build copies the extension the tests built (a real build takes half a
+#: minute): what it says, and what the first facade call gets.
+FIRST_USE = """\
+import shutil, sys, torch
+import astrai.native as n
+from astrai.native import building
+
+def build(*, force=False, progress=None):
+    progress(1.0)
+    path = building.built_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(sys.argv[1], path)
+    return path
+
+n.build = build
+from astrai import ops
+print("imported:", n._decided == [])
+print(ops.rms_norm(torch.ones(1, 4), torch.ones(4)).shape)
+print(n.status())
+"""
+
+
+def test_a_fresh_install_builds_at_the_first_call_and_says_so(built: ModuleType,
+                                                              tmp_path: Path) -> None:
+    """Unset ASTR_NATIVE (a fresh install): importing builds nothing; the first facade call
+    builds into the cache with a line before and after, and uses it; the next process
+    loads what was built, silently."""
+    env = {"ASTR_NATIVE": "", "ASTR_NATIVE_DIR": str(tmp_path)}
+    first = _run(env, FIRST_USE, str(built.__file__))
+    assert "imported: True" in first.stdout, first.stderr
+    assert "torch.Size([1, 4])" in first.stdout
+    assert "loaded (built for this process)" in first.stdout, first.stdout + first.stderr
+    lines = first.stderr.splitlines()
+    assert len(lines) == 2, first.stderr
+    assert lines[0].startswith("astrai: building its native extension")
+    assert str(tmp_path) in lines[0]
+    assert "ASTR_NATIVE=off skips it" in lines[0]
+    assert lines[1].startswith("astrai: native extension built in ")
+    again = _run(env, STATUS)
+    assert "loaded (built)" in again.stdout and again.stderr == "", again.stdout + again.stderr
+
+
+def test_where_it_cannot_be_built_one_line_says_why(tmp_path: Path) -> None:
+    """Unset ASTR_NATIVE: a machine without a compiler gets one line on stderr and the
+    pure-Python path; a build that fails is tried once, and later processes say why at
+    once without compiling again; ``astrai-ops native --build`` tries again."""
+    call = (STATUS + "\nimport torch; from astrai import ops\n"
+                     "print(ops.rms_norm(torch.ones(1, 4), torch.ones(4)).shape)")
+    none = _run({"ASTR_NATIVE": "", "ASTR_NATIVE_DIR": str(tmp_path / "a"),
+                 "CXX": "/no/such/cxx"}, call)
+    assert "torch.Size([1, 4])" in none.stdout, none.stderr
+    assert none.stderr.splitlines() == [
+        "astrai: no native extension here (no C++ compiler '/no/such/cxx' found (set CXX, or "
+        "install g++ or clang++)); the pure-Python path serves every call (ASTR_NATIVE=off "
+        "silences this)"]
+    assert "not loaded (failed: no C++ compiler" in none.stdout
+    env = {"ASTR_NATIVE": "", "ASTR_NATIVE_DIR": str(tmp_path / "b"),
+           "CXX": str(_fake_compiler(tmp_path, "echo 'error: broken' >&2; exit 1"))}
+    failed = _run(env, call)
+    assert "torch.Size([1, 4])" in failed.stdout, failed.stderr
+    said = failed.stderr.splitlines()
+    assert said[0].startswith("astrai: building its native extension"), failed.stderr
+    assert said[-1].startswith("astrai: no native extension here (the build with"), failed.stderr
+    assert (tmp_path / "runs").read_text().count("run") >= 1
+    (tmp_path / "runs").unlink()
+    later = _run(env, call)
+    assert "torch.Size([1, 4])" in later.stdout, later.stderr
+    assert len(later.stderr.splitlines()) == 1 and "an earlier build" in later.stderr, later.stderr
+    assert not (tmp_path / "runs").exists()  # no compiler ran
+    retry = _run(env, "from astrai.cli import main; raise SystemExit(main(['native', '--build']))")
+    assert retry.returncode == 1 and (tmp_path / "runs").exists()
+    off = _run({**env, "ASTR_NATIVE": "off"}, call)
+    assert off.stderr == "" and "not loaded (ASTR_NATIVE=off)" in off.stdout
 
 
 @pytest.mark.parametrize(("name", "table"), [

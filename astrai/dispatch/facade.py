@@ -525,7 +525,7 @@ def facade(call: FamilyCall, name: str | None = None) -> Facade:
 
 
 def _lookup_first(last: list[LastWorld], *args: Any) -> Any:
-    """The compiled hot path while ``ASTR_NATIVE=on`` and nothing is built: importing
+    """The compiled hot path while nothing is built (or prebuilt) yet: importing
     never compiles, so the first call through any facade (or ``ops.call``) makes the
     process's decision (building the extension) and adopts what it gave; this call then
     takes its route (its world has no plan yet)."""
@@ -570,7 +570,7 @@ def compiled_path(state: Any = None) -> dict[str, str | None]:
         fc = f.call
         if HOT.lookup is _lookup_first:
             why: str | None = ("astrai's native extension is not built yet "
-                               "(ASTR_NATIVE=on builds it at the first facade call)")
+                               "(the first facade call builds it)")
         elif HOT.lookup is None:
             why = f"astrai's native extension is not in use ({native.status().reason})"
         elif process.recordings:

@@ -10,12 +10,15 @@ else, so what a call is served by, and every error a malformed call raises, are 
 Python path's. The kernels are what the ``native`` rows of the ``rms_norm`` and ``rotary``
 tables run; without the extension those rows are unavailable, with this module's reason.
 
-It is built from the package's own sources with torch's extension machinery
-(``astrai-ops native --build``; see ``astrai.native.building``) into a cache folder, one
-file per sources / torch / Python / compiler version, and then loaded by every process.
-``ASTR_NATIVE`` says what to do: unset or ``auto``, load it when built; ``0`` / ``off``,
-never; ``1`` / ``on``, build it when first needed (a facade's first call, or a native
-row's first use; never on import), warning once with the reason when that fails.
+It is built from the package's own sources with torch's extension machinery (see
+``astrai.native.building``) into a cache folder, one file per sources / torch / Python /
+compiler version, and then loaded by every process. A package built for one torch and
+Python may ship the file itself (``astrai/native/prebuilt/``), which is then loaded
+before anything in the cache. ``ASTR_NATIVE`` says what to do: unset or ``auto``, use it,
+building it at the first need where nothing is built (a facade's first call, or a native
+row's first use; never on import), with a line on stderr before and after; where it
+cannot be built, one line says why and the pure-Python path serves. ``1`` / ``on``, the
+same, and a failure is a warning; ``0`` / ``off``, never load or build it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ __all__ = ["NATIVE_DIR_ENV", "NATIVE_ENV", "NativeBuildError", "NativeStatus", "
 
 import importlib.util
 import os
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +38,14 @@ from types import ModuleType
 import torch
 
 from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
-from astrai.native.building import NativeBuildError, build, built_path
+from astrai.native.building import (
+    PREBUILT_DIR,
+    NativeBuildError,
+    build,
+    built_path,
+    prebuilt_path,
+    preflight,
+)
 
 _NAME = "_astrai_hot"
 _OFF = {"0", "off", "no", "false"}
@@ -93,9 +105,70 @@ def _import(path: Path) -> ModuleType:
 _decided: list[tuple[NativeStatus, ModuleType | None]] = []
 
 
+def _found() -> Path | None:
+    """The compiled file this process can load: a prebuilt one shipped in the package,
+    else one built earlier into the cache; ``None`` when neither exists."""
+    for path in (prebuilt_path(), _path()):
+        if path.exists():
+            return path
+    return None
+
+
+def _failed_marker() -> Path:
+    path = _path()
+    return path.with_name(f".{path.name}.failed")
+
+
+def _say(line: str, end: str = "\n") -> None:
+    print(line, end=end, file=sys.stderr, flush=True)
+
+
+def _build_on_first_use() -> Path:
+    """Build for this process, saying so on stderr: one line before, the seconds passing
+    (on a terminal), one line after. A failure is remembered for this torch, Python and
+    compiler, so later processes say why at once instead of compiling again."""
+    marker = _failed_marker()
+    try:
+        earlier = marker.read_text(encoding="utf-8").strip()
+    except OSError:
+        earlier = ""
+    if earlier:
+        raise NativeBuildError(f"{earlier} (an earlier build; `astrai-ops native --build` "
+                               f"tries again)")
+    preflight()
+    where = _path().parent
+    _say(f"astrai: building its native extension (compiled hot path, CPU kernels) for torch "
+         f"{torch.__version__}, once, into {where} (about half a minute; {NATIVE_ENV}=off "
+         f"skips it)")
+    tty = sys.stderr.isatty()
+
+    def tick(seconds: float) -> None:
+        if tty:
+            _say(f"\r  compiling... {seconds:.0f} s", end="")
+
+    start = time.monotonic()
+    try:
+        path = build(progress=tick)
+    except NativeBuildError as e:
+        if tty:
+            _say("")
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            marker.write_text(str(e).splitlines()[0] + "\n", encoding="utf-8")
+        except OSError:
+            pass
+        raise
+    if tty:
+        _say("")
+    _say(f"astrai: native extension built in {time.monotonic() - start:.0f} s: {path}")
+    return path
+
+
 def load() -> ModuleType | None:
     """The compiled module, set up for this process, or ``None`` (``status()`` says why).
-    Decided once per process."""
+    Decided once per process: a prebuilt or earlier-built file is loaded; else, unless
+    ``ASTR_NATIVE=off``, it is built now (a C++ compiler is needed), and where it cannot
+    be, one line on stderr says why and the pure-Python path serves every call."""
     if _decided:
         return _decided[0][1]
     mode = _mode()
@@ -103,14 +176,17 @@ def load() -> ModuleType | None:
     module: ModuleType | None = None
     if mode == "off":
         reason = f"{NATIVE_ENV}=off"
-    elif not path.exists() and mode == "auto":
-        reason = "not built: `astrai-ops native --build` builds it"
     else:
         try:
-            if not path.exists():
-                build()
-            module = load_from(path)
-            reason = "built" if mode == "auto" else f"{NATIVE_ENV}=on"
+            found = _found()
+            if found is None:
+                found = _build_on_first_use()
+                reason = "built for this process" if mode == "auto" else f"{NATIVE_ENV}=on"
+            else:
+                reason = ("prebuilt" if found.parent == PREBUILT_DIR else "built"
+                          ) if mode == "auto" else f"{NATIVE_ENV}=on"
+            path = found
+            module = load_from(found)
         except (NativeBuildError, ImportError, OSError) as e:
             module = None
             reason = f"failed: {e}"
@@ -119,15 +195,20 @@ def load() -> ModuleType | None:
                               f"available ({e}); the pure-Python path serves every call "
                               f"and the native rows are unavailable",
                               RuntimeWarning, stacklevel=2)
+            else:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                _say(f"astrai: no native extension here ({first}); the pure-Python path "
+                     f"serves every call ({NATIVE_ENV}=off silences this)")
     _decided.append((NativeStatus(module is not None, path, reason), module))
     return module
 
 
 def pending() -> bool:
     """Whether this process's decision is still to be made and would build the extension
-    (``ASTR_NATIVE=on``, nothing built yet): importing the facades never builds, so they
-    stand in for the hot path until their first call makes that decision (``load()``)."""
-    return not _decided and _mode() == "on" and not _path().exists()
+    (nothing prebuilt or built yet, ``ASTR_NATIVE`` not off): importing the facades never
+    builds, so they stand in for the hot path until their first call makes that decision
+    (``load()``)."""
+    return not _decided and _mode() != "off" and _found() is None
 
 
 def status() -> NativeStatus:

@@ -16,8 +16,9 @@ GCC/Clang facilities); there the build says so and the pure-Python path serves.
 
 from __future__ import annotations
 
-__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "SOURCES",
-           "NativeBuildError", "build", "built_path", "compiler"]
+__all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "PREBUILT_DIR", "SOURCES",
+           "NativeBuildError", "build", "built_path", "compiler", "prebuilt_path",
+           "preflight"]
 
 import hashlib
 import importlib.machinery
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,8 +107,21 @@ def _openmp() -> tuple[str, ...]:
     return OPENMP_FLAGS if torch._C.has_openmp else ()
 
 
+def _abi_tag() -> str:
+    """What a built file needs of the process loading it: the sources, torch (version and
+    C++ ABI) and Python. A prebuilt file shipped in the package is named by this tag."""
+    import torch
+
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
+    h.update(f"{torch.__version__}|{abi}|{sys.version_info[:2]}".encode())
+    return h.hexdigest()[:16]
+
+
 def _tag() -> str:
-    """What the built file depends on: the sources, torch (version, location, ABI),
+    """What a file built here depends on: the sources, torch (version, location, ABI),
     Python, astrai's flags and the compiler."""
     import torch
 
@@ -118,6 +132,19 @@ def _tag() -> str:
     h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
     h.update(f"{EXTRA_CFLAGS}|{_openmp()}|{_compiler_identity()}".encode())
     return h.hexdigest()[:16]
+
+
+#: Where a package built for one torch and Python would ship its compiled file
+#: (``prebuilt_path``); a source install has none, and the file is built on first use.
+PREBUILT_DIR = _HERE / "prebuilt"
+
+
+def prebuilt_path() -> Path:
+    """The file a prebuilt package would ship for this torch and Python (it may not
+    exist): ``astrai/native/prebuilt/_astrai_hot-<sources, torch, ABI, Python>.so``.
+    Found, it is loaded before anything in the cache, and nothing is compiled."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return PREBUILT_DIR / f"{NAME}-{_abi_tag()}{suffix}"
 
 
 def cache_dir() -> Path:
@@ -149,9 +176,9 @@ def _timeout() -> float:
     return value
 
 
-def build(*, force: bool = False) -> Path:
-    """Build the native extension for this torch, Python and compiler (unless built
-    already) and return its path; ``NativeBuildError`` says why it cannot be."""
+def preflight() -> float:
+    """Check, without compiling anything, that a build can start here (the platform, the
+    compiler, the time limit); the time limit in seconds, or ``NativeBuildError``."""
     if os.name != "posix":
         raise NativeBuildError(f"building the native extension is supported on Linux and "
                                f"macOS, not on {sys.platform}")
@@ -160,6 +187,15 @@ def build(*, force: bool = False) -> Path:
     if shutil.which(words[0]) is None:
         raise NativeBuildError(f"no C++ compiler {words[0]!r} found (set CXX, or install "
                                f"g++ or clang++)")
+    return timeout
+
+
+def build(*, force: bool = False, progress: Callable[[float], None] | None = None) -> Path:
+    """Build the native extension for this torch, Python and compiler (unless built
+    already) and return its path; ``NativeBuildError`` says why it cannot be.
+    ``progress`` is called about once a second while the compiler runs, with the seconds
+    since it started."""
+    timeout = preflight()
     path = built_path()
     if path.exists() and not force:
         return path
@@ -171,7 +207,7 @@ def build(*, force: bool = False) -> Path:
         work = tempfile.mkdtemp(prefix=".build-", dir=path.parent)
         try:
             try:
-                made = _compile(Path(work), timeout, _openmp())
+                made = _compile(Path(work), timeout, _openmp(), progress)
             except NativeBuildError as e:
                 # A compiler without OpenMP (Apple's clang): the kernels then run each
                 # call on one thread.
@@ -179,8 +215,9 @@ def build(*, force: bool = False) -> Path:
                     raise
                 shutil.rmtree(work, ignore_errors=True)
                 os.mkdir(work)
-                made = _compile(Path(work), timeout, ())
+                made = _compile(Path(work), timeout, (), progress)
             os.replace(made, path)
+            path.with_name(f".{path.name}.failed").unlink(missing_ok=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return path
@@ -261,27 +298,41 @@ def _ninja_dirs() -> list[str]:
     return dirs
 
 
-def _compile(work: Path, timeout: float, openmp: tuple[str, ...]) -> Path:
+def _compile(work: Path, timeout: float, openmp: tuple[str, ...],
+             progress: Callable[[float], None] | None = None) -> Path:
     """Build in ``work`` in a child process, stopped (with everything it started) after
     ``timeout`` seconds; the built file."""
     args = json.dumps({"name": NAME, "sources": [str(s) for s in SOURCES],
                        "cflags": [*EXTRA_CFLAGS, *openmp], "ldflags": list(openmp),
                        "work": str(work),
                        "path": _ninja_dirs()})
-    try:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    except OSError as e:
-        raise NativeBuildError(f"cannot start the build: {e}") from e
-    try:
-        output, _ = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(child)
-        raise NativeBuildError(f"the build took more than {timeout:g} s and was stopped "
-                               f"({BUILD_TIMEOUT_ENV} sets the limit)") from None
-    except BaseException:
-        _stop(child)
-        raise
+    log = work / "build.log"
+    with open(log, "w+", encoding="utf-8", errors="replace") as out:
+        try:
+            child = subprocess.Popen([sys.executable, "-c", _CHILD, args], stdout=out,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        except OSError as e:
+            raise NativeBuildError(f"cannot start the build: {e}") from e
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    child.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    took = time.monotonic() - start
+                    if took > timeout:  # stopped below, with all it started
+                        raise NativeBuildError(
+                            f"the build took more than {timeout:g} s and was stopped "
+                            f"({BUILD_TIMEOUT_ENV} sets the limit)") from None
+                    if progress is not None:
+                        progress(took)
+        except BaseException:
+            _stop(child)
+            raise
+        out.seek(0)
+        output = out.read()
     if child.returncode != 0:
         raise NativeBuildError(_failure(child.returncode, output))
     suffix = importlib.machinery.EXTENSION_SUFFIXES
