@@ -1,33 +1,45 @@
-"""A transformers Llama, the whole model dispatched through astrai vs the plain model.
+"""A transformers Llama: plain, routed through astrai (both paths) and compiled, side by side.
 
 One process, 1 thread, CPU, ``torch.no_grad()``. The model: ``LlamaForCausalLM`` with
 random weights, hidden 512, 8 layers, 8 heads of 64 (4 key/value heads), MLP 1408,
-vocabulary 4096, built with ``attn_implementation="sdpa"``, and dispatched
-(``dispatch_model``) and restored (``restore_model``) in turn, so both sides run on the
-very same weights. Measured, as paired rounds (each round times both, the
-order alternating; the median of the per-round ratios):
+vocabulary 4096, built with ``attn_implementation="sdpa"``. Measured, as paired rounds
+(each round times every configuration, the order rotating; the median of the per-round
+ratios to plain):
 
 - **generate**: greedy ``generate`` of 32 new tokens after a 16-token prompt, batch 1;
-  tokens/s dispatched / plain. Target >= 0.98.
-- **prefill**: one forward of 512 tokens, batch 1; speed dispatched / plain (plain's
-  time over dispatched's). Target >= 1.0.
+  tokens/s against plain eager.
+- **prefill**: one forward of 128 tokens, batch 1; speed against plain eager.
+
+Configurations: plain eager; routed (``dispatch_model``) on the path in force - with
+astrai's native extension, the default wherever it builds - and routed on the pure-Python
+path (a child process with ``ASTR_NATIVE=off``, against its own plain); ``torch.compile``
+of the plain model and of the routed one (prefill; cold compile times printed). Plain and
+routed eager are one model dispatched and restored in turn, so both read the very same
+weights; the compiled ones are two copies of it.
+
+Targets: routed with the extension >= 1.10x plain on both; the pure-Python path >= 1.00x
+on both; routed eager >= 1.0x the compiled plain model on prefill; compiled routed >= the
+compiled plain model. Then one call of each family, the model's own code against the
+dispatched call, at the prefill's and a decode step's sizes (decode attention target:
+<= 1.0x the model's own time), and the engine's own figures (``bench_seed.py``: the cached
+``resolve`` >= 30x the seed's, an uncached decision <= the seed's, no collection pauses).
 
 Time is the calling thread's CPU time (one intra-op thread: every kernel runs on it), which
 leaves out the time it waits for a core on a shared machine. An A/A control (the plain
-model against itself) runs in the same rounds: when
-it strays from 1.00 by more than 2%, the machine is not quiet and the figures say so.
-Then the rows that served each family in the dispatched runs. The first line says whether
-astrai's native extension (the compiled hot path and the ``native`` rows) is in force: the
-targets are met with it (``astrai-ops native --build``), not on the pure-Python path.
+model against itself) runs in the same rounds: when it strays from 1.00 by more than 2%,
+the machine is not quiet and the figures say so.
 
-    python benchmarks/bench_hf.py
+    python benchmarks/bench_hf.py [--no-compile] [--no-engine]
     python benchmarks/bench_hf.py --instructions   # CPU work by callgrind (slow, noise-free)
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -35,15 +47,15 @@ from typing import Any
 
 import torch
 
-GENERATE_TARGET, PREFILL_TARGET = 0.98, 1.0
+NATIVE_TARGET, PYTHON_TARGET, COMPILED_TARGET = 1.10, 1.00, 1.00
 #: The model; a test shrinks it.
 CONFIG: dict[str, Any] = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
-PROMPT, NEW_TOKENS, PREFILL = 16, 32, 512
-ROUNDS = {"generate": 21, "prefill": 15}
+PROMPT, NEW_TOKENS, PREFILL = 16, 32, 128
+ROUNDS = {"generate": 21, "prefill": 21}
 QUIET = 0.02
 
 
@@ -77,89 +89,201 @@ def paired(fns: dict[str, Run], base: str, rounds: int) -> dict[str, float]:
     return {n: statistics.median(v) for n, v in ratios.items()}
 
 
-def main() -> int:
+def _model() -> Any:
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import astrai.dispatch as d
-    from astrai import native
-    from astrai.integrations.transformers import dispatch_model, restore_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+    return AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         LlamaConfig(**CONFIG), attn_implementation="sdpa").eval()
-    # One model, dispatched and restored in turn: the plain and dispatched runs read the
-    # very same weights (two copies of a model were seen to run up to 5% apart from
-    # memory placement alone, more than the difference measured).
-    report = dispatch_model(model)
-    restore_model(model)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, CONFIG["vocab_size"], (1, PROMPT), generator=g)
+    long = torch.randint(3, CONFIG["vocab_size"], (1, PREFILL), generator=g)
+    return prompt, long
+
+
+def _runs(model: Any) -> tuple[Callable[[], object], Callable[[], object]]:
+    prompt, long = _inputs()
+
+    def generate() -> object:
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=0)
+
+    def prefill() -> object:
+        with torch.no_grad():
+            return model(long).logits
+
+    return generate, prefill
+
+
+def eager_ratios(model: Any) -> dict[str, tuple[float, float, bool, float]]:
+    """Per measure: (speed routed / plain, A/A, greedy tokens identical, prefill logits
+    gap), on the path in force in this process."""
+    from astrai.integrations.transformers import dispatch_model, restore_model
+
+    generate, prefill = _runs(model)
 
     def plain() -> None:
         restore_model(model)
 
     def routed() -> None:
         dispatch_model(model)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, CONFIG["vocab_size"], (1, PROMPT), generator=g)
-    long = torch.randint(3, CONFIG["vocab_size"], (1, PREFILL), generator=g)
 
-    def generate() -> Callable[[], object]:
-        def run() -> object:
-            with torch.no_grad():
-                return model.generate(prompt, max_new_tokens=NEW_TOKENS,
-                                      min_new_tokens=NEW_TOKENS, do_sample=False,
-                                      pad_token_id=0)
-        return run
-
-    def prefill() -> Callable[[], object]:
-        def run() -> object:
-            with torch.no_grad():
-                return model(long).logits
-        return run
-
-    gen, pre = generate(), prefill()
     with torch.no_grad():
         routed()
-        got_tokens, got_logits = gen(), pre()
+        tokens, logits = generate(), prefill()
         plain()
-        same = torch.equal(got_tokens, gen())  # type: ignore[arg-type]
-        gap = (got_logits - pre()).abs().max().item()  # type: ignore[operator]
+        same = torch.equal(tokens, generate())  # type: ignore[arg-type]
+        gap = (logits - prefill()).abs().max().item()  # type: ignore[operator]
+    out = {}
+    for what, run in (("generate", generate), ("prefill", prefill)):
+        r = paired({"plain": (plain, run), "routed": (routed, run), "A/A": (plain, run)},
+                   "plain", ROUNDS[what])
+        out[what] = (1 / r["routed"], 1 / r["A/A"], same, gap)
+    restore_model(model)
+    return out
+
+
+def python_path_child() -> None:
+    """The child of the pure-Python measurement: ``ASTR_NATIVE=off`` (as a machine
+    without a C++ compiler has it); prints its figures as JSON."""
+    config, new, prefill, rounds = json.loads(sys.argv[2])
+    CONFIG.update(config)
+    globals().update(NEW_TOKENS=new, PREFILL=prefill, ROUNDS=rounds)
+    from astrai import native
+
+    assert not native.status().loaded, native.status()
+    print(json.dumps(eager_ratios(_model())))
+
+
+def python_path() -> dict[str, tuple[float, float, bool, float]]:
+    args = json.dumps([CONFIG, NEW_TOKENS, PREFILL, ROUNDS])
+    env = {**os.environ, "ASTR_NATIVE": "off"}
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--python-child", args],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the pure-Python child failed:\n{done.stderr[-3000:]}")
+    got: dict[str, tuple[float, float, bool, float]] = json.loads(done.stdout.splitlines()[-1])
+    return got
+
+
+def compiled_ratios(model: Any) -> dict[str, Any]:
+    """Prefill speed of the compiled plain and compiled routed models and of routed eager,
+    each against plain eager, in the same rounds; cold compile seconds."""
+    from astrai.integrations.transformers import dispatch_model, restore_model
+
+    _, long = _inputs()
+    restore_model(model)
+    plain_copy, routed_copy = copy.deepcopy(model), copy.deepcopy(model)
+    dispatch_model(routed_copy)
+    compiled_plain, compiled_routed = torch.compile(plain_copy), torch.compile(routed_copy)
+    cold = {}
+    with torch.no_grad():
+        for name, fn in (("plain", compiled_plain), ("routed", compiled_routed)):
+            start = time.perf_counter()
+            fn(long)
+            cold[name] = time.perf_counter() - start
+        gap = (compiled_routed(long).logits - model(long).logits).abs().max().item()
+
+    def run(m: Any, setup: Callable[[], object] = lambda: None) -> Run:
+        def go() -> object:
+            with torch.no_grad():
+                return m(long).logits
+        return setup, go
+
+    def plain() -> None:
+        restore_model(model)
+
+    def routed() -> None:
+        dispatch_model(model)
+
+    r = paired({"plain": run(model, plain), "compiled plain": run(compiled_plain),
+                "compiled routed": run(compiled_routed), "routed": run(model, routed),
+                "A/A": run(model, plain)}, "plain", ROUNDS["prefill"])
+    restore_model(model)
+    return {"speed": {k: 1 / v for k, v in r.items()}, "cold": cold, "gap": gap}
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    import astrai.dispatch as d
+    from astrai import native
+    from astrai.integrations.transformers import dispatch_model, restore_model
+
+    model = _model()
+    report = dispatch_model(model)
+    restore_model(model)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Llama {CONFIG['hidden_size']} hidden, {CONFIG['num_hidden_layers']} layers, "
           f"torch {torch.__version__}, 1 thread; load average {load:.2f}")
     print(native.status())
     print(f"routed: {report.counts()}; not routed: {len(report.not_routed)}")
-    print(f"numerics: greedy tokens {'identical' if same else 'DIFFER'}; prefill logits "
-          f"max |dispatched - plain| = {gap:.2e}")
+    ok, quiet = True, True
 
     d.reset_stats()
-    results: dict[str, tuple[float, float]] = {}
-    for what, make in (("generate", generate), ("prefill", prefill)):
-        run = make()
-        ratios = paired({"plain": (plain, run), "dispatched": (routed, run),
-                         "A/A": (plain, run)}, "plain", ROUNDS[what])
-        results[what] = (1 / ratios["dispatched"], 1 / ratios["A/A"])
-    quiet = all(abs(aa - 1) <= QUIET for _, aa in results.values())
-    ok = True
-    for what, target in (("generate", GENERATE_TARGET), ("prefill", PREFILL_TARGET)):
-        speed, aa = results[what]
-        passed = speed >= target
+    paths = {"native" if native.status().loaded else "python": eager_ratios(model)}
+    rows = d.stats().table()
+    if "python" not in paths:
+        paths["python"] = python_path()
+    print(f"\n{'':<34}{'generate 32':>14}{'prefill 1x' + str(PREFILL):>16}   target")
+    for path, label, target in (("native", "routed, native extension / plain", NATIVE_TARGET),
+                                ("python", "routed, pure-Python path / plain", PYTHON_TARGET)):
+        if path not in paths:
+            print(f"{label:<34}{'(no extension here)':>30}")
+            continue
+        g, p = paths[path]["generate"], paths[path]["prefill"]
+        passed = g[0] >= target and p[0] >= target
         ok &= passed
-        unit = "tokens/s" if what == "generate" else "speed"
-        print(f"{what:<9} {unit} dispatched / plain = {speed:.3f}  (target >= {target:.2f}: "
-              f"{'PASS' if passed else 'FAIL'})  A/A {aa:.3f}")
+        quiet &= abs(g[1] - 1) <= QUIET and abs(p[1] - 1) <= QUIET
+        print(f"{label:<34}{g[0]:>13.3f}x{p[0]:>15.3f}x   >= {target:.2f}x {verdict(passed)}"
+              f"   (A/A {g[1]:.3f} / {p[1]:.3f})")
+        print(f"{'':<4}numerics: greedy tokens {'identical' if g[2] else 'DIFFER'}, prefill "
+              f"logits max |routed - plain| {g[3]:.2e}")
+        ok &= bool(g[2])
+
+    if "--no-compile" not in argv:
+        c = compiled_ratios(model)
+        s = c["speed"]
+        print(f"\nprefill 1x{PREFILL}, speed against plain eager (cold compile: plain "
+              f"{c['cold']['plain']:.1f} s, routed {c['cold']['routed']:.1f} s; compiled routed "
+              f"logits max |diff| {c['gap']:.2e}):")
+        for name in ("compiled plain", "compiled routed", "routed"):
+            print(f"  {name:<16} {s[name]:.3f}x")
+        eager = s["routed"] / s["compiled plain"]
+        both = s["compiled routed"] / s["compiled plain"]
+        print(f"  routed eager / compiled plain     {eager:.3f}x  target >= "
+              f"{COMPILED_TARGET:.2f}x {verdict(eager >= COMPILED_TARGET)}")
+        print(f"  compiled routed / compiled plain  {both:.3f}x  target >= "
+              f"{COMPILED_TARGET:.2f}x {verdict(both >= COMPILED_TARGET)}")
+        ok &= eager >= COMPILED_TARGET and both >= COMPILED_TARGET
+        quiet &= abs(s["A/A"] - 1) <= QUIET
     if not quiet:
-        print(f"the machine is not quiet: the A/A control strays more than {QUIET:.0%} "
+        print(f"the machine is not quiet: an A/A control strays more than {QUIET:.0%} "
               "from 1.00; these figures cannot be trusted")
-    print("\nrows that served the dispatched runs:")
-    print(d.stats().table())
+    print("\nrows that served the routed runs (the path in force):")
+    print(rows)
     restore_model(model)
     parts(model, PREFILL, PREFILL, "prefill")
-    parts(model, 1, PROMPT + NEW_TOKENS, "a decode step")
-    return 0 if ok and quiet and same else 1
+    ok &= parts(model, 1, PROMPT + NEW_TOKENS, "a decode step")
+    if "--no-engine" not in argv:
+        print("\nthe engine (benchmarks/bench_seed.py):")
+        done = subprocess.run([sys.executable, os.path.join(os.path.dirname(
+            os.path.abspath(__file__)), "bench_seed.py")], capture_output=True, text=True,
+            check=False)
+        print("  " + done.stdout.strip().replace("\n", "\n  "))
+        ok &= "FAIL" not in done.stdout
+    return 0 if ok and quiet else 1
 
 
-def parts(model: Any, tokens: int, keys: int, what: str) -> None:
+def parts(model: Any, tokens: int, keys: int, what: str) -> bool:
     """Each family at the sizes of ``tokens`` new tokens over ``keys`` keys: the model's own
     code (a restored layer's modules and transformers' functions) against the call a
     dispatched layer makes, timed in alternation - where the time goes, family by family."""
@@ -195,13 +319,20 @@ def parts(model: Any, tokens: int, keys: int, what: str) -> None:
     }
     print(f"\n{what}, one call of each family ({tokens} token(s), {keys} keys): the model's "
           "own code vs the dispatched call (medians in alternation)")
+    ok = True
     with torch.no_grad():
         for family, (own, routed) in calls.items():
             d.reset_stats()
             t = interleaved_us({"own": own, "astrai": routed}, 20 if tokens > 1 else 2000)
             (row,) = d.stats().by_row()[family]
-            print(f"  {family:<10} own {t['own']:8.1f} us  astrai ({row}) {t['astrai']:8.1f} us"
-                  f"  time {t['astrai'] / t['own']:.2f}x")
+            ratio = t["astrai"] / t["own"]
+            line = (f"  {family:<10} own {t['own']:8.1f} us  astrai ({row}) {t['astrai']:8.1f} us"
+                    f"  time {ratio:.2f}x")
+            if family == "attention" and tokens == 1:
+                ok = ratio <= 1.0
+                line += f"  target <= 1.00x {verdict(ok)}"
+            print(line)
+    return ok
 
 
 def _generate_once(mode: str, tokens: int) -> None:
@@ -250,13 +381,15 @@ def instructions(tokens: int = 16) -> int:
     ratio = per["plain"] / per["dispatched"]
     print(f"instructions per generated token: plain {per['plain'] / 1e6:.2f} M, dispatched "
           f"{per['dispatched'] / 1e6:.2f} M; dispatched / plain speed by CPU work = "
-          f"{ratio:.3f}  (target >= {GENERATE_TARGET:.2f}: "
-          f"{'PASS' if ratio >= GENERATE_TARGET else 'FAIL'})")
-    return 0 if ratio >= GENERATE_TARGET else 1
+          f"{ratio:.3f}  (target >= {NATIVE_TARGET:.2f}: "
+          f"{'PASS' if ratio >= NATIVE_TARGET else 'FAIL'})")
+    return 0 if ratio >= NATIVE_TARGET else 1
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
+    if sys.argv[1:2] == ["--python-child"]:
+        python_path_child()
+    elif sys.argv[1:2] == ["--child"]:
         _generate_once(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1:2] == ["--instructions"]:
         sys.exit(instructions())

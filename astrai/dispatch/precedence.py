@@ -41,6 +41,7 @@ from astrai.dispatch.verdicts import (
     MATCH,
     Resolution,
     chain_resolution,
+    first_in_chain,
     lookup,
     no_row_error,
     resolved,
@@ -208,6 +209,8 @@ PRECEDENCE: tuple[Source, ...] = (
 #: The sources that decide through the table alone: what is left when nothing names a row.
 TABLE_ORDER: tuple[Source, ...] = tuple(s for s in PRECEDENCE
                                         if isinstance(s, ChainSource | FallbackSource))
+_CHAIN = TABLE_ORDER[0]
+assert isinstance(_CHAIN, ChainSource) and isinstance(TABLE_ORDER[1], FallbackSource)
 
 
 def answer(state: Registry, view: View, family: str, ctx: CallContext, explicit: Any,
@@ -218,7 +221,12 @@ def answer(state: Registry, view: View, family: str, ctx: CallContext, explicit:
     sources = PRECEDENCE
     if (explicit is None and view.forced is None and family not in env.backends
             and family not in scope.handles):
-        sources = TABLE_ORDER
+        # The chain's first serving row, asked directly (the common miss: no Ask is
+        # made); else the fallback, which notes why and may raise.
+        rec = first_in_chain(state, view, ctx)
+        if rec is not None:
+            return resolved(state, rec, _CHAIN.origin)
+        sources = TABLE_ORDER[1:]
     ask = Ask(state, view, family, ctx, explicit, env, scope, notes)
     for source in sources:
         got = source.answer(ask)

@@ -58,6 +58,9 @@ class Registry:
     # the environment asks of the family in one world, and its view under the profiles
     # in force there (resolution.evaluate; bounded)
     worlds: dict[Any, Any] = field(init=False, default_factory=dict)
+    # family -> the world its last decision on this snapshot was taken in (world.world_now:
+    # a decision in the same world builds none)
+    last_worlds: dict[str, Any] = field(init=False, default_factory=dict)
     # family -> how a whole CallContext becomes its key (keying.signature_key)
     signature_keys: dict[str, Any] = field(init=False, default_factory=dict)
     alias_keys: Mapping[str, Any] = field(init=False, default_factory=dict)

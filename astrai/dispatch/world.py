@@ -42,11 +42,19 @@ class World(NamedTuple):
 
 
 def world_now(state: Registry, family: str) -> World:
-    """The world of a decision of ``family`` taken now on ``state``."""
-    alias_key = state.alias_keys.get(family)
+    """The world of a decision of ``family`` taken now on ``state``: the one this family's
+    last decision on ``state`` was taken in when it is still in force (the same objects:
+    nothing is built), else a new one, remembered for the next."""
     scope, ops = current_scope(), environ_get(OPS_KEY)
+    last = state.last_worlds.get(family)
+    if (last is not None and last.scope is scope and last.ops is ops
+            and (last.alias_key is None or last.alias is environ_get(last.alias_key))):
+        return last  # type: ignore[no-any-return]
+    alias_key = state.alias_keys.get(family)
     alias = None if alias_key is None else environ_get(alias_key)
-    return World(state, scope, ops, alias_key, alias, (scope.cache_token, ops, alias))
+    world = World(state, scope, ops, alias_key, alias, (scope.cache_token, ops, alias))
+    state.last_worlds[family] = world
+    return world
 
 
 def in_force(world: World) -> bool:
