@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from astrai.dispatch import op_backend, stats
@@ -56,6 +58,24 @@ class TestRunDemo:
         # Generation twice (cold, then warm): 3 prompts prefilled together + 31 decode
         # steps, 2 layers each; plus 2 training calls.
         assert usage.served("attention") == 2 * 2 * (1 + 31) + 2
+
+    def test_a_build_at_the_first_call_is_reported_apart(self, monkeypatch: Any) -> None:
+        """Where the demo's process built the native extension, the start-up line gives
+        the build's seconds apart; a process that loaded a built one says nothing of it."""
+        from astrai import demo, native
+
+        built_now = native.NativeStatus(True, native.building.built_path(),
+                                        "built for this process")
+        monkeypatch.setattr(native, "status", lambda: built_now)
+        startup = next(line for line in demo.run_demo().splitlines()
+                       if line.startswith("start-up"))
+        assert "building the native extension took " in startup
+        assert startup.endswith(" s before it, once per machine)")
+        loaded = native.NativeStatus(True, native.building.built_path(), "built")
+        monkeypatch.setattr(native, "status", lambda: loaded)
+        startup = next(line for line in demo.run_demo().splitlines()
+                       if line.startswith("start-up"))
+        assert "building" not in startup
 
     def test_the_demo_loads_no_compiler_for_rows_its_calls_do_not_reach(self) -> None:
         """The demo's calls are small: the compiled rows' ``when`` rejects them, so their
