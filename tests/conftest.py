@@ -78,6 +78,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_fuzz)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_decided() -> None:
+    """The process's native-extension decision, taken before the first test: where
+    nothing is built yet, the first facade call builds it (as it does for a user), and a
+    test that happened to make that call would see the facades switch paths mid-test."""
+    from astrai import ops
+
+    ops.rms_norm(torch.ones(1, 4), torch.ones(4))
+
+
 @pytest.fixture(autouse=True)
 def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run each test against the tables in force before it, with a clean environment."""
