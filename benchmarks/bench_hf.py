@@ -120,12 +120,9 @@ def _runs(model: Any) -> tuple[Callable[[], object], Callable[[], object]]:
     return generate, prefill
 
 
-def eager_ratios(model: Any) -> dict[str, tuple[float, float, bool, float]]:
-    """Per measure: (speed routed / plain, A/A, greedy tokens identical, prefill logits
-    gap), on the path in force in this process."""
+def _toggles(model: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The setups that make ``model`` plain (restored) and routed (dispatched)."""
     from astrai.integrations.transformers import dispatch_model, restore_model
-
-    generate, prefill = _runs(model)
 
     def plain() -> None:
         restore_model(model)
@@ -133,6 +130,14 @@ def eager_ratios(model: Any) -> dict[str, tuple[float, float, bool, float]]:
     def routed() -> None:
         dispatch_model(model)
 
+    return plain, routed
+
+
+def eager_ratios(model: Any) -> dict[str, tuple[float, float, bool, float]]:
+    """Per measure: (speed routed / plain, A/A, greedy tokens identical, prefill logits
+    gap), on the path in force in this process."""
+    generate, prefill = _runs(model)
+    plain, routed = _toggles(model)
     with torch.no_grad():
         routed()
         tokens, logits = generate(), prefill()
@@ -144,7 +149,7 @@ def eager_ratios(model: Any) -> dict[str, tuple[float, float, bool, float]]:
         r = paired({"plain": (plain, run), "routed": (routed, run), "A/A": (plain, run)},
                    "plain", ROUNDS[what])
         out[what] = (1 / r["routed"], 1 / r["A/A"], same, gap)
-    restore_model(model)
+    plain()
     return out
 
 
@@ -174,10 +179,11 @@ def python_path() -> dict[str, tuple[float, float, bool, float]]:
 def compiled_ratios(model: Any) -> dict[str, Any]:
     """Prefill speed of the compiled plain and compiled routed models and of routed eager,
     each against plain eager, in the same rounds; cold compile seconds."""
-    from astrai.integrations.transformers import dispatch_model, restore_model
+    from astrai.integrations.transformers import dispatch_model
 
     _, long = _inputs()
-    restore_model(model)
+    plain, routed = _toggles(model)
+    plain()
     plain_copy, routed_copy = copy.deepcopy(model), copy.deepcopy(model)
     dispatch_model(routed_copy)
     compiled_plain, compiled_routed = torch.compile(plain_copy), torch.compile(routed_copy)
@@ -188,23 +194,14 @@ def compiled_ratios(model: Any) -> dict[str, Any]:
             fn(long)
             cold[name] = time.perf_counter() - start
         gap = (compiled_routed(long).logits - model(long).logits).abs().max().item()
-
-    def run(m: Any, setup: Callable[[], object] = lambda: None) -> Run:
-        def go() -> object:
-            with torch.no_grad():
-                return m(long).logits
-        return setup, go
-
-    def plain() -> None:
-        restore_model(model)
-
-    def routed() -> None:
-        dispatch_model(model)
-
-    r = paired({"plain": run(model, plain), "compiled plain": run(compiled_plain),
-                "compiled routed": run(compiled_routed), "routed": run(model, routed),
-                "A/A": run(model, plain)}, "plain", ROUNDS["prefill"])
-    restore_model(model)
+    prefill, compiled_plain_prefill = _runs(model)[1], _runs(compiled_plain)[1]
+    compiled_routed_prefill = _runs(compiled_routed)[1]
+    r = paired({"plain": (plain, prefill),
+                "compiled plain": (lambda: None, compiled_plain_prefill),
+                "compiled routed": (lambda: None, compiled_routed_prefill),
+                "routed": (routed, prefill), "A/A": (plain, prefill)}, "plain",
+               ROUNDS["prefill"])
+    plain()
     return {"speed": {k: 1 / v for k, v in r.items()}, "cold": cold, "gap": gap}
 
 
@@ -233,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = d.stats().table()
     if "python" not in paths:
         paths["python"] = python_path()
-    print(f"\n{'':<34}{'generate 32':>14}{'prefill 1x' + str(PREFILL):>16}   target")
+    generate, prefill = f"generate {NEW_TOKENS}", f"prefill 1x{PREFILL}"
+    print(f"\n{'':<34}{generate:>14}{prefill:>16}   target")
     for path, label, target in (("native", "routed, native extension / plain", NATIVE_TARGET),
                                 ("python", "routed, pure-Python path / plain", PYTHON_TARGET)):
         if path not in paths:

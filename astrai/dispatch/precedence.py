@@ -41,7 +41,6 @@ from astrai.dispatch.verdicts import (
     MATCH,
     Resolution,
     chain_resolution,
-    first_in_chain,
     lookup,
     no_row_error,
     resolved,
@@ -223,9 +222,9 @@ def answer(state: Registry, view: View, family: str, ctx: CallContext, explicit:
             and family not in scope.handles):
         # The chain's first serving row, asked directly (the common miss: no Ask is
         # made); else the fallback, which notes why and may raise.
-        rec = first_in_chain(state, view, ctx)
-        if rec is not None:
-            return resolved(state, rec, _CHAIN.origin)
+        got = chain_resolution(state, view, ctx, _CHAIN.origin)
+        if got is not None:
+            return got
         sources = TABLE_ORDER[1:]
     ask = Ask(state, view, family, ctx, explicit, env, scope, notes)
     for source in sources:

@@ -43,6 +43,7 @@ from astrai.native.building import (
     NativeBuildError,
     build,
     built_path,
+    failed_marker,
     prebuilt_path,
     preflight,
 )
@@ -114,20 +115,15 @@ def _found() -> Path | None:
     return None
 
 
-def _failed_marker() -> Path:
-    path = _path()
-    return path.with_name(f".{path.name}.failed")
-
-
 def _say(line: str, end: str = "\n") -> None:
     print(line, end=end, file=sys.stderr, flush=True)
 
 
-def _build_on_first_use() -> Path:
-    """Build for this process, saying so on stderr: one line before, the seconds passing
-    (on a terminal), one line after. A failure is remembered for this torch, Python and
-    compiler, so later processes say why at once instead of compiling again."""
-    marker = _failed_marker()
+def _build_on_first_use(path: Path) -> Path:
+    """Build ``path`` for this process, saying so on stderr: one line before, the seconds
+    passing (on a terminal), one line after. A failure is remembered for this torch,
+    Python and compiler, so later processes say why at once instead of compiling again."""
+    marker = failed_marker(path)
     try:
         earlier = marker.read_text(encoding="utf-8").strip()
     except OSError:
@@ -136,7 +132,7 @@ def _build_on_first_use() -> Path:
         raise NativeBuildError(f"{earlier} (an earlier build; `astrai-ops native --build` "
                                f"tries again)")
     preflight()
-    where = _path().parent
+    where = path.parent
     _say(f"astrai: building its native extension (compiled hot path, CPU kernels) for torch "
          f"{torch.__version__}, once, into {where} (about half a minute; {NATIVE_ENV}=off "
          f"skips it)")
@@ -148,7 +144,7 @@ def _build_on_first_use() -> Path:
 
     start = time.monotonic()
     try:
-        path = build(progress=tick)
+        built = build(progress=tick)
     except NativeBuildError as e:
         if tty:
             _say("")
@@ -160,8 +156,8 @@ def _build_on_first_use() -> Path:
         raise
     if tty:
         _say("")
-    _say(f"astrai: native extension built in {time.monotonic() - start:.0f} s: {path}")
-    return path
+    _say(f"astrai: native extension built in {time.monotonic() - start:.0f} s: {built}")
+    return built
 
 
 def load() -> ModuleType | None:
@@ -180,7 +176,7 @@ def load() -> ModuleType | None:
         try:
             found = _found()
             if found is None:
-                found = _build_on_first_use()
+                found = _build_on_first_use(path)
                 reason = "built for this process" if mode == "auto" else f"{NATIVE_ENV}=on"
             else:
                 reason = ("prebuilt" if found.parent == PREBUILT_DIR else "built"

@@ -17,8 +17,8 @@ GCC/Clang facilities); there the build says so and the pure-Python path serves.
 from __future__ import annotations
 
 __all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "PREBUILT_DIR", "SOURCES",
-           "NativeBuildError", "build", "built_path", "compiler", "prebuilt_path",
-           "preflight"]
+           "NativeBuildError", "build", "built_path", "compiler", "failed_marker",
+           "prebuilt_path", "preflight"]
 
 import hashlib
 import importlib.machinery
@@ -107,17 +107,22 @@ def _openmp() -> tuple[str, ...]:
     return OPENMP_FLAGS if torch._C.has_openmp else ()
 
 
+def _digest(*parts: object) -> str:
+    """A short hash of the sources and ``parts`` (what a built file depends on)."""
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    h.update("|".join(map(str, parts)).encode())
+    return h.hexdigest()[:16]
+
+
 def _abi_tag() -> str:
     """What a built file needs of the process loading it: the sources, torch (version and
     C++ ABI) and Python. A prebuilt file shipped in the package is named by this tag."""
     import torch
 
-    h = hashlib.sha256()
-    for source in SOURCES:
-        h.update(source.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
-    h.update(f"{torch.__version__}|{abi}|{sys.version_info[:2]}".encode())
-    return h.hexdigest()[:16]
+    return _digest(torch.__version__, abi, sys.version_info[:2])
 
 
 def _tag() -> str:
@@ -125,13 +130,9 @@ def _tag() -> str:
     Python, astrai's flags and the compiler."""
     import torch
 
-    h = hashlib.sha256()
-    for source in SOURCES:
-        h.update(source.read_bytes())
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)
-    h.update(f"{torch.__version__}|{torch.__file__}|{abi}|{sys.version}".encode())
-    h.update(f"{EXTRA_CFLAGS}|{_openmp()}|{_compiler_identity()}".encode())
-    return h.hexdigest()[:16]
+    return _digest(torch.__version__, torch.__file__, abi, sys.version, EXTRA_CFLAGS,
+                   _openmp(), _compiler_identity())
 
 
 #: Where a package built for one torch and Python would ship its compiled file
@@ -160,6 +161,12 @@ def built_path() -> Path:
     """The file this torch, Python, compiler and these sources build (it may not exist)."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return cache_dir() / f"{NAME}-{_tag()}{suffix}"
+
+
+def failed_marker(path: Path) -> Path:
+    """Where a failed build of ``path`` is remembered (its first line; a build that
+    succeeds removes it)."""
+    return path.with_name(f".{path.name}.failed")
 
 
 def _timeout() -> float:
@@ -217,7 +224,7 @@ def build(*, force: bool = False, progress: Callable[[float], None] | None = Non
                 os.mkdir(work)
                 made = _compile(Path(work), timeout, (), progress)
             os.replace(made, path)
-            path.with_name(f".{path.name}.failed").unlink(missing_ok=True)
+            failed_marker(path).unlink(missing_ok=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return path
