@@ -40,6 +40,7 @@ from tests.test_native import (
 #: The int axes a spec may compare, per facade (its lazy ones and its int base ones).
 INT_BASE = {"rms_norm": ("ndim",), "linear": ("ndim",), "rotary": ("ndim", "head_dim"),
             "rotary_half": ("ndim", "head_dim"), "attention": ("ndim", "head_dim"),
+            "attention_heads_first": ("ndim", "head_dim"),
             "layer_norm": ("ndim",), "activation": ("ndim",), "gated_activation": ("ndim",)}
 
 
@@ -96,8 +97,8 @@ def slow_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     modules = {sys.modules[f.facades[0].call.describe.__module__]
                for f in every_family().values()}
     for module in modules:
-        for helper in ("require_tensors", "_attention_slow", "check_rotary_half_call",
-                       "check_rotary_call"):
+        for helper in ("require_tensors", "_attention_slow", "_heads_first_slow",
+                       "check_rotary_half_call", "check_rotary_call"):
             real = getattr(module, helper, None)
             if real is None:
                 continue

@@ -48,6 +48,8 @@ def _full(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     if name == "attention":
         q, k, v, kv_cache, mask, fwd = args
         return (q, k, v, kv_cache, 0, mask, False, fwd, {})
+    if name == "attention_heads_first":
+        return (*args, False)
     return args
 
 
@@ -124,6 +126,9 @@ def _random_calls(rng: random.Random) -> Iterator[tuple[str, tuple[Any, ...]]]:
         va = rng.choice([_t(tuple(ka.shape), ka.dtype), _t((ka.shape[0], ka.shape[1], kv, dd + 1))])
         yield "attention", (qa, ka, va, None, rng.choice([None, None, _t((1, 1, s, 7))]),
                             rng.choice([None, None, "prefill", "decode", "bad"]))
+        yield "attention_heads_first", (qa.transpose(1, 2), ka.transpose(1, 2),
+                                        rng.choice([va.transpose(1, 2), va]),
+                                        rng.choice([None, None, _t((1, 1, s, 7)), "m"]))
 
         xn: Any = _t((*lead, f), dt()) if rng.random() < 0.95 else "x"
         xd = xn.dtype if isinstance(xn, torch.Tensor) else torch.float32
@@ -161,11 +166,13 @@ def _common(name: str) -> tuple[Any, ...]:
         "rotary_half": (_t((1, 4, 2, 8)), _t((1, 2, 2, 8)), _t((1, 2, 8)), _t((1, 2, 8)), 1),
         "attention": (_t((1, 3, 8, 16)), _t((1, 5, 2, 16)), _t((1, 5, 2, 16)), None, None,
                       None),
+        "attention_heads_first": (_t((1, 8, 3, 16)), _t((1, 2, 5, 16)), _t((1, 2, 5, 16)),
+                                  None),
     }[name]
 
 
-NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "layer_norm",
-         "activation", "gated_activation"]
+NAMES = ["rms_norm", "linear", "rotary", "rotary_half", "attention", "attention_heads_first",
+         "layer_norm", "activation", "gated_activation"]
 
 
 @pytest.mark.parametrize("name", NAMES)

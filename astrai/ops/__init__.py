@@ -14,9 +14,9 @@ declared one through its facade, any other through its table alone.
 from __future__ import annotations
 
 __all__ = ["AttentionFeatures", "activation", "apply_rotary", "apply_rotary_half", "attention",
-           "call", "compiled_path", "context", "cross_entropy", "gated_activation",
-           "layer_norm", "linear", "linear_cross_entropy", "moe_experts", "moe_router",
-           "rms_norm", "rms_norm_form"]
+           "attention_heads_first", "call", "compiled_path", "context", "cross_entropy",
+           "gated_activation", "layer_norm", "linear", "linear_cross_entropy", "moe_experts",
+           "moe_router", "rms_norm", "rms_norm_form"]
 
 import os
 from typing import Any
@@ -46,7 +46,7 @@ from astrai.families import facade_for
 
 # The public facades of the built-in families (each declared in its own package).
 from astrai.families.activation import activation
-from astrai.families.attention import AttentionFeatures, attention
+from astrai.families.attention import AttentionFeatures, attention, attention_heads_first
 from astrai.families.cross_entropy import cross_entropy
 from astrai.families.gated_activation import gated_activation
 from astrai.families.layer_norm import layer_norm

@@ -11,6 +11,10 @@ Every attention row follows the same conventions, stated here once:
   to ``[batch, heads, q_len, k_len]``; it combines with ``is_causal``.
 - A query that may attend to no key at all gets a zero output.
 - The scale is ``1 / sqrt(head_dim)`` unless a call asks for another (``scale``).
+- A row that takes the heads-first layout as it is (``takes_heads_first``) is called
+  with ``heads_first=True``: q/k/v ``[batch, heads, seq, head_dim]`` (transformers'
+  tensors, untouched), and returns ``[batch, seq, heads, head_dim]``; every other row
+  is given the same call as transposed views.
 - A sliding ``window`` (only with ``is_causal``, or on the paged path) keeps the
   last ``window`` keys of the causal rule, the query's own position included:
   query ``i`` sees keys ``j`` with ``i + k_len - q_len - window < j <= i + k_len -
@@ -30,9 +34,15 @@ __all__ = [
     "merge_heads",
     "merge_masks",
     "repeat_kv_heads",
+    "takes_heads_first",
 ]
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 #: The dtypes the portable rows (math, torch_native) accept.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -142,3 +152,12 @@ def repeat_kv_heads(
     """``[B, kv_heads, S, D]`` k/v with each head repeated to ``heads`` (GQA made plain MHA)."""
     group = heads // k.shape[1]
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def takes_heads_first(impl: _F) -> _F:
+    """Declare that the attention implementation ``impl`` takes heads-first calls as they
+    are: called with ``heads_first=True``, q/k/v ``[batch, heads, seq, head_dim]``, it
+    returns ``[batch, seq, heads, head_dim]`` (a view is fine). ``attention_heads_first``
+    hands any other row the call as transposed views, so declaring it only saves them."""
+    impl.takes_heads_first = True  # type: ignore[attr-defined]
+    return impl

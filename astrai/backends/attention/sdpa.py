@@ -18,7 +18,7 @@ adapts a call to what their kernel takes.
 
 from __future__ import annotations
 
-__all__ = ["Core", "sdpa_attention", "sdpa_core", "sdpa_dense", "sdpa_paged"]
+__all__ = ["Core", "sdpa_attention", "sdpa_core", "sdpa_dense", "sdpa_heads_first", "sdpa_paged"]
 
 import functools
 from collections.abc import Callable
@@ -27,7 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from astrai.backends.attention.dense import merge_heads, merge_masks, repeat_kv_heads
+from astrai.backends.attention.dense import (
+    merge_heads,
+    merge_masks,
+    repeat_kv_heads,
+    takes_heads_first,
+)
 from astrai.backends.attention.paged import padded_keep, padded_kv, store_kv, token_coords
 from astrai.kv_cache import PagedBatch
 
@@ -65,6 +70,7 @@ def sdpa_core(
                                           dropout_p=dropout_p, scale=scale)
 
 
+@takes_heads_first
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,12 +84,18 @@ def sdpa_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     window: int | None = None,
+    heads_first: bool = False,
 ) -> torch.Tensor:
     """Attention output ``[..., heads * head_dim]`` in ``q``'s dtype, via PyTorch's SDPA
-    (``scale`` and ``dropout_p`` are SDPA's own; a ``window`` becomes part of the mask)."""
+    (``scale`` and ``dropout_p`` are SDPA's own; a ``window`` becomes part of the mask).
+    A heads-first call (``heads_first=True``: q/k/v ``[batch, heads, seq, head_dim]``,
+    SDPA's own layout) goes to SDPA untouched and returns ``[batch, seq, heads,
+    head_dim]``."""
     core: Core = sdpa_core
     if scale is not None or dropout_p:
         core = functools.partial(sdpa_core, scale=scale, dropout_p=dropout_p)
+    if heads_first:
+        return sdpa_heads_first(q, k, v, attn_mask, is_causal, core, window=window)
     if kv_cache is not None:
         return sdpa_paged(q, k, v, kv_cache, layer_id, core, window=window)
     if attn_mask is None and window is None and core is sdpa_core and _HAS_GQA:
@@ -125,6 +137,35 @@ def sdpa_dense(
         causal = False
     out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
     return merge_heads(out.transpose(1, 2))
+
+
+def sdpa_heads_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    core: Core = sdpa_core,
+    *,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A dense call given heads-first (q/k/v ``[batch, heads, seq, head_dim]``) through
+    ``core``, with no copy or transpose on the way in: ``[batch, seq, heads, head_dim]``
+    out, a view of what SDPA returns."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    if attn_mask is None and window is None and (not is_causal or q_len == k_len):
+        # SDPA's own causal flag is top-left aligned, which equals ours when square.
+        if core is sdpa_core and _HAS_GQA:  # the hot path: SDPA itself
+            if q.shape[1] != k.shape[1]:
+                out = _SDPA(q, k, v, is_causal=is_causal, enable_gqa=True)
+            elif is_causal:
+                out = _SDPA(q, k, v, is_causal=True)
+            else:
+                out = _SDPA(q, k, v)
+            return out.transpose(1, 2)
+        return core(q, k, v, None, is_causal).transpose(1, 2)
+    mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device, window)
+    return core(q, k, v, mask, False).transpose(1, 2)
 
 
 def sdpa_paged(

@@ -12,9 +12,11 @@ served by ``astrai.families.attention.transformers``).
 
 from __future__ import annotations
 
-__all__ = ["ATTENTION", "ATTENTION_ASKS", "ATTENTION_FEATURES", "ATTENTION_READING",
+__all__ = ["ATTENTION", "ATTENTION_ASKS", "ATTENTION_FEATURES", "ATTENTION_HEADS_FIRST",
+           "ATTENTION_HEADS_FIRST_READING", "ATTENTION_HEADS_FIRST_SHAPE", "ATTENTION_READING",
            "ATTENTION_READS", "ATTENTION_SHAPE", "FAMILY", "AttentionFeatures", "attention",
-           "attention_features", "describe_attention"]
+           "attention_features", "attention_heads_first", "describe_attention",
+           "describe_attention_heads_first"]
 
 import math as _math
 from collections.abc import Callable
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 from astrai.backends.attention.dense import PAGED_MODES, check_dense
 from astrai.backends.attention.paged import check_paged
+from astrai.dispatch import state as process
 from astrai.dispatch.facade import (
     DEVICE_OPS,
     FamilyCall,
@@ -261,5 +264,107 @@ ATTENTION = facade(FamilyCall.of(
     keywords=tuple(ATTENTION_FEATURES), asks=ATTENTION_ASKS,
     check=lambda full, asked: attention_features(full[0], full[6], full[3], asked),
     incidental=("layer_id",), reading=ATTENTION_READING))
-FAMILY = declare(Family("attention", (ATTENTION,),
+
+
+# -- the heads-first layout ------------------------------------------------------------
+
+
+def _heads_first_slow(q: Any, k: Any, v: Any, attn_mask: Any) -> None:
+    require_tensors("attention", q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"heads-first attention expects {name} as [batch, heads, seq, "
+                             f"head_dim]; got shape {tuple(t.shape)}")
+    if attn_mask is not None:
+        require_tensors("attention", attn_mask=attn_mask)
+    # The dense rules, on the seq-first views of the same call.
+    check_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
+    if q.shape[-1] < 1 or k.shape[1] < 1 or v.shape[-1] < 1:
+        raise ValueError(f"attention needs head_dim >= 1 and at least one k/v head; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def describe_attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   attn_mask: torch.Tensor | None,
+                                   is_causal: bool) -> tuple[Any, ...]:
+    """A dense call given heads-first - q ``[batch, heads, seq, head_dim]``, k/v ``[batch,
+    kv_heads, kv_seq, head_dim]`` - read into the very axis values of the same call given
+    seq-first (``describe_attention``): the layout is no axis, so both decide alike."""
+    if attn_mask is None:
+        try:  # the common call: k and v alike, then integer comparisons with q
+            qs, ks = q.shape, k.shape
+            same = v.shape == ks
+        except AttributeError:
+            same = False  # not tensors: the full check says which
+        if same and len(qs) == 4 and len(ks) == 4:
+            b, h, _, d = qs
+            kb, kh, _, kd = ks
+            dt = q.dtype
+            if (b == kb and d == kd and d > 0 < kh and not h % kh and k.dtype is dt
+                    and v.dtype is dt):
+                return (None, dt, q.is_cuda, 4, d, False, False, _grad())
+    _heads_first_slow(q, k, v, attn_mask)
+    return (None, q.dtype, q.is_cuda, 4, q.shape[-1], False, attn_mask is not None, _grad())
+
+
+#: The lazy axes of a heads-first call: those of the same call given seq-first.
+ATTENTION_HEADS_FIRST_SHAPE: dict[str, Callable[..., Any]] = {
+    "device": read_device, "sm": read_sm, "batch": size_of(0, 0), "q_len": size_of(0, 2),
+    "kv_len": size_of(1, 2), "heads": size_of(0, 1), "kv_heads": size_of(1, 1)}
+
+#: ``attention_heads_first(q, k, v, attn_mask)`` without a mask: q [b, h, s, d], k = v
+#: [b, kh, skv, d] (kh > 0 dividing h, d > 0), one dtype.
+ATTENTION_HEADS_FIRST_READING = Reading(4, (
+    Case((("is", 3, 0), ("tensor", 0), ("tensor", 1), ("tensor", 2),
+          ("ndim", 0, 4), ("ndim", 1, 4), ("shape_eq", 2, 1), ("size_eq", 0, 0, 1, 0),
+          ("size_eq", 0, 3, 1, 3), ("size_ge", 0, 3, 1), ("size_div", 0, 1, 1, 1),
+          ("dtype_eq", 1, 0), ("dtype_eq", 2, 0)),
+         (("const", 0), ("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("const", 2),
+          ("const", 2), ("grad",)),
+         {**DEVICE_OPS, "batch": ("size", 0, 0), "q_len": ("size", 0, 2),
+          "kv_len": ("size", 1, 2), "heads": ("size", 0, 1), "kv_heads": ("size", 1, 1)}),
+))
+
+
+def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                          backend: Any = None) -> torch.Tensor:
+    """Dense attention given heads-first - q ``[batch, heads, seq, head_dim]``, k/v
+    ``[batch, kv_heads, kv_seq, head_dim]``, transformers' and SDPA's layout - through
+    the ``attention`` table; returns ``[batch, seq, heads, head_dim]`` (possibly a
+    non-contiguous view).
+
+    Decided exactly as ``attention`` decides the same call given seq-first (the layout
+    is not an axis, so ``explain``, locks and tuning see one call). A row whose
+    implementation takes heads-first calls (``takes_heads_first``) gets the tensors
+    untouched; any other row gets the seq-first call as transposed views. A recording
+    in force records the call seq-first, as ``attention`` makes it."""
+    f = ATTENTION_HEADS_FIRST
+    if backend is None and f.lookup is not None and not compiling():
+        d = f.lookup(f.last, q, k, v, attn_mask)
+        if d is not None:
+            next(d.counter)
+            call = d.call
+        else:
+            call = f.route(backend, (q, k, v, attn_mask, is_causal))
+    elif process.recordings and not compiling():  # recorded as the seq-first call
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        attn_mask=attn_mask, is_causal=is_causal, backend=backend)
+        return out.unflatten(-1, (q.shape[1], -1))
+    else:
+        call = f.route(backend, (q, k, v, attn_mask, is_causal))
+    if getattr(call, "takes_heads_first", False):
+        return call(q, k, v, attn_mask=attn_mask, is_causal=is_causal,  # type: ignore[no-any-return]
+                    heads_first=True)
+    out = call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+               is_causal=is_causal)
+    return out.unflatten(-1, (q.shape[1], -1))  # type: ignore[no-any-return]
+
+
+#: The family's second call: the heads-first layout.
+ATTENTION_HEADS_FIRST = facade(FamilyCall.of(
+    attention_heads_first, describe_attention_heads_first, ATTENTION_READS,
+    ATTENTION_HEADS_FIRST_SHAPE, positional=3, reading=ATTENTION_HEADS_FIRST_READING,
+    family="attention"), name="attention_heads_first")
+FAMILY = declare(Family("attention", (ATTENTION, ATTENTION_HEADS_FIRST),
                         model="astrai.families.attention.model:RECOGNITION"))

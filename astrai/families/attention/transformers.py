@@ -21,12 +21,14 @@ What ``register()`` installs, under the name ``"astrai"``:
   or ``None`` when a plain causal mask suffices. Without this second registration
   transformers would build *no mask at all* for an unknown implementation name.
 
-The adapter translates transformers' call (``[batch, heads, seq, head_dim]``
-tensors, fewer K/V heads for GQA, its 4-d mask, ``is_causal``) to the facade's
-dense layout (``[batch, seq, heads, head_dim]``) and back, following the
-semantics of transformers' own ``sdpa_attention_forward``, and hands what the
-model asks for beyond plain attention to the facade as features, so the call runs
-on the first row of the table that declares them all:
+The adapter follows the semantics of transformers' own ``sdpa_attention_forward``.
+A plain call (no feature below: a decode step or a prefill of most models) goes to
+``ops.attention_heads_first`` with transformers' ``[batch, heads, seq, head_dim]``
+tensors untouched - decided exactly as the same call given seq-first, and passed
+as it is to rows that take that layout (SDPA's). A call asking for more is
+translated to the facade's dense layout (``[batch, seq, heads, head_dim]``) and
+back, and what the model asks for beyond plain attention is handed to the facade as
+features, so the call runs on the first row of the table that declares them all:
 
 ==================================  ==============================================
 transformers passes                 the facade gets
@@ -83,7 +85,7 @@ import torch
 
 from astrai.dispatch import CallContext, explain
 from astrai.errors import UnsupportedFeatureError
-from astrai.families.attention import ATTENTION, attention
+from astrai.families.attention import ATTENTION, attention, attention_heads_first
 
 #: The ``attn_implementation`` name that ``register()`` installs.
 ATTN_IMPLEMENTATION = "astrai"
@@ -132,6 +134,27 @@ def _summary(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {tuple(value.shape)}"
     return value
+
+
+def _heads_first_arguments(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """``(q, k, v, attn_mask, is_causal)`` of ``attention_heads_first`` for one
+    transformers call: its own tensors, with the causal rule of ``sdpa_attention_forward``
+    (see ``_facade_arguments``) and the static cache's unwritten slots cut off."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = (bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+              and attention_mask is None and q_len > 1)
+    if causal and kv_len > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    elif attention_mask is not None and attention_mask.shape[-1] > kv_len:
+        attention_mask = attention_mask[..., :kv_len]
+    return query, key, value, attention_mask, causal
 
 
 def _facade_arguments(
@@ -357,11 +380,11 @@ def astrai_attention_forward(
             and (scaling is None or _math.isclose(scaling, query.shape[-1] ** -0.5,
                                                   rel_tol=1e-6))
             and (attention_mask is None or isinstance(attention_mask, torch.Tensor))):
-        # Plain attention (a decode step of most models): no feature to translate.
-        q, k, v, mask, causal, _ = _facade_arguments(module, query, key, value,
-                                                     attention_mask, is_causal)
-        out = attention(q, k, v, attn_mask=mask, is_causal=causal)
-        return out.view(batch, q_len, heads, -1), None
+        # Plain attention (a decode step of most models): no feature to translate, and
+        # transformers' heads-first tensors go to the table untouched.
+        query, key, value, mask, causal = _heads_first_arguments(
+            module, query, key, value, attention_mask, is_causal)
+        return attention_heads_first(query, key, value, mask, causal).contiguous(), None
     (q, k, v), keywords = _translate(module, query, key, value, attention_mask, dropout,
                                      scaling, is_causal, kwargs)
     if not keywords.get("return_weights"):
