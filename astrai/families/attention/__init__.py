@@ -350,7 +350,7 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     elif process.recordings and not compiling():  # recorded as the seq-first call
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         attn_mask=attn_mask, is_causal=is_causal, backend=backend)
-        return out.unflatten(-1, (q.shape[1], -1))
+        return out.reshape(out.shape[0], out.shape[1], q.shape[1], -1)
     else:
         call = f.route(backend, (q, k, v, attn_mask, is_causal))
     if getattr(call, "takes_heads_first", False):
@@ -358,7 +358,7 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     heads_first=True)
     out = call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                is_causal=is_causal)
-    return out.unflatten(-1, (q.shape[1], -1))  # type: ignore[no-any-return]
+    return out.reshape(out.shape[0], out.shape[1], q.shape[1], -1)  # type: ignore[no-any-return]
 
 
 #: The family's second call: the heads-first layout.
