@@ -121,14 +121,28 @@ def _runs(model: Any) -> tuple[Callable[[], object], Callable[[], object]]:
 
 
 def _toggles(model: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The setups that make ``model`` plain (restored) and routed (dispatched)."""
+    """The setups that make ``model`` plain and routed: ``dispatch_model`` once, then its
+    forwards taken out (what ``restore_model`` does) and put back. A setup that probed
+    every module again (``dispatch_model``'s recognition runs them on random inputs) would
+    leave the allocator and the caches in another state before each routed run than
+    before each plain one."""
     from astrai.integrations.transformers import dispatch_model, restore_model
+    from astrai.integrations.transformers.routing import ROUTE_ATTR
+
+    restore_model(model)
+    dispatch_model(model)
+    routes = [(m, {n: m.__dict__[n] for n in ("forward", ROUTE_ATTR)})
+              for m in model.modules() if ROUTE_ATTR in m.__dict__]
+    restore_model(model)
 
     def plain() -> None:
-        restore_model(model)
+        for module, installed in routes:
+            for name in installed:
+                module.__dict__.pop(name, None)
 
     def routed() -> None:
-        dispatch_model(model)
+        for module, installed in routes:
+            module.__dict__.update(installed)
 
     return plain, routed
 

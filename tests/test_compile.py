@@ -387,3 +387,32 @@ class TestShapeAxesCompiled:
             k = torch.randn(1, length, 2, 4)
             torch.testing.assert_close(fn(q, k), block(q, k))
         assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("row", ["torch", "native"])
+def test_traced_rotary_is_elementwise_for_inductor_to_fuse(row: str) -> None:
+    """Traced, the half-layout rotary rows are the reference's pure elementwise formula
+    (eager's in-place writes into slices would keep inductor from fusing it), with the
+    same result."""
+    import operator
+
+    seen: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 128, 8, 64, generator=g).transpose(1, 2)  # large: eager goes in place
+    k = torch.randn(1, 128, 4, 64, generator=g).transpose(1, 2)
+    cos, sin = torch.randn(1, 128, 64, generator=g), torch.randn(1, 128, 64, generator=g)
+
+    def rotate(q: torch.Tensor, k: torch.Tensor) -> Any:
+        return astrai.ops.apply_rotary_half(q, k, cos, sin, backend=row)
+
+    with torch.no_grad():
+        got = torch.compile(rotate, backend=backend, fullgraph=True)(q, k)
+        want = rotate(q, k)
+    assert seen and not {operator.setitem, operator.iadd, operator.isub} & set(seen)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -178,7 +178,11 @@ def torch_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
                       unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The half layout with the products and sums of ``reference_rotary_half`` (so the
     same result, bit for bit) in fewer operations: small calls rotate q and k joined
-    along their heads, large ones each by halves, the second product added in place."""
+    along their heads, large ones each by halves, the second product added in place.
+    Traced (``torch.compile``), it is the reference's formula: pure elementwise operations,
+    which inductor fuses into one pass per tensor (slices written in place would stop it)."""
+    if compiling():
+        return reference_rotary_half(q, k, cos, sin, unsqueeze_dim)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     if q.numel() + k.numel() <= _HALF_JOINED_MAX:
         heads = unsqueeze_dim % q.dim()

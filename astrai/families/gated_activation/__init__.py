@@ -41,10 +41,11 @@ GATED_READS = ("dtype", "device_cuda", "ndim", "grad_enabled", "act")
 def describe_gated_activation(gate: Tensor, up: Tensor, act: str) -> tuple[Any, ...]:
     """``gate`` and ``up`` floating tensors of one shape (rank >= 1) and dtype; ``act``
     one of the activations."""
-    if (isinstance(gate, Tensor) and isinstance(up, Tensor) and len(gate.shape)
-            and gate.shape == up.shape and gate.dtype is up.dtype
-            and gate.dtype.is_floating_point and act in ACTIVATIONS):
-        return (gate.dtype, gate.is_cuda, len(gate.shape), _grad(), act)  # the common call
+    if isinstance(gate, Tensor) and isinstance(up, Tensor):  # the common call
+        shape, dtype = gate.shape, gate.dtype
+        if (shape and shape == up.shape and up.dtype is dtype and dtype.is_floating_point
+                and act in ACTIVATIONS):
+            return (dtype, gate.is_cuda, len(shape), _grad(), act)
     require_tensors("gated_activation", gate=gate, up=up)
     if not len(gate.shape) or gate.shape != up.shape or gate.dtype != up.dtype or (
             not gate.dtype.is_floating_point):
