@@ -108,9 +108,10 @@ class TestLinear:
         b = torch.randn(12, generator=g).to(dtype) if bias else None
         want = x.double() @ w.double().T + (0 if b is None else b.double())
         rows = faithful("linear")
-        assert list(rows) == ["torch"]
+        assert list(rows) == ["transposed", "torch"]
         for impl in rows.values():
-            out = impl(x, w, b)
+            with torch.no_grad():  # transposed: its product (with autograd it is F.linear)
+                out = impl(x, w, b)
             assert out.shape == (*shape[:-1], 12) and out.dtype == dtype
             # Half-precision accumulations round; scale the tolerance by sqrt(in_features).
             tol = TOL[dtype] * 4
@@ -140,10 +141,11 @@ class TestLinear:
             ops.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4), backend=row)
 
     def test_non_faithful_rows_are_marked(self) -> None:
-        """fp8 and bf16 are faithful: false; torch is the fallback."""
+        """fp8 and bf16 are faithful: false; transposed and torch are faithful, torch the
+        fallback."""
         data = table("linear")
         flags = {r["name"]: r.get("faithful", True) for r in data["rows"]}
-        assert flags == {"fp8": False, "bf16": False, "torch": True}
+        assert flags == {"fp8": False, "bf16": False, "transposed": True, "torch": True}
         assert data["fallback"] == "torch"
 
 

@@ -404,16 +404,32 @@ class TestNeverBreaks:
 
     def test_a_call_no_file_can_hold_is_left_out_with_a_warning(
             self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-        """A jagged nested tensor's row count is symbolic: that call is left out (with a
-        warning), and the file of the others is written and loads."""
-        jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)],
-                                            layout=torch.jagged)
+        """A call whose axes hold a value no file can hold (a symbolic size) is left out
+        (with a warning), and the file of the others is written and loads."""
+        from astrai.dispatch import state
+        from astrai.dispatch.axes import CallContext
+
         with caplog.at_level("WARNING", logger="astrai"), record() as wl:
-            ops.linear(jagged, torch.randn(4, 8))
+            assert state.note_call is not None
+            state.note_call(CallContext("linear", dtype=torch.float32, ndim=2,
+                                        tokens=object()), None)  # type: ignore[arg-type]
             ops.linear(torch.randn(2, 8), torch.randn(4, 8))
         assert any("is not recorded" in r.getMessage() for r in caplog.records)
         loaded = Workload.load(wl.save(tmp_path / "wl.yaml"))
         assert [c.axes["tokens"] for c in loaded.calls] == [2]
+
+    def test_a_jagged_call_is_served_and_recorded_without_a_token_count(
+            self, tmp_path: Path) -> None:
+        """A jagged nested tensor's row count is no number: its call is served (by a row
+        that does not ask for one) and recorded with ``tokens`` none."""
+        jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)],
+                                            layout=torch.jagged)
+        with record() as wl, torch.no_grad():
+            out = ops.linear(jagged, torch.randn(4, 8))
+            ops.linear(torch.randn(2, 8), torch.randn(4, 8))
+        assert out.is_nested and out.shape[-1] == 4
+        loaded = Workload.load(wl.save(tmp_path / "wl.yaml"))
+        assert sorted(c.axes["tokens"] or 0 for c in loaded.calls) == [0, 2]
 
 
 class TestChildren:

@@ -1,10 +1,22 @@
-"""Linear layers: rows ``fp8`` and ``bf16`` (non-faithful) and ``torch`` (the fallback).
+"""Linear layers: rows ``fp8`` and ``bf16`` (non-faithful), ``transposed`` and ``torch``
+(the fallback).
 
 ``linear(x, weight, bias=None) = x @ weight.T + bias`` with ``weight``
 ``[out_features, in_features]`` and ``x`` ``[..., in_features]``; the output is
 ``[..., out_features]`` in ``x``'s dtype.
 
 - ``torch``: ``F.linear`` in ``x``'s dtype.
+- ``transposed``: one matrix product ``x @ Wt`` with a contiguous ``[in, out]`` copy
+  ``Wt`` of the weight, made at the weight's first such call and kept beside it (CPU).
+  MKL multiplies by the weight as it is stored, ``[out, in]`` read transposed, markedly
+  slower at a few to a few hundred rows (2x at 8 rows of a 512-wide layer); the copy
+  turns every later call into the fast product. The result equals ``F.linear``'s up to
+  the order of the float32 sums. A copy is remade when its weight changes (in place:
+  its version; replaced: its storage), dropped when the weight is freed, and all copies
+  together stay within a budget (``set_weight_copy_budget``, 1 GiB unless set): past it,
+  the first refusal warns once and the call runs ``F.linear``, counted in
+  ``stats().handed``. ``weight_copies()`` says what is held, ``release_weight_copies()``
+  frees it.
 - ``bf16``: casts to bfloat16, multiplies, casts back — faster on hardware with
   bf16 matrix units, at bfloat16 precision (so not faithful).
 - ``fp8``: per-tensor-scaled float8 (e4m3) operands multiplied by
@@ -22,13 +34,24 @@ __all__ = [
     "bf16_linear",
     "fp8_available",
     "fp8_linear",
+    "release_weight_copies",
+    "set_weight_copy_budget",
     "torch_linear",
+    "transposed_linear",
+    "weight_copies",
 ]
+
+import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.stats import count_handoff
 from astrai.dispatch.tables.model import Unavailable
+from astrai.dispatch.torch_compile import compiling
 
 _FP8_MIN_CAPABILITY = (8, 9)
 _FP8_ALIGN = 16  # _scaled_mm wants every matrix dimension a multiple of 16
@@ -111,3 +134,91 @@ def fp8_linear(
     if bias is not None:
         out = out + bias.to(x.dtype)
     return out.reshape(*lead, n)
+
+
+# -- transposed: the weight kept as a contiguous [in, out] copy ----------------------
+
+
+class _Copy:
+    """A weight's ``[in, out]`` copy, and what the weight was when it was made."""
+
+    __slots__ = ("ptr", "shape", "t", "version")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.t = weight.detach().t().contiguous()
+        self.version, self.ptr, self.shape = weight._version, weight.data_ptr(), weight.shape
+
+
+#: Each weight's copy, dropped with the weight.
+_COPIES: Any = WeakIdKeyDictionary()  # (untyped in torch)
+_LOCK = threading.Lock()
+_budget = [1 << 30]
+#: What computes a call the ``transposed`` row hands on (``stats().handed``).
+_HANDED = "F.linear"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def set_weight_copy_budget(nbytes: int) -> None:
+    """Bound the bytes of all the ``transposed`` row's weight copies together (1 GiB unless
+    set; 0: the row makes none). Copies held already are kept; ``release_weight_copies``
+    frees them."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"the weight copy budget is a number of bytes >= 0, got {nbytes!r}")
+    _budget[0] = nbytes
+
+
+def weight_copies() -> tuple[int, int]:
+    """``(copies, bytes)`` the ``transposed`` row holds now."""
+    with _LOCK:
+        held = [c.t.nbytes for c in _COPIES.values()]
+    return len(held), sum(held)
+
+
+def release_weight_copies() -> int:
+    """Free every copy the ``transposed`` row holds (made again at the next call that
+    needs one); returns the bytes freed."""
+    with _LOCK:
+        freed: int = sum(c.t.nbytes for c in _COPIES.values())
+        _COPIES.clear()
+    return freed
+
+
+def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s current ``[in, out]`` copy, made now if it has none or it changed;
+    ``None`` when making it would pass the budget."""
+    got = _COPIES.get(weight)
+    if (got is not None and got.version == weight._version and got.ptr == weight.data_ptr()
+            and got.shape == weight.shape):
+        return got.t  # type: ignore[no-any-return]
+    with _LOCK:
+        if got is not None:
+            del _COPIES[weight]
+        held = sum(c.t.nbytes for c in _COPIES.values())
+        if held + weight.nbytes > _budget[0]:
+            warn_once(f"astrai: the linear row 'transposed' holds {held} bytes of weight "
+                      f"copies and may hold {_budget[0]} (set_weight_copy_budget); a "
+                      f"weight of {weight.nbytes} bytes gets no copy, its calls run "
+                      f"F.linear (counted in stats().handed)")
+            return None
+        made = _COPIES[weight] = _Copy(weight)
+    return made.t
+
+
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as one product with the weight's contiguous ``[in, out]``
+    copy (module docstring). Traced, autograd recording, or a tensor subclass:
+    ``F.linear``."""
+    if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
+            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)):
+        if not compiling():
+            count_handoff("linear", "transposed", _HANDED)
+        return F.linear(x, weight, bias)
+    t = _copy_of(weight)
+    if t is None:
+        count_handoff("linear", "transposed", _HANDED)
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.mm(x2, t) if bias is None else torch.addmm(bias, x2, t)
+    return out.view(*x.shape[:-1], t.shape[1])

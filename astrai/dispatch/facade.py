@@ -418,11 +418,11 @@ def number(family: str, name: str, value: Any) -> float:
     return float(value)
 
 
-def leading_rows(arg: int, features: int) -> Callable[..., int]:
+def leading_rows(arg: int, features: int) -> Callable[..., int | None]:
     """A lazy axis reader: the rows of argument ``arg`` (the product of its dimensions
     but the last ``features``), made here so that reading it stays in this module."""
 
-    def read(*args: Any) -> int:
+    def read(*args: Any) -> int | None:
         return rows(args[arg].shape, features)
 
     return read
@@ -437,15 +437,27 @@ def size_of(arg: int, dim: int) -> Callable[..., int]:
     return read
 
 
-def rows(s: torch.Size, features: int) -> int:
+def rows(s: torch.Size, features: int) -> int | None:
     """The product of ``s`` but its last ``features`` dimensions (without slicing a
-    ``torch.Size``, which costs more than the product in the common ranks)."""
+    ``torch.Size``, which costs more than the product in the common ranks); ``None`` for
+    a jagged nested tensor's, which is no number (no spec compares it, so the rows that
+    ask for a count of tokens do not serve such a call)."""
     n = len(s) - features
     if n == 1:
-        return s[0]  # type: ignore[no-any-return]
-    if n == 2:
-        return s[0] * s[1]  # type: ignore[no-any-return]
-    return prod(s[:n])
+        r = s[0]
+    elif n == 2:
+        r = s[0] * s[1]
+    else:
+        r = prod(s[:n])
+    if r.__class__ is not int and not compiling() and _jagged(r):  # eager: a nested int
+        return None
+    return r  # type: ignore[no-any-return]
+
+
+def _jagged(size: Any) -> bool:
+    """Whether ``size`` is a jagged nested tensor's ragged size (a nested int)."""
+    node = getattr(size, "node", None)
+    return node is not None and bool(getattr(node, "is_nested_int", lambda: False)())
 
 
 #: The compiled hot path's reading of the ``device`` and ``sm`` axes of a call whose

@@ -98,21 +98,6 @@ def sdpa_attention(
         return sdpa_heads_first(q, k, v, attn_mask, is_causal, core, window=window)
     if kv_cache is not None:
         return sdpa_paged(q, k, v, kv_cache, layer_id, core, window=window)
-    if attn_mask is None and window is None and core is sdpa_core and _HAS_GQA:
-        # Hot path (dense, no mask): only the causal rule's square case is tested here.
-        qs, ks, vs = q.shape, k.shape, v.shape
-        if not is_causal or qs[1] == ks[1]:
-            if qs[2] != ks[2]:  # a branch, not a flag: shapes may be symbolic when compiled
-                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            is_causal=is_causal, enable_gqa=True)
-            elif is_causal:
-                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            is_causal=True)
-            else:
-                out = _SDPA(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            if qs[1] == 1:  # one query token: [B, H, 1, D] is already [B, 1, H*D] in memory
-                return out.reshape(qs[0], 1, qs[2] * vs[-1])
-            return out.transpose(1, 2).flatten(-2)
     return sdpa_dense(q, k, v, attn_mask, is_causal, core, window=window)
 
 
@@ -128,15 +113,9 @@ def sdpa_dense(
 ) -> torch.Tensor:
     """A dense call through ``core``: the causal rule (and ``window``) and the mask merged
     into one mask (SDPA's own causal flag where the call is square and has no mask)."""
-    q_len, k_len = q.shape[1], k.shape[1]
-    if is_causal and attn_mask is None and q_len == k_len and window is None:
-        # SDPA's own causal flag is top-left aligned, which equals ours when square.
-        mask, causal = None, True
-    else:
-        mask = merge_masks(attn_mask, is_causal, q_len, k_len, q.dtype, q.device, window)
-        causal = False
-    out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal)
-    return merge_heads(out.transpose(1, 2))
+    out = sdpa_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           attn_mask, is_causal, core, window=window)
+    return merge_heads(out)
 
 
 def sdpa_heads_first(

@@ -128,6 +128,24 @@ def _attention_slow(q: Any, k: Any, v: Any, kv_cache: Any, layer_id: int, attn_m
         raise ValueError(f"attention needs v's head_dim >= 1; got v {tuple(v.shape)}")
 
 
+def _common_dense(q: Any, k: Any, v: Any, heads: int) -> tuple[Any, bool, int] | None:
+    """``(dtype, is_cuda, head_dim)`` of the common dense call - 4-d q, k and v alike, one
+    batch, head_dim and dtype, k's heads (at dim ``heads``) > 0 dividing q's - read with
+    integer comparisons only; ``None`` for any other call (the full check says why)."""
+    try:
+        qs, ks = q.shape, k.shape
+        same = v.shape == ks
+    except AttributeError:
+        return None  # not tensors
+    if same and len(qs) == 4 and len(ks) == 4:
+        d, h, kh = qs[3], qs[heads], ks[heads]
+        dt = q.dtype
+        if (qs[0] == ks[0] and d == ks[3] and d > 0 < kh and not h % kh and k.dtype is dt
+                and v.dtype is dt):
+            return dt, q.is_cuda, d
+    return None
+
+
 def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any,
                        layer_id: int, attn_mask: torch.Tensor | None, is_causal: bool,
                        fwd: str | None, features: dict[str, Any]) -> tuple[Any, ...]:
@@ -142,18 +160,9 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
                 "scale" in features, "softcap" in features, "dropout_p" in features,
                 features.get("window"), "sinks" in features, "return_weights" in features)
     if kv_cache is None and attn_mask is None:
-        try:  # the common dense call: k and v alike, then integer comparisons with q
-            qs, ks = q.shape, k.shape
-            same = v.shape == ks
-        except AttributeError:
-            same = False  # not tensors: the full check says which
-        if same and len(qs) == 4 and len(ks) == 4:
-            b, _, h, d = qs
-            kb, _, kh, kd = ks
-            dt = q.dtype
-            if (b == kb and d == kd and d > 0 < kh and not h % kh and k.dtype is dt
-                    and v.dtype is dt):
-                return (fwd, dt, q.is_cuda, 4, d, False, False, _grad())
+        common = _common_dense(q, k, v, 2)
+        if common is not None:
+            return (fwd, common[0], common[1], 4, common[2], False, False, _grad())
     _attention_slow(q, k, v, kv_cache, layer_id, attn_mask, fwd)
     return (fwd, q.dtype, q.is_cuda, len(q.shape), q.shape[-1], kv_cache is not None,
             attn_mask is not None, _grad())
@@ -291,18 +300,9 @@ def describe_attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kv_heads, kv_seq, head_dim]`` - read into the very axis values of the same call given
     seq-first (``describe_attention``): the layout is no axis, so both decide alike."""
     if attn_mask is None:
-        try:  # the common call: k and v alike, then integer comparisons with q
-            qs, ks = q.shape, k.shape
-            same = v.shape == ks
-        except AttributeError:
-            same = False  # not tensors: the full check says which
-        if same and len(qs) == 4 and len(ks) == 4:
-            b, h, _, d = qs
-            kb, kh, _, kd = ks
-            dt = q.dtype
-            if (b == kb and d == kd and d > 0 < kh and not h % kh and k.dtype is dt
-                    and v.dtype is dt):
-                return (None, dt, q.is_cuda, 4, d, False, False, _grad())
+        common = _common_dense(q, k, v, 1)
+        if common is not None:
+            return (None, common[0], common[1], 4, common[2], False, False, _grad())
     _heads_first_slow(q, k, v, attn_mask)
     return (None, q.dtype, q.is_cuda, 4, q.shape[-1], False, attn_mask is not None, _grad())
 

@@ -176,16 +176,10 @@ def _facade_arguments(
     top-left aligned; the facade's rule is bottom-right aligned, so - exactly like
     sdpa - those slots are cut off, which makes both alignments coincide.
     """
-    q_len, kv_len = query.shape[2], key.shape[2]
     layer_causal = bool(is_causal if is_causal is not None
                         else getattr(module, "is_causal", True))
-    causal = layer_causal and attention_mask is None and q_len > 1
-    if causal and kv_len > q_len:
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-        kv_len = q_len
-    if attention_mask is not None and attention_mask.shape[-1] > kv_len:
-        # transformers < 4.53 hands static-cache masks sized to the cache; its sdpa slices.
-        attention_mask = attention_mask[..., :kv_len]
+    query, key, value, attention_mask, causal = _heads_first_arguments(
+        module, query, key, value, attention_mask, layer_causal)
     return (
         query.transpose(1, 2),
         key.transpose(1, 2),

@@ -1,0 +1,134 @@
+"""The ``transposed`` linear row: one product with a kept ``[in, out]`` copy of the weight."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import astrai.dispatch as dispatch
+from astrai import ops
+from astrai.backends import linear as rows
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    rows.release_weight_copies()
+    yield
+    rows.set_weight_copy_budget(1 << 30)
+    rows.release_weight_copies()
+
+
+def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", [(16,), (5, 16), (2, 7, 16), (3, 2, 4, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_it_computes_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    w, b = _w(), (torch.randn(24) if bias else None)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        got = rows.transposed_linear(x, w, b)
+    assert got.shape == (*shape[:-1], 24)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-6, atol=1e-6)
+
+
+def test_a_strided_input_is_served() -> None:
+    w = _w()
+    x = torch.randn(16, 9)[:, ::2].t()  # [5, 16], not contiguous
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear(x, w, backend="transposed"), F.linear(x, w))
+
+
+def test_the_table_gives_it_cpu_float32_calls_of_four_tokens_and_more() -> None:
+    w = _w()
+    dispatch.stats(reset=True)
+    with torch.no_grad():
+        ops.linear(torch.randn(3, 16), w)  # 3 tokens: torch
+        ops.linear(torch.randn(1, 4, 16), w)  # 4 tokens: transposed
+        ops.linear(torch.randn(4, 16, dtype=torch.float64), w.double())  # float64: torch
+    ops.linear(torch.randn(8, 16), w)  # autograd on: torch
+    assert dispatch.stats().by_row()["linear"] == {"torch": {"chain": 3},
+                                                    "transposed": {"chain": 1}}
+
+
+def test_one_copy_per_weight_kept_across_calls() -> None:
+    w = _w()
+    with torch.no_grad():
+        for _ in range(3):
+            ops.linear(torch.randn(6, 16), w, backend="transposed")
+    assert rows.weight_copies() == (1, w.nbytes)
+
+
+def test_a_weight_changed_in_place_or_replaced_gets_a_new_copy() -> None:
+    layer = torch.nn.Linear(16, 24)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        ops.linear(x, layer.weight, layer.bias, backend="transposed")
+        layer.weight.mul_(2)  # in place: its version moves
+        torch.testing.assert_close(ops.linear(x, layer.weight, layer.bias, backend="transposed"),
+                                   layer(x))
+        layer.weight.data = torch.randn(24, 16)  # replaced storage
+        torch.testing.assert_close(ops.linear(x, layer.weight, layer.bias, backend="transposed"),
+                                   layer(x))
+    assert rows.weight_copies()[0] == 1
+
+
+def test_a_freed_weight_takes_its_copy_along() -> None:
+    w = _w()
+    with torch.no_grad():
+        ops.linear(torch.randn(6, 16), w, backend="transposed")
+    assert rows.weight_copies()[0] == 1
+    del w
+    gc.collect()
+    assert rows.weight_copies() == (0, 0)
+
+
+def test_past_the_budget_a_call_runs_f_linear_counted_and_said_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    first, second = _w(seed=1), _w(seed=2)
+    rows.set_weight_copy_budget(first.nbytes)
+    dispatch.stats(reset=True)
+    x = torch.randn(6, 16)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        ops.linear(x, first)
+        got = ops.linear(x, second)
+        ops.linear(x, second)
+    said = [r.getMessage() for r in caplog.records if "set_weight_copy_budget" in r.getMessage()]
+    assert len(said) == 1 and f"may hold {first.nbytes}" in said[0]
+    torch.testing.assert_close(got, F.linear(x, second))
+    assert rows.weight_copies() == (1, first.nbytes)
+    assert dispatch.stats().handed == {("linear", "transposed", "F.linear"): 2}
+    assert rows.release_weight_copies() == first.nbytes and rows.weight_copies() == (0, 0)
+
+
+def test_the_budget_is_a_byte_count() -> None:
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ValueError, match="number of bytes"):
+            rows.set_weight_copy_budget(bad)  # type: ignore[arg-type]
+
+
+def test_with_autograd_it_hands_the_call_to_f_linear_and_the_gradient_flows() -> None:
+    w = _w().requires_grad_()
+    x = torch.randn(6, 16)
+    with pytest.raises(dispatch.ExplicitSelectionError, match="not grad_enabled"):
+        ops.linear(x, w, backend="transposed")  # the table does not give it such a call
+    rows.transposed_linear(x, w).sum().backward()  # called as it is: F.linear
+    assert w.grad is not None and rows.weight_copies() == (0, 0)
+    torch.testing.assert_close(w.grad, x.sum(0).expand(24, 16))
+
+
+def test_traced_it_is_f_linear_and_keeps_no_copy() -> None:
+    w, x = _w(), torch.randn(6, 16)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, w, backend="transposed")
+
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), F.linear(x, w))
+    assert rows.weight_copies() == (0, 0)
