@@ -42,7 +42,7 @@ from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import in_force, world_now
-from astrai.families import facade_for
+from astrai.families import every_family, facade_for
 
 # The public facades of the built-in families (each declared in its own package).
 from astrai.families.activation import activation
@@ -70,6 +70,9 @@ def _python_call_hot(last: list[LastWorld], t: Any) -> Any:
 
 
 call_lookup_python(_python_call_hot)
+# Every built-in family declared now: a first ``ops.call`` of a user's family inside a
+# traced function would otherwise list this package's files there.
+every_family()
 
 if os.environ.get(RECORD_ENV, "").strip():  # record this whole process, written at exit
     from astrai.record.recording import record_process
