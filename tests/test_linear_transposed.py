@@ -132,3 +132,27 @@ def test_traced_it_is_f_linear_and_keeps_no_copy() -> None:
     with torch.no_grad():
         torch.testing.assert_close(fn(x), F.linear(x, w))
     assert rows.weight_copies() == (0, 0)
+
+
+def test_a_weight_stored_in_out_is_used_as_it_is() -> None:
+    """GPT-2's ``Conv1D`` keeps ``[in, out]`` and is served as ``weight.t()``: no copy."""
+    stored = torch.randn(16, 24)  # [in, out]
+    x = torch.randn(6, 16)
+    dispatch.stats(reset=True)
+    with torch.no_grad():
+        got = ops.linear(x, stored.t(), backend="transposed")
+    torch.testing.assert_close(got, x @ stored)
+    assert rows.weight_copies() == (0, 0) and not dispatch.stats().handed
+
+
+def test_a_view_made_for_the_call_gets_no_copy() -> None:
+    """A slice of a weight is a new tensor at every call: a copy would be remade each time,
+    so the call runs F.linear (counted)."""
+    w = _w(48)
+    x = torch.randn(6, 16)
+    dispatch.stats(reset=True)
+    with torch.no_grad():
+        got = ops.linear(x, w[:24], backend="transposed")
+    torch.testing.assert_close(got, F.linear(x, w[:24]))
+    assert rows.weight_copies() == (0, 0)
+    assert dispatch.stats().handed == {("linear", "transposed", "F.linear"): 1}

@@ -185,8 +185,15 @@ def release_weight_copies() -> int:
 
 
 def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight``'s current ``[in, out]`` copy, made now if it has none or it changed;
-    ``None`` when making it would pass the budget."""
+    """``weight`` as a contiguous ``[in, out]`` matrix: its own transpose where it is
+    stored so (GPT-2's ``Conv1D`` is served as ``weight.t()``), else its current copy, made
+    now if it has none or it changed; ``None`` when making it would pass the budget or
+    would not outlive the call (the weight is a view made for it)."""
+    t = weight.t()
+    if t.is_contiguous():
+        return t
+    if weight._base is not None:
+        return None
     got = _COPIES.get(weight)
     if (got is not None and got.version == weight._version and got.ptr == weight.data_ptr()
             and got.shape == weight.shape):
