@@ -168,18 +168,22 @@ def set_weight_copy_budget(nbytes: int) -> None:
     _budget[0] = nbytes
 
 
+def _held() -> int:
+    """The bytes of every copy held (the caller holds ``_LOCK``)."""
+    return sum(c.t.nbytes for c in _COPIES.values())
+
+
 def weight_copies() -> tuple[int, int]:
     """``(copies, bytes)`` the ``transposed`` row holds now."""
     with _LOCK:
-        held = [c.t.nbytes for c in _COPIES.values()]
-    return len(held), sum(held)
+        return len(_COPIES), _held()
 
 
 def release_weight_copies() -> int:
     """Free every copy the ``transposed`` row holds (made again at the next call that
     needs one); returns the bytes freed."""
     with _LOCK:
-        freed: int = sum(c.t.nbytes for c in _COPIES.values())
+        freed = _held()
         _COPIES.clear()
     return freed
 
@@ -189,19 +193,20 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     stored so (GPT-2's ``Conv1D`` is served as ``weight.t()``), else its current copy, made
     now if it has none or it changed; ``None`` when making it would pass the budget or
     would not outlive the call (the weight is a view made for it)."""
+    got = _COPIES.get(weight)
+    if got is not None:
+        if (got.version == weight._version and got.ptr == weight.data_ptr()
+                and got.shape == weight.shape):
+            return got.t  # type: ignore[no-any-return]
+        with _LOCK:  # the weight changed since: its copy goes, whatever serves it now
+            _COPIES.pop(weight, None)
     t = weight.t()
     if t.is_contiguous():
         return t
     if weight._base is not None:
         return None
-    got = _COPIES.get(weight)
-    if (got is not None and got.version == weight._version and got.ptr == weight.data_ptr()
-            and got.shape == weight.shape):
-        return got.t  # type: ignore[no-any-return]
     with _LOCK:
-        if got is not None:
-            del _COPIES[weight]
-        held = sum(c.t.nbytes for c in _COPIES.values())
+        held = _held()
         if held + weight.nbytes > _budget[0]:
             warn_once(f"astrai: the linear row 'transposed' holds {held} bytes of weight "
                       f"copies and may hold {_budget[0]} (set_weight_copy_budget); a "

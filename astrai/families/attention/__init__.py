@@ -41,7 +41,7 @@ from astrai.dispatch.facade import (
     require_tensors,
     size_of,
 )
-from astrai.dispatch.reading import Case, Reading
+from astrai.dispatch.reading import Case, Op, Reading
 from astrai.dispatch.torch_compile import compiling
 from astrai.families import Family, declare
 
@@ -131,7 +131,8 @@ def _attention_slow(q: Any, k: Any, v: Any, kv_cache: Any, layer_id: int, attn_m
 def _common_dense(q: Any, k: Any, v: Any, heads: int) -> tuple[Any, bool, int] | None:
     """``(dtype, is_cuda, head_dim)`` of the common dense call - 4-d q, k and v alike, one
     batch, head_dim and dtype, k's heads (at dim ``heads``) > 0 dividing q's - read with
-    integer comparisons only; ``None`` for any other call (the full check says why)."""
+    integer comparisons only; ``None`` for any other call (the full check says why). The
+    compiled hot path reads the same call by ``_dense_case``."""
     try:
         qs, ks = q.shape, k.shape
         same = v.shape == ks
@@ -188,20 +189,30 @@ ATTENTION_SHAPE: dict[str, Callable[..., Any]] = {
     "device": read_device, "sm": read_sm, "batch": _batch, "q_len": _q_len, "kv_len": _kv_len,
     "heads": size_of(0, -2), "kv_heads": size_of(1, -2)}
 
+def _dense_case(seq: int, heads: int, guards: tuple[Op, ...], fwd: Op) -> Case:
+    """The reading of the common dense call with q, k and v its first three arguments,
+    their sequence at dim ``seq`` and heads at dim ``heads``: 4-d, k = v, one batch,
+    head_dim > 0 and dtype, k's heads > 0 dividing q's; after ``guards`` (what the other
+    arguments must be), with ``fwd`` the value of the ``fwd`` axis. ``describe_attention``
+    and ``describe_attention_heads_first`` state the same rule (``_common_dense``)."""
+    return Case((*guards, ("tensor", 0), ("tensor", 1), ("tensor", 2),
+                 ("ndim", 0, 4), ("ndim", 1, 4), ("shape_eq", 2, 1), ("size_eq", 0, 0, 1, 0),
+                 ("size_eq", 0, 3, 1, 3), ("size_ge", 0, 3, 1), ("size_div", 0, heads, 1, heads),
+                 ("dtype_eq", 1, 0), ("dtype_eq", 2, 0)),
+                (fwd, ("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("const", 2),
+                 ("const", 2), ("grad",)),
+                {**DEVICE_OPS, "batch": ("size", 0, 0), "q_len": ("size", 0, seq),
+                 "kv_len": ("size", 1, seq), "heads": ("size", 0, heads),
+                 "kv_heads": ("size", 1, heads)})
+
+
 #: ``attention(q, k, v, kv_cache, attn_mask, fwd)`` without features: the dense call
 #: without a cache or a mask (fwd ``None``, ``"prefill"`` or ``"decode"``); q [b, s, h, d],
 #: k = v [b, skv, kh, d] (kh > 0 dividing h, d > 0), one dtype.
 ATTENTION_READING = Reading(6, (
-    Case((("is", 3, 0), ("is", 4, 0),
-          ("any", (("is", 5, 0),), (("is", 5, 3),), (("is", 5, 4),)),
-          ("tensor", 0), ("tensor", 1), ("tensor", 2),
-          ("ndim", 0, 4), ("ndim", 1, 4), ("shape_eq", 2, 1), ("size_eq", 0, 0, 1, 0),
-          ("size_eq", 0, 3, 1, 3), ("size_ge", 0, 3, 1), ("size_div", 0, 2, 1, 2),
-          ("dtype_eq", 1, 0), ("dtype_eq", 2, 0)),
-         (("arg", 5), ("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("const", 2),
-          ("const", 2), ("grad",)),
-         {**DEVICE_OPS, "batch": ("size", 0, 0), "q_len": ("size", 0, 1),
-          "kv_len": ("size", 1, 1), "heads": ("size", 0, -2), "kv_heads": ("size", 1, -2)}),
+    _dense_case(1, 2, (("is", 3, 0), ("is", 4, 0),
+                       ("any", (("is", 5, 0),), (("is", 5, 3),), (("is", 5, 4),))),
+                ("arg", 5)),
 ), consts=(None, True, False, "prefill", "decode"))
 
 
@@ -314,16 +325,7 @@ ATTENTION_HEADS_FIRST_SHAPE: dict[str, Callable[..., Any]] = {
 
 #: ``attention_heads_first(q, k, v, attn_mask)`` without a mask: q [b, h, s, d], k = v
 #: [b, kh, skv, d] (kh > 0 dividing h, d > 0), one dtype.
-ATTENTION_HEADS_FIRST_READING = Reading(4, (
-    Case((("is", 3, 0), ("tensor", 0), ("tensor", 1), ("tensor", 2),
-          ("ndim", 0, 4), ("ndim", 1, 4), ("shape_eq", 2, 1), ("size_eq", 0, 0, 1, 0),
-          ("size_eq", 0, 3, 1, 3), ("size_ge", 0, 3, 1), ("size_div", 0, 1, 1, 1),
-          ("dtype_eq", 1, 0), ("dtype_eq", 2, 0)),
-         (("const", 0), ("dtype", 0), ("cuda", 0), ("ndim", 0), ("size", 0, 3), ("const", 2),
-          ("const", 2), ("grad",)),
-         {**DEVICE_OPS, "batch": ("size", 0, 0), "q_len": ("size", 0, 2),
-          "kv_len": ("size", 1, 2), "heads": ("size", 0, 1), "kv_heads": ("size", 1, 1)}),
-))
+ATTENTION_HEADS_FIRST_READING = Reading(4, (_dense_case(2, 1, (("is", 3, 0),), ("const", 0)),))
 
 
 def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -340,13 +342,12 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     untouched; any other row gets the seq-first call as transposed views. A recording
     in force records the call seq-first, as ``attention`` makes it."""
     f = ATTENTION_HEADS_FIRST
+    d = None
     if backend is None and f.lookup is not None and not compiling():
         d = f.lookup(f.last, q, k, v, attn_mask)
-        if d is not None:
-            next(d.counter)
-            call = d.call
-        else:
-            call = f.route(backend, (q, k, v, attn_mask, is_causal))
+    if d is not None:
+        next(d.counter)
+        call = d.call
     elif process.recordings and not compiling():  # recorded as the seq-first call
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         attn_mask=attn_mask, is_causal=is_causal, backend=backend)

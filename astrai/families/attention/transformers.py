@@ -153,6 +153,7 @@ def _heads_first_arguments(
     if causal and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     elif attention_mask is not None and attention_mask.shape[-1] > kv_len:
+        # transformers < 4.53 hands static-cache masks sized to the cache; its sdpa slices.
         attention_mask = attention_mask[..., :kv_len]
     return query, key, value, attention_mask, causal
 
