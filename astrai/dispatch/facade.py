@@ -11,8 +11,9 @@ take the decision (baked in at trace time under ``torch.compile``, else from the
 decision cache), count it, and hand back the object to call.
 
 ``facade(call)`` makes a ``Facade``: the call, its route and last world, and
-the compiled hot path's ``lookup`` (``None`` where the extension is not in use or a
-recording is in force). A facade function reads them off its ``Facade`` on every call::
+the hot path's ``lookup`` - the compiled one's, or where the extension is not in use the
+Python one's (``astrai.dispatch.python_hot``), ``None`` while a recording is in force.
+A facade function reads them off its ``Facade`` on every call::
 
     def scale(x, factor, backend=None):
         f = SCALE
@@ -71,6 +72,7 @@ from typing import Any, NamedTuple
 import torch
 
 from astrai import native
+from astrai.dispatch import python_hot
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import OPS_KEY, environ_get
@@ -257,12 +259,13 @@ def keep(last: list[LastWorld], now: World, key: Any, d: Any, keyer: Keyer | Non
 
 
 def hot_plan(name: str, reading: Reading | None, shape: Layout) -> Any:
-    """The compiled hot path's plan for facade ``name``'s calls under ``shape`` (``None``
-    where it reads none), noting why not in ``state.hot_status``."""
+    """The hot path's plan (the compiled path's, or the Python one's where the extension
+    is not in use) for facade ``name``'s calls under ``shape`` (``None`` where it reads
+    none), noting why not in ``state.hot_status``."""
     why: str | None
     planner = process.hot_planner
     if planner is None:
-        why, plan = "astrai's native extension is not in use", None
+        why, plan = "astrai's native extension is not built yet", None
     elif reading is None:
         why, plan = "the family declares no reading of its calls", None
     else:
@@ -474,9 +477,10 @@ FIRST_TENSOR_READING = Reading(1, (
 
 
 class _Hot:
-    """The compiled hot path as the process uses it: the loaded extension (or ``None``),
-    its ``lookup`` for the facades, and ``ops.call``'s hot lookup (the extension's, or
-    the Python one ``ops`` gives), each ``None`` while a recording is in force."""
+    """The hot path as the process uses it: the loaded extension (or ``None``), the
+    facades' ``lookup`` (the extension's, or ``python_hot``'s without it), and
+    ``ops.call``'s hot lookup (the extension's, or the Python one ``ops`` gives), each
+    ``None`` while a recording is in force."""
 
     __slots__ = ("call_lookup", "lookup", "native", "python_call")
 
@@ -493,10 +497,10 @@ HOT = _Hot()
 
 class Facade:
     """One facade of a family, as its function reads it on every call: ``call`` (its
-    ``FamilyCall``), ``last`` (its route's last world, shared with the compiled hot
-    path), ``route`` (``route(backend, args)`` is the object to call: the plain route,
-    or while a recording is in force the one feeding it) and ``lookup`` (the compiled
-    hot path's, or ``None``)."""
+    ``FamilyCall``), ``last`` (its route's last world, shared with the hot path),
+    ``route`` (``route(backend, args)`` is the object to call: the plain route, or while
+    a recording is in force the one feeding it) and ``lookup`` (the hot path's - the
+    compiled or the Python one -, or ``None``)."""
 
     __slots__ = ("call", "function", "last", "lookup", "name", "plain", "route")
 
@@ -546,11 +550,13 @@ def _lookup_first(last: list[LastWorld], *args: Any) -> Any:
 
 
 def adopt(module: Any) -> None:
-    """Take ``module`` (the loaded extension, or ``None``) as the hot path from now on
-    (a recording in force keeps the facades off it until it ends)."""
+    """Take ``module`` (the loaded extension, or ``None``: the Python hot path,
+    ``astrai.dispatch.python_hot``) as the hot path from now on (a recording in force keeps
+    the facades off it until it ends)."""
     HOT.native = module
-    HOT.lookup = None if module is None else module.lookup
-    process.hot_planner = None if module is None else module.plan
+    hot = python_hot if module is None else module
+    HOT.lookup = hot.lookup
+    process.hot_planner = hot.plan
     if not process.recordings:
         for f in FACADES.values():
             f.lookup = HOT.lookup
@@ -583,7 +589,7 @@ def compiled_path(state: Any = None) -> dict[str, str | None]:
         if HOT.lookup is _lookup_first:
             why: str | None = ("astrai's native extension is not built yet "
                                "(the first facade call builds it)")
-        elif HOT.lookup is None:
+        elif HOT.native is None:
             why = f"astrai's native extension is not in use ({native.status().reason})"
         elif process.recordings:
             why = "a recording is in force (it takes every call through its route)"
@@ -598,7 +604,7 @@ def compiled_path(state: Any = None) -> dict[str, str | None]:
 def _hot_notes(family: str, state: Any) -> list[str]:
     """``explain``'s notes on the compiled hot path for ``family``: only where it is in
     use and reads none of a facade's calls."""
-    if HOT.lookup is None or HOT.lookup is _lookup_first:
+    if HOT.native is None or HOT.lookup is _lookup_first:
         return []
     return [f"the compiled hot path reads no {name} call here: {why}"
             for name, why in compiled_path(state).items()
@@ -615,16 +621,30 @@ else:
 
 @contextmanager
 def python_path() -> Iterator[None]:
-    """Within: every facade and ``ops.call`` take the pure-Python path, the compiled hot
-    path out of force (as without the extension); benchmarks compare the two with it."""
+    """Within: every facade and ``ops.call`` take the pure-Python path - the Python hot
+    path (``astrai.dispatch.python_hot``) in front of the routes, the compiled one out of
+    force - as without the extension; benchmarks compare the two with it. The routes'
+    plans are made again on the way in and on the way out (each path reads its own)."""
     saved = [(f, f.lookup) for f in FACADES.values()]
-    call_lookup = HOT.call_lookup
+    call_lookup, planner = HOT.call_lookup, process.hot_planner
+    _replan(python_hot.plan)
     for f, _ in saved:
-        f.lookup = None
+        f.lookup = python_hot.lookup
     HOT.call_lookup = HOT.python_call
     try:
         yield
     finally:
+        _replan(planner)
         for f, lookup in saved:
             f.lookup = lookup
         HOT.call_lookup = call_lookup
+
+
+def _replan(planner: Any) -> None:
+    """Plan with ``planner`` from now on: the snapshot's key plans and every route's last
+    world (which holds the plan it was kept with) are dropped, to be made again."""
+    process.hot_planner = planner
+    if process.snapshot is not None:
+        process.snapshot.facade_keys.clear()
+    for f in FACADES.values():
+        f.last[0] = NO_WORLD

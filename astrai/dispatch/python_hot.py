@@ -1,0 +1,327 @@
+"""The hot path in Python: each key plan compiled into one generated function.
+
+Where astrai's native extension is not in use, the facades still look a call up before
+taking their route. A route's plan (``astrai.dispatch.reading.encode`` of its family's
+``Reading`` under the snapshot's key layout) becomes the source of one Python function,
+compiled once per plan, that checks the call's guards, reads its base and lazy values
+and makes its key in one frame (each tensor's shape read once, no reader called per
+axis), then finds the decision the route keeps for that key in its last world and checks
+that this world is still in force.
+
+This module has the native extension's hot-path interface (``plan``, ``lookup``,
+``key``) and the meaning of ``reading.read``: the same key, and a call no case reads is
+declined (the route then validates and keys it). What it saves is the route's work on
+the pure-Python path - the family's ``describe``, then one reader per lazy axis and the
+key plan's ``extend``, each a call of its own.
+"""
+
+from __future__ import annotations
+
+__all__ = ["key", "lookup", "plan", "source"]
+
+from bisect import bisect_right
+from math import prod
+from typing import Any
+
+import torch
+
+from astrai.dispatch import state as process
+from astrai.dispatch.env import OPS_KEY, environ_get
+from astrai.dispatch.reading import GUARDS, ITEMS, VALUES
+from astrai.dispatch.scopes import current_scope
+
+
+class _Case:
+    """One case of a plan being written: what its code has read so far where every later
+    expression sees it (``settled``: outside an ``any``) - each argument's shape into
+    ``s<i>`` and dtype into ``t<i>`` - and each argument's rank as far as its guards tell
+    (exact or at least), so that sizes known to exist are read without a range check."""
+
+    def __init__(self) -> None:
+        self.read: set[str] = set()
+        self.rank: dict[int, tuple[int, bool]] = {}  # argument -> (rank, exact)
+
+    def _once(self, name: str, expr: str, settled: bool) -> str:
+        if name in self.read:
+            return name
+        if settled:
+            self.read.add(name)
+        return f"({name} := {expr})"
+
+    def shape(self, i: int, settled: bool) -> str:
+        """Argument ``i``'s shape."""
+        return self._once(f"s{i}", f"a{i}.shape", settled)
+
+    def dtype(self, i: int, settled: bool) -> str:
+        """Argument ``i``'s dtype."""
+        return self._once(f"t{i}", f"a{i}.dtype", settled)
+
+    def ranked(self, i: int, n: int, exact: bool) -> None:
+        """A settled guard told argument ``i``'s rank: ``n``, or at least ``n``."""
+        self.rank[i] = (n, exact) if exact or i not in self.rank else max(
+            self.rank[i], (n, False))
+
+    def at(self, i: int, shape: str, dim: int) -> tuple[str, bool]:
+        """Size ``dim`` of argument ``i`` (its shape named ``shape``), and whether it may
+        be ``None`` (out of range)."""
+        n, _ = self.rank.get(i, (0, False))
+        if (0 <= dim < n) or (-n <= dim < 0):
+            return f"{shape}[{dim}]", False
+        if dim >= 0:
+            return f"({shape}[{dim}] if len({shape}) > {dim} else None)", True
+        return f"({shape}[{dim}] if len({shape}) >= {-dim} else None)", True
+
+
+def _tensor(i: int) -> str:
+    a = f"a{i}"
+    return f"(type({a}) in _PLAIN and {a}.layout is _strided and not {a}.is_nested)"
+
+
+def _guard(op: tuple[Any, ...], case: _Case, settled: bool) -> str:
+    """One guard as an expression (``settled``: not inside an ``any``)."""
+    name = GUARDS[op[0]]
+    if name == "any":
+        groups = [" and ".join(_guard(g, case, False) for g in group) or "True"
+                  for group in op[1:]]
+        return "(" + " or ".join(f"({g})" for g in groups) + ")" if groups else "False"
+    i, a = int(op[1]), f"a{op[1]}"
+    if name == "tensor":
+        return _tensor(i)
+    if name == "tensor_or_none":
+        return f"({a} is None or {_tensor(i)})"
+    if name == "is":
+        return f"({a} is _c{int(op[2])})"
+    if name == "float_ge0":
+        return f"(type({a}) is float and {a} >= 0)"
+    if name == "int_eq":
+        return f"(type({a}) is int and {a} == {int(op[2])})"
+    if name == "bool":
+        return f"(type({a}) is bool)"
+    if name == "floating":
+        return f"{case.dtype(i, settled)}.is_floating_point"
+    if name == "dtype_eq":
+        return f"({case.dtype(i, settled)} == {case.dtype(int(op[2]), settled)})"
+    s = case.shape(i, settled)
+    if name in ("ndim", "ndim_ge"):
+        out = f"(len({s}) {'==' if name == 'ndim' else '>='} {int(op[2])})"
+        if settled:
+            case.ranked(i, int(op[2]), name == "ndim")
+        return out
+    if name == "shape_eq":
+        return f"({s} == {case.shape(int(op[2]), settled)})"
+    mine, maybe = case.at(i, s, int(op[2]))
+    if name in ("size_is", "size_ge", "size_even"):
+        test = "% 2 == 0" if name == "size_even" else (
+            f"{'==' if name == 'size_is' else '>='} {int(op[3])}")
+        if name == "size_is" or not maybe:  # None == n is False, as out of range
+            return f"({mine} {test})"
+        return f"((v := {mine}) is not None and v {test})"
+    j = int(op[3])
+    other, maybe_other = case.at(j, case.shape(j, settled) if j != i else s, int(op[4]))
+    if name == "size_eq":
+        if maybe or maybe_other:
+            return f"_eq({mine}, {other})"
+        return f"({mine} == {other})"
+    if name == "size_div":
+        return f"_div({mine}, {other})"
+    if name == "size_twice":
+        return f"_twice({mine}, {other})"
+    raise ValueError(f"unknown guard opcode {op[0]!r}")
+
+
+def _value(op: tuple[Any, ...], case: _Case) -> tuple[str, bool]:
+    """One base or lazy value as an expression (raising ``_Declined`` where ``read``
+    declines), and whether it may be ``None``."""
+    name = VALUES[op[0]]
+    if name == "grad":
+        return "_grad()", False
+    if name == "const":
+        return f"_c{int(op[1])}", True
+    i, a = int(op[1]), f"a{op[1]}"
+    if name == "arg":
+        return a, True
+    if name == "dtype":
+        return case.dtype(i, True), False
+    if name == "cuda":
+        return f"{a}.is_cuda", False
+    if name == "device":
+        return f"('cpu' if {a}.is_cpu else {a}.device.type)", False
+    if name == "sm":
+        return f"(_declined() if {a}.is_cuda else None)", True
+    s = case.shape(i, True)
+    if name == "ndim":
+        return f"len({s})", False
+    if name == "size":
+        return f"{s}[{int(op[2])}]", False
+    if name == "rows":
+        n, exact = case.rank.get(i, (0, False))
+        k = int(op[2])
+        if exact and n - k >= 1:
+            return "(" + " * ".join(f"{s}[{d}]" for d in range(n - k)) + ")", False
+        return f"_rows({s}, {k})", False
+    if name == "prod":
+        j = int(op[3])
+        other = s if j == i else case.shape(j, True)
+        return f"({s}[{int(op[2])}] * {other}[{int(op[4])}])", False
+    raise ValueError(f"unknown value opcode {op[0]!r}")
+
+
+def _interval(points: tuple[int, ...], v: str) -> str:
+    """``bisect_right(points, v)`` as an expression."""
+    if len(points) > 4:
+        return f"_bisect({points!r}, {v})"
+    out = str(len(points))
+    for n in range(len(points) - 1, -1, -1):
+        out = f"{n} if {v} < {points[n]} else {out}"
+    return f"({out})"
+
+
+def _body(cases: tuple[Any, ...], items: tuple[Any, ...], found: str) -> list[str]:
+    """The statements reading a call into ``key`` (then the lines of ``found``), or
+    returning ``None`` where no case reads it, indented for a function body."""
+    lines: list[str] = []
+    for n, (guards, base, lazy) in enumerate(cases):
+        case = _Case()
+        test = " and ".join(_guard(g, case, True) for g in guards) or "True"
+        lines.append(f"{'if' if n == 0 else 'elif'} {test}:")
+        if any(v is None for v in lazy):  # the case does not read a lazy axis the key needs
+            lines.append("    return None")
+            continue
+        body: list[str] = []
+        parts: list[str] = []
+        for j, v in enumerate(base):
+            body.append(f"b{j} = {_value(v, case)[0]}")
+            parts.append(f"b{j}")
+        maybe: list[bool] = []
+        for j, v in enumerate(lazy):
+            expr, none = _value(v, case)
+            body.append(f"l{j} = {expr}")
+            maybe.append(none)
+        for item in items:
+            kind = ITEMS[item[0]]
+            if kind == "interval":
+                at = _interval(tuple(int(p) for p in item[2]), f"l{item[1]}")
+                parts.append(f"(None if l{item[1]} is None else {at})" if maybe[item[1]]
+                             else at)
+            elif kind == "raw":
+                parts.append(f"l{item[1]}")
+            else:
+                sides = [f"l{at}" if where == 0 else f"b{at}"
+                         for where, at in (item[1:3], item[3:5])]
+                parts.append(f"_sign({sides[0]}, {sides[1]})")
+        body.append(f"key = ({', '.join(parts)}{',' if len(parts) == 1 else ''})")
+        lines += [f"    {line}" for line in (*body, *found.splitlines())]
+    lines.append("return None")
+    return lines
+
+
+#: After the key: the decision kept for it, if the world it was taken in is in force
+#: (checked last: Python code may have run meanwhile - a collection, a finalizer).
+_FOUND = """d = seen[1].get(key)
+if d is None:
+    return None
+w = seen[0]
+if (w[0] is not _process.snapshot or w[1] is not _scope() or w[2] is not _env(_OPS)
+        or (w[3] is not None and w[4] is not _env(w[3]))):
+    return None
+return d"""
+
+
+def source(arity: int, cases: tuple[Any, ...], consts: tuple[Any, ...],
+           items: tuple[Any, ...], slots: int) -> str:
+    """The Python source of an encoded plan (``reading.encode``): ``_key(a0, ...)``, the
+    call's key or ``None`` where no case reads it, and ``_lookup(seen, a0, ...)``, the
+    decision kept for that key in last world ``seen`` while it is in force, or ``None``."""
+    args = ", ".join(f"a{i}" for i in range(arity))
+    out: list[str] = []
+    for head, found in ((f"def _key({args}):", "return key"),
+                        (f"def _lookup(seen, {args}):", _FOUND)):
+        out += [head, "    try:"]
+        out += [f"        {line}" for line in _body(cases, items, found)]
+        out += ["    except Exception:  # what it cannot read, the route keys or refuses",
+                "        return None"]
+    return "\n".join(out) + "\n"
+
+
+class _Declined(Exception):
+    """A value this path does not read for the call (``reading.read`` declines it)."""
+
+
+def _declined() -> Any:
+    raise _Declined
+
+
+def _rows(s: Any, k: int) -> Any:
+    n = len(s) - k
+    if n == 1:
+        return s[0]
+    if n == 2:
+        return s[0] * s[1]
+    return prod(s[:n])
+
+
+def _eq(a: Any, b: Any) -> bool:
+    return a is not None and a == b
+
+
+def _div(a: Any, b: Any) -> bool:
+    return a is not None and b is not None and b > 0 and a % b == 0
+
+
+def _twice(a: Any, b: Any) -> bool:
+    return a is not None and b is not None and a == 2 * b
+
+
+def _sign(a: Any, b: Any) -> int | None:
+    if a is None or b is None:
+        return None
+    return (a > b) - (a < b)  # type: ignore[no-any-return]
+
+
+_NAMES = {"_PLAIN": (torch.Tensor, torch.nn.Parameter),
+          "_strided": torch.strided, "_grad": torch.is_grad_enabled, "_bisect": bisect_right,
+          "_declined": _declined, "_rows": _rows, "_eq": _eq,
+          "_div": _div, "_twice": _twice, "_sign": _sign, "_process": process,
+          "_scope": current_scope, "_env": environ_get, "_OPS": OPS_KEY}
+
+
+class Plan:
+    """A compiled plan: ``key(*args)`` (a call's key or ``None``), ``lookup(seen,
+    *args)`` (the decision last world ``seen`` keeps for it, or ``None``), the number of
+    arguments it reads and its source."""
+
+    __slots__ = ("arity", "key", "lookup", "text")
+
+    def __init__(self, arity: int, key: Any, lookup: Any, text: str) -> None:
+        self.arity, self.key, self.lookup, self.text = arity, key, lookup, text
+
+    def __repr__(self) -> str:
+        return f"<astrai Python hot-path plan of {self.arity} argument(s)>"
+
+
+def plan(arity: int, cases: tuple[Any, ...], consts: tuple[Any, ...],
+         items: tuple[Any, ...], slots: int) -> Plan:
+    """An encoded plan (``reading.encode``) compiled into its functions."""
+    text = source(arity, cases, consts, items, slots)
+    names: dict[str, Any] = {**_NAMES, **{f"_c{i}": c for i, c in enumerate(consts)},
+                             "__name__": __name__}  # its frames are this module's
+    exec(compile(text, "<astrai plan>", "exec"), names)  # our own source, from data
+    return Plan(arity, names["_key"], names["_lookup"], text)
+
+
+def key(p: Any, *args: Any) -> Any:
+    """The key ``lookup`` reads the call ``args`` by under plan ``p``, or ``None``."""
+    if not isinstance(p, Plan):
+        raise TypeError("key(plan, *args): plan is not a plan")
+    return p.key(*args) if len(args) == p.arity else None
+
+
+def lookup(last: list[Any], *args: Any) -> Any:
+    """The decision the route whose last world ``last`` holds keeps for the call
+    ``args``, or ``None`` (no plan, another arity, a call its plan declines, no
+    decision kept, or a world no longer in force)."""
+    seen = last[0]
+    p = seen[3]
+    if p.__class__ is not Plan or len(args) != p.arity:
+        return None
+    return p.lookup(seen, *args)
