@@ -10,9 +10,9 @@ made what a snapshot makes once: the rows' probes and the key plan) and for a hi
 same call again).
 
 Targets: a miss enters at most 8 astrai modules with at most 20 moves; a hit makes at most
-4 moves. The path traced is the pure-Python one, where a hit is answered by the Python
-hot path (``astrai.dispatch.python_hot``; the compiled one, ``astrai.native``, enters no
-Python function). ``--path`` prints the sequences.
+4 moves. The path traced is the pure-Python one (the compiled hot path, ``astrai.native``,
+enters no Python function; an ``rms_norm`` call is keyed by its route there, the Python
+hot path having no plan for it). ``--path`` prints the sequences.
 Exit status 1 when a target is missed.
 """
 

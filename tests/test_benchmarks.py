@@ -105,8 +105,7 @@ def test_trace_call_path_sees_the_facade_and_the_decision(
     finally:
         torch.set_num_threads(threads)
     hit, miss = paths["hit"], paths["miss"]
-    assert hit == ["astrai.families.rms_norm", "astrai.dispatch.python_hot",
-                   "astrai.families.rms_norm"]
+    assert hit[0] == hit[-1] == "astrai.families.rms_norm" and "astrai.dispatch.facade" in hit
     assert not any(m.startswith("astrai.backends") for m in hit)
     assert "astrai.dispatch.resolution" in miss and "astrai.dispatch.resolution" not in hit
     out = capsys.readouterr().out

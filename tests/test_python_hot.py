@@ -25,10 +25,11 @@ from tests.test_native import NAMES, _agrees, _ask, _common, _random_calls
 
 @pytest.fixture
 def py_hot() -> Iterator[Any]:
-    """The facades on the Python hot path (as in a process without the extension), plans
-    made from now on."""
+    """The facades on the Python hot path (as in a process without the extension), every
+    facade's plan made from now on (the default planner makes some only)."""
     was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
     facade.adopt(None)
+    state.hot_planner = python_hot.plan
     state.reset()
     yield python_hot
     facade.adopt(was[0])
@@ -163,7 +164,37 @@ def test_python_path_plans_with_it_and_gives_the_plans_back() -> None:
         assert _ask(python_hot, "linear", (x, lin, None)) is not None
     assert state.hot_planner is planner
     ops.linear(x, lin)
-    assert type(FACADES["linear"].last[0].plan) is not python_hot.Plan or planner is python_hot.plan
+    assert (type(FACADES["linear"].last[0].plan) is python_hot.Plan) == (
+        planner is python_hot.planner)
+
+
+def test_without_the_extension_a_plan_is_made_where_the_route_keys_slower() -> None:
+    """The default planner compiles a plan for linear (keyed by device and tokens: the
+    route's extended keyer) and none for a family keyed by its describe alone or one
+    interval; those calls are served by their route, counted as before."""
+    was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
+    facade.adopt(None)
+    state.reset()
+    try:
+        assert state.hot_planner is python_hot.planner
+        x, w, lin = torch.randn(1, 1, 16), torch.randn(16), torch.randn(8, 16)
+        d.reset_stats()
+        for _ in range(2):
+            ops.linear(x, lin)
+            ops.rms_norm(x, w)
+        assert type(FACADES["linear"].last[0].plan) is python_hot.Plan
+        assert FACADES["rms_norm"].last[0].plan is None
+        assert _ask(python_hot, "linear", (x, lin, None)) is not None
+        assert _ask(python_hot, "rms_norm", (x, w, 1e-6)) is None
+        rows = d.stats().by_row()
+        assert sum(sum(v.values()) for v in rows["rms_norm"].values()) == 2
+        assert sum(sum(v.values()) for v in rows["linear"].values()) == 2
+    finally:
+        facade.adopt(was[0])
+        facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
+        for f in facade.FACADES.values():
+            f.lookup = was[1]
+        state.reset()
 
 
 def test_every_opcode_compiles_and_means_what_read_says() -> None:

@@ -17,7 +17,7 @@ A facade function reads them off its ``Facade`` on every call::
 
     def scale(x, factor, backend=None):
         f = SCALE
-        if backend is None and f.lookup is not None and not compiling():
+        if backend is None and not compiling() and f.lookup is not None:
             d = f.lookup(f.last, x, factor)
             if d is not None:
                 next(d.counter)
@@ -25,6 +25,10 @@ A facade function reads them off its ``Facade`` on every call::
         return f.route(backend, (x, factor))(x, factor)
 
     SCALE = facade(FamilyCall.of(scale, describe_scale, READS, READERS, positional=2))
+
+``compiling()`` is asked before ``lookup`` is read: a traced facade never reads it, so a
+compiled graph is not guarded on the hot path's state (which changes as eager calls make
+plans).
 """
 
 from __future__ import annotations
@@ -275,8 +279,8 @@ def hot_plan(name: str, reading: Reading | None, shape: Layout) -> Any:
     return plan
 
 
-def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None = None
-          ) -> Route:
+def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None = None,
+          owner: Facade | None = None) -> Route:
     """The hot path of ``fc``'s facade: ``route(backend, args)`` is the object to call.
 
     In front of the decision cache sits this family's *last world* (``world.World``:
@@ -334,6 +338,11 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
         d = decide(family, key, backend, context_of, (values, args), now)
         if backend is None and family not in now.scope.uncacheable:
             keep(last, now, key, d, keyer, hot)
+            if owner is not None and process.hot_planner is python_hot.planner and (
+                    not process.recordings):
+                # The Python hot path where this world has a plan; else no lookup at all
+                # (declining would cost a call before the route).
+                owner.lookup = python_hot.lookup if hot is not None else None
         next(d.counter)
         return d.call  # type: ignore[no-any-return]
 
@@ -500,21 +509,22 @@ class Facade:
     ``FamilyCall``), ``last`` (its route's last world, shared with the hot path),
     ``route`` (``route(backend, args)`` is the object to call: the plain route, or while
     a recording is in force the one feeding it) and ``lookup`` (the hot path's - the
-    compiled or the Python one -, or ``None``)."""
+    compiled or the Python one -, or ``None``: a recording is in force, or on the Python
+    hot path the route's last world has no plan)."""
 
     __slots__ = ("call", "function", "last", "lookup", "name", "plain", "route")
 
     def __init__(self, call: FamilyCall, function: Callable[..., Any], name: str) -> None:
         self.call, self.function, self.name = call, function, name
         self.last: list[LastWorld] = [NO_WORLD]
-        self.plain: Route = route(call, self.last, name)
+        self.plain: Route = route(call, self.last, name, self)
         self.route: Route = self.plain
-        self.lookup: Any = None if process.recordings else HOT.lookup
+        self.lookup: Any = None if process.recordings else _hot_lookup(self)
         if process.recordings:
             self._record(True)
 
     def _record(self, now: bool) -> None:
-        self.lookup = None if now else HOT.lookup
+        self.lookup = None if now else _hot_lookup(self)
         if now:
             assert process.note_call is not None  # set by the recording module, loaded
             self.route = recording(self.call, self.plain, process.note_call)
@@ -523,6 +533,16 @@ class Facade:
 
     def __repr__(self) -> str:
         return f"Facade({self.name!r} of family {self.call.family!r})"
+
+
+def _hot_lookup(f: Facade) -> Any:
+    """The hot lookup facade ``f`` takes: the process's, except on the Python hot path
+    for a route whose last world has no plan (its calls go straight to the route)."""
+    if HOT.lookup is python_hot.lookup:
+        seen = f.last[0]
+        if seen.world is not None and seen.plan is None:
+            return None
+    return HOT.lookup
 
 
 #: Every facade made, by name (a family's first facade is named after the family).
@@ -554,12 +574,11 @@ def adopt(module: Any) -> None:
     ``astrai.dispatch.python_hot``) as the hot path from now on (a recording in force keeps
     the facades off it until it ends)."""
     HOT.native = module
-    hot = python_hot if module is None else module
-    HOT.lookup = hot.lookup
-    process.hot_planner = hot.plan
+    HOT.lookup = python_hot.lookup if module is None else module.lookup
+    process.hot_planner = python_hot.planner if module is None else module.plan
     if not process.recordings:
         for f in FACADES.values():
-            f.lookup = HOT.lookup
+            f.lookup = _hot_lookup(f)
     HOT.call_lookup = None if process.recordings else (
         HOT.python_call if module is None else module.lookup)
 
@@ -627,7 +646,7 @@ def python_path() -> Iterator[None]:
     plans are made again on the way in and on the way out (each path reads its own)."""
     saved = [(f, f.lookup) for f in FACADES.values()]
     call_lookup, planner = HOT.call_lookup, process.hot_planner
-    _replan(python_hot.plan)
+    _replan(python_hot.planner)
     for f, _ in saved:
         f.lookup = python_hot.lookup
     HOT.call_lookup = HOT.python_call

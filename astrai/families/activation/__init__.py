@@ -67,7 +67,7 @@ ACTIVATION_READING = Reading(2, (
 def activation(x: torch.Tensor, act: str, backend: Any = None) -> torch.Tensor:
     """``act`` applied to ``x`` elementwise, through the ``activation`` table."""
     f = ACTIVATION
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, x, act)
         if d is not None:
             next(d.counter)

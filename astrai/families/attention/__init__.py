@@ -262,7 +262,7 @@ def attention(
     """
     f = ATTENTION
     if not (features or return_weights):  # the common call: no feature keywords to pass
-        if backend is None and f.lookup is not None and not compiling():
+        if backend is None and not compiling() and f.lookup is not None:
             d = f.lookup(f.last, q, k, v, kv_cache, attn_mask, fwd)
             if d is not None:
                 next(d.counter)
@@ -343,7 +343,7 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     in force records the call seq-first, as ``attention`` makes it."""
     f = ATTENTION_HEADS_FIRST
     d = None
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, q, k, v, attn_mask)
     if d is not None:
         next(d.counter)

@@ -75,7 +75,7 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, act: str,
                      backend: Any = None) -> torch.Tensor:
     """``act(gate) * up`` through the ``gated_activation`` table."""
     f = GATED
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, gate, up, act)
         if d is not None:
             next(d.counter)

@@ -104,7 +104,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
     """Layer normalisation over the last dimension, then ``* weight + bias`` (each
     optional), through the ``layer_norm`` table."""
     f = LAYER_NORM
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, x, weight, bias, eps)
         if d is not None:
             next(d.counter)

@@ -83,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            backend: Any = None) -> torch.Tensor:
     """``x @ weight.T + bias`` through the ``linear`` table."""
     f = LINEAR
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, x, weight, bias)
         if d is not None:
             next(d.counter)

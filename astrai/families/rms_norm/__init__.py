@@ -154,7 +154,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
     """
     f = RMS_NORM
     if not (weight_offset or cast_before_weight):  # the common call: no feature keywords
-        if backend is None and f.lookup is not None and not compiling():
+        if backend is None and not compiling() and f.lookup is not None:
             d = f.lookup(f.last, x, weight, eps, False, False)
             if d is not None:
                 next(d.counter)
@@ -175,7 +175,7 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
     if not asked:
         def plain(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
             f = RMS_NORM
-            if f.lookup is not None and not compiling():
+            if not compiling() and f.lookup is not None:
                 d = f.lookup(f.last, x, weight, eps, False, False)
                 if d is not None:
                     next(d.counter)
@@ -188,7 +188,7 @@ def rms_norm_form(*, weight_offset: float = 0.0, cast_before_weight: bool = Fals
 
     def form(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         f = RMS_NORM
-        if f.lookup is not None and not compiling():
+        if not compiling() and f.lookup is not None:
             d = f.lookup(f.last, x, weight, eps, offset, cast)
             if d is not None:
                 next(d.counter)

@@ -144,7 +144,7 @@ ROTARY_HALF_READING = Reading(5, (
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, backend: Any = None) -> torch.Tensor:
     """Rotate adjacent pairs ``(2i, 2i+1)`` of ``x`` by ``freqs_cis`` (cos, sin) per pair."""
     f = ROTARY
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, x, freqs_cis)
         if d is not None:
             next(d.counter)
@@ -161,7 +161,7 @@ def apply_rotary_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     ``i + head_dim/2``. Returns ``(q_out, k_out)``, computed as
     ``x * cos + rotate_half(x) * sin``. Only rows declaring the ``layout`` feature serve it."""
     f = ROTARY_HALF
-    if backend is None and f.lookup is not None and not compiling():
+    if backend is None and not compiling() and f.lookup is not None:
         d = f.lookup(f.last, q, k, cos, sin, unsqueeze_dim)
         if d is not None:
             next(d.counter)
