@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -118,20 +119,32 @@ def built() -> ModuleType:
     return native.load_from(path)
 
 
-@pytest.fixture
-def hot(built: ModuleType) -> Iterator[ModuleType]:
-    """The facades with the compiled hot path in force (plans made from now on)."""
+@contextmanager
+def adopted(module: ModuleType | None) -> Iterator[None]:
+    """Within: the facades on ``module``'s hot path (``None``: the Python one, as in a
+    process without the extension), on a new snapshot whose routes make their plans with
+    it; the process's hot path and snapshot are given back after."""
     from astrai.dispatch import facade, state
 
     was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
-    facade.adopt(built)
-    state.reset()  # a snapshot whose routes make their plans with it
-    yield built
-    facade.adopt(was[0])
-    facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
-    for f in facade.FACADES.values():
-        f.lookup = was[1]
+    facade.adopt(module)
     state.reset()
+    try:
+        yield
+    finally:
+        facade.adopt(was[0])
+        facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
+        for f in facade.FACADES.values():
+            f.lookup = was[1]
+        state.reset()
+
+
+@pytest.fixture
+def hot(built: ModuleType) -> Iterator[ModuleType]:
+    """The facades with the compiled hot path in force (plans made from now on)."""
+    with adopted(built):
+        yield built
+
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import astrai.dispatch as d
 from astrai import ops
 from astrai.dispatch import facade, python_hot, state
 from astrai.dispatch.facade import FACADES
-from astrai.dispatch.reading import Case, Layout, Reading, encode, read
-from tests.test_key_plans import _calls, _plan, _python_key, slow_paths  # noqa: F401
+from tests.conftest import adopted
+from tests.test_key_plans import check_keys, slow_paths  # noqa: F401
 from tests.test_native import NAMES, _agrees, _ask, _common, _random_calls
 
 
@@ -27,16 +27,9 @@ from tests.test_native import NAMES, _agrees, _ask, _common, _random_calls
 def py_hot() -> Iterator[Any]:
     """The facades on the Python hot path (as in a process without the extension), every
     facade's plan made from now on (the default planner makes some only)."""
-    was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
-    facade.adopt(None)
-    state.hot_planner = python_hot.plan
-    state.reset()
-    yield python_hot
-    facade.adopt(was[0])
-    facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
-    for f in facade.FACADES.values():
-        f.lookup = was[1]
-    state.reset()
+    with adopted(None):
+        state.hot_planner = python_hot.plan
+        yield python_hot
 
 
 @settings(max_examples=60, deadline=None,
@@ -44,33 +37,7 @@ def py_hot() -> Iterator[Any]:
 @given(data=st.data(), seed=st.integers(0, 10_000), grad=st.booleans())
 def test_the_generated_key_is_the_readings_and_the_routes(
         slow_paths: list[bool], data: Any, seed: int, grad: bool) -> None:  # noqa: F811
-    plans = {name: _plan(data.draw, name) for name in NAMES}
-    made = {}
-    for name in NAMES:
-        fc = FACADES[name].call
-        shape = plans[name].layout(fc.reads, fc.lazy)
-        made[name] = (python_hot.plan(*encode(fc.reading, shape)), shape)  # type: ignore[arg-type]
-    answered = dict.fromkeys(NAMES, 0)
-    with torch.set_grad_enabled(grad):
-        for name, hot_args, full in _calls(seed):
-            fc = FACADES[name].call
-            plan, shape = made[name]
-            got = python_hot.key(plan, *hot_args)
-            try:
-                meant = read(fc.reading, shape, hot_args)  # type: ignore[arg-type]
-            except Exception:  # the meaning cannot read it: the generated code declines
-                meant = None
-            assert got == meant, (name, hot_args, shape, plan.text)
-            slow_paths[0] = False
-            python = _python_key(name, plans[name], full)
-            if got is not None:
-                answered[name] += 1
-                assert not isinstance(python, BaseException), (name, hot_args, python)
-                assert python == got, (name, hot_args, shape)
-            elif not isinstance(python, BaseException) and not slow_paths[0]:
-                pytest.fail(f"{name}: the route keys {hot_args} on its fast path, the "
-                            f"Python hot path declines it (layout {shape})")
-    assert all(answered.values()), answered
+    check_keys(python_hot, slow_paths, data, seed, grad)
 
 
 def test_every_answer_is_the_routes_decision(py_hot: Any) -> None:
@@ -172,10 +139,7 @@ def test_without_the_extension_a_plan_is_made_where_the_route_keys_slower() -> N
     """The default planner compiles a plan for linear (keyed by device and tokens: the
     route's extended keyer) and none for a family keyed by its describe alone or one
     interval; those calls are served by their route, counted as before."""
-    was = facade.HOT.native, facade.HOT.lookup, facade.HOT.call_lookup
-    facade.adopt(None)
-    state.reset()
-    try:
+    with adopted(None):
         assert state.hot_planner is python_hot.planner
         x, w, lin = torch.randn(1, 1, 16), torch.randn(16), torch.randn(8, 16)
         d.reset_stats()
@@ -189,40 +153,3 @@ def test_without_the_extension_a_plan_is_made_where_the_route_keys_slower() -> N
         rows = d.stats().by_row()
         assert sum(sum(v.values()) for v in rows["rms_norm"].values()) == 2
         assert sum(sum(v.values()) for v in rows["linear"].values()) == 2
-    finally:
-        facade.adopt(was[0])
-        facade.HOT.lookup, facade.HOT.call_lookup = was[1], was[2]
-        for f in facade.FACADES.values():
-            f.lookup = was[1]
-        state.reset()
-
-
-def test_every_opcode_compiles_and_means_what_read_says() -> None:
-    """A reading using every guard and value, under intervals, a raw axis and a sign."""
-    t = torch.zeros(2, 3, 4)
-    u = torch.zeros(2, 6)
-    reading = Reading(6, (
-        Case((("tensor", 0), ("tensor_or_none", 1), ("is", 2, 0), ("float_ge0", 3),
-              ("int_eq", 4, 7), ("bool", 5), ("ndim", 0, 3), ("ndim_ge", 1, 2),
-              ("size_eq", 0, 0, 1, 0), ("size_is", 0, -1, 4), ("size_ge", 1, 1, 5),
-              ("size_even", 0, 2), ("size_div", 1, 1, 0, 1), ("size_twice", 1, 1, 0, 1),
-              ("dtype_eq", 0, 1), ("floating", 0),
-              ("any", (("shape_eq", 0, 1),), (("ndim", 1, 2), ("size_is", 1, 0, 2)))),
-             (("dtype", 0), ("cuda", 0), ("ndim", 1), ("size", 0, 1), ("grad",), ("const", 1),
-              ("arg", 4)),
-             {"a": ("rows", 0, 1), "b": ("prod", 0, 1, 1, 1), "c": ("device", 0),
-              "d": ("sm", 0), "e": ("rows", 1, 1)}),
-    ))
-    shape = Layout((("interval", "a", (1, 6, 100)), ("raw", "c"), ("raw", "d"),
-                    ("interval", "e", tuple(range(0, 20, 2))),
-                    ("sign", ("lazy", "a"), ("base", 3)), ("sign", ("lazy", "b"), ("lazy", "a"))))
-    plan = python_hot.plan(*encode(reading, shape))
-    calls: list[tuple[Any, ...]] = [
-        (t, u, None, 0.5, 7, True), (t, None, None, 0.5, 7, True), (t, u, 1, 0.5, 7, True),
-        (t, u, None, -1.0, 7, True), (t, u, None, 0.5, 8, True), (t, u, None, 0.5, 7, 1),
-        (torch.zeros(2, 3, 5), u, None, 0.5, 7, True), (t, torch.zeros(2, 5), None, 0.5, 7, True),
-        (t.double(), u, None, 0.5, 7, False)]
-    keys = [python_hot.key(plan, *c) for c in calls]
-    assert keys[0] is not None
-    assert keys == [read(reading, shape, c) if c[1] is not None else None for c in calls]
-    assert python_hot.key(plan, t) is None  # another arity
