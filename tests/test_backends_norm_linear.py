@@ -107,10 +107,13 @@ class TestLinear:
         w = (torch.randn(12, 16, generator=g) / 4).to(dtype)
         b = torch.randn(12, generator=g).to(dtype) if bias else None
         want = x.double() @ w.double().T + (0 if b is None else b.double())
-        rows = faithful("linear")
-        assert list(rows) == ["transposed", "torch"]
+        # every faithful row, available here or not (one whose CPU or extension is missing
+        # computes the call with F.linear)
+        rows = {r["name"]: load_impl(r["impl"]) for r in table("linear")["rows"]
+                if r.get("faithful", True)}
+        assert list(rows) == ["native", "transposed", "transposed_one", "torch"]
         for impl in rows.values():
-            with torch.no_grad():  # transposed: its product (with autograd it is F.linear)
+            with torch.no_grad():  # the copy rows: their product (with autograd, F.linear)
                 out = impl(x, w, b)
             assert out.shape == (*shape[:-1], 12) and out.dtype == dtype
             # Half-precision accumulations round; scale the tolerance by sqrt(in_features).
@@ -141,11 +144,12 @@ class TestLinear:
             ops.linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4), backend=row)
 
     def test_non_faithful_rows_are_marked(self) -> None:
-        """fp8 and bf16 are faithful: false; transposed and torch are faithful, torch the
+        """fp8 and bf16 are faithful: false; the others are faithful, torch the
         fallback."""
         data = table("linear")
         flags = {r["name"]: r.get("faithful", True) for r in data["rows"]}
-        assert flags == {"fp8": False, "bf16": False, "transposed": True, "torch": True}
+        assert flags == {"fp8": False, "bf16": False, "native": True, "transposed": True,
+                         "transposed_one": True, "torch": True}
         assert data["fallback"] == "torch"
 
 

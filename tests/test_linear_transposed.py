@@ -16,10 +16,41 @@ from astrai.backends import linear as rows
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
+    """The row on any machine: its availability asks for an Intel CPU, so the tests say
+    they run on one (and the tables are re-read, so the probe asks again)."""
     rows.release_weight_copies()
-    yield
-    rows.set_weight_copy_budget(1 << 30)
-    rows.release_weight_copies()
+    vendor = rows.cpu_vendor
+    rows.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
+    dispatch.reload_tables()
+    try:
+        yield
+    finally:
+        rows.cpu_vendor = vendor  # type: ignore[assignment]
+        dispatch.reload_tables()
+        rows.set_weight_copy_budget(1 << 30)
+        rows.release_weight_copies()
+
+
+def _native_linear() -> bool:
+    from astrai.backends.native import native_linear_available
+
+    return native_linear_available() is True
+
+
+@pytest.mark.parametrize(("vendor", "available"), [("GenuineIntel", True),
+                                                   ("AuthenticAMD", False), ("", False)])
+def test_it_is_available_on_the_cpus_it_was_measured_to_win_on(vendor: str,
+                                                               available: bool) -> None:
+    rows.cpu_vendor = lambda: vendor  # type: ignore[assignment]
+    answer = rows.transposed_available()
+    assert (answer is True) == available
+    if not available:
+        assert "Intel" in str(answer) and (vendor or "unknown vendor") in str(answer)
+        dispatch.reload_tables()
+        text = dispatch.explain("linear", dispatch.CallContext(
+            family="linear", dtype=torch.float32, tokens=8, ndim=2))
+        line = next(t for t in text.splitlines() if t.strip().startswith("transposed:"))
+        assert "SKIP unavailable" in line and "Intel" in line
 
 
 def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
@@ -48,12 +79,14 @@ def test_the_table_gives_it_cpu_float32_calls_of_four_tokens_and_more() -> None:
     w = _w()
     dispatch.stats(reset=True)
     with torch.no_grad():
-        ops.linear(torch.randn(3, 16), w)  # 3 tokens: torch
-        ops.linear(torch.randn(1, 4, 16), w)  # 4 tokens: transposed
+        ops.linear(torch.randn(3, 16), w)  # 3 tokens: the native row, else torch
+        ops.linear(torch.randn(1, 5, 16), w)  # 5 tokens: transposed
         ops.linear(torch.randn(4, 16, dtype=torch.float64), w.double())  # float64: torch
     ops.linear(torch.randn(8, 16), w)  # autograd on: torch
-    assert dispatch.stats().by_row()["linear"] == {"torch": {"chain": 3},
-                                                    "transposed": {"chain": 1}}
+    few = "native" if _native_linear() else "torch"
+    want: dict[str, dict[str, int]] = {"torch": {"chain": 2}, "transposed": {"chain": 1}}
+    want[few] = {"chain": want.get(few, {}).get("chain", 0) + 1}
+    assert dispatch.stats().by_row()["linear"] == want
 
 
 def test_one_copy_per_weight_kept_across_calls() -> None:
@@ -156,3 +189,32 @@ def test_a_view_made_for_the_call_gets_no_copy() -> None:
     torch.testing.assert_close(got, F.linear(x, w[:24]))
     assert rows.weight_copies() == (0, 0)
     assert dispatch.stats().handed == {("linear", "transposed", "F.linear"): 1}
+
+
+def test_on_amd_cpus_one_token_takes_the_copy_and_more_tokens_do_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the copy was measured to win for one token only (``transposed_one``); the
+    native row, which wins more, is out of the way."""
+    from astrai.backends import native
+
+    monkeypatch.setattr(native, "_kernels", lambda: None)
+    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
+    dispatch.reload_tables()
+    w = _w()
+    dispatch.stats(reset=True)
+    with torch.no_grad():
+        one = ops.linear(torch.randn(1, 1, 16), w)
+        ops.linear(torch.randn(1, 2, 16), w)
+        ops.linear(torch.randn(8, 16), w)
+    assert dispatch.stats().by_row()["linear"] == {"transposed_one": {"chain": 1},
+                                                    "torch": {"chain": 2}}
+    assert rows.weight_copies()[0] == 1
+    assert one.shape == (1, 1, 24)
+
+
+def test_the_one_token_row_counts_its_own_hand_offs() -> None:
+    dispatch.stats(reset=True)
+    x, w = torch.randn(1, 16), _w()
+    torch.testing.assert_close(rows.transposed_one_linear(x, w), F.linear(x, w))  # autograd on
+    assert dispatch.stats().handed == {("linear", "transposed_one", "F.linear"): 1}
+    assert rows.transposed_one_row_available() is not True  # the fixture's CPU is Intel

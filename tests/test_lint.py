@@ -56,6 +56,22 @@ class TestLintView:
             "shadowed", "b", "row 'b' is shadowed by 'a' (every call it accepts is taken "
             "earlier)", ("a",))]
 
+    def test_a_row_shadowed_only_by_probed_rows_is_a_backup(self) -> None:
+        """A row whose calls are all taken by rows with an availability probe wins where
+        they are unavailable: a note; one shadowed by any unprobed row is a finding."""
+        def probe() -> bool:
+            return True
+
+        report = lint_view(make_view(("fast", "dtype == float32", {"available": probe}),
+                                     ("backup", "dtype == float32"), ("ref", "always")))
+        assert report.problems == []
+        assert "row 'backup' wins only where 'fast' is unavailable (each has an " \
+               "availability probe)" in report.notes
+        report = lint_view(make_view(("fast", "dtype == float32", {"available": probe}),
+                                     ("any", "dtype in {float16, float32}"),
+                                     ("backup", "dtype == float32"), ("ref", "always")))
+        assert kinds(report) == {"backup": "shadowed"}
+
     def test_shadowed_by_union_of_two_rows(self) -> None:
         """A row covered by two earlier rows together names both of them, in order."""
         report = lint_view(make_view(("f16", "dtype == float16"), ("bf16", "dtype == bfloat16"),

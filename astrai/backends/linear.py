@@ -37,7 +37,10 @@ __all__ = [
     "release_weight_copies",
     "set_weight_copy_budget",
     "torch_linear",
+    "transposed_available",
     "transposed_linear",
+    "transposed_one_linear",
+    "transposed_one_row_available",
     "weight_copies",
 ]
 
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from astrai.dispatch.log import warn_once
+from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff
 from astrai.dispatch.tables.model import Unavailable
 from astrai.dispatch.torch_compile import compiling
@@ -217,19 +221,62 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     return made.t
 
 
+#: The CPU vendors (``cpu_vendor``) each row of the copy was measured to win on.
+TRANSPOSED_VENDORS = frozenset({"GenuineIntel"})
+ONE_ROW_VENDORS = frozenset({"AuthenticAMD"})
+
+
+def _measured_on(vendors: frozenset[str], where: str) -> bool | Unavailable:
+    vendor = cpu_vendor()
+    if vendor in vendors:
+        return True
+    return Unavailable(f"measured to win only on {where}; this CPU is "
+                       f"{vendor or 'of an unknown vendor'}, where it was not faster than "
+                       f"F.linear")
+
+
+def transposed_available() -> bool | Unavailable:
+    """``True`` on a CPU of a vendor the ``transposed`` row (4 tokens and more) was
+    measured to win on (Intel: MKL's product with the weight as stored is slow there from
+    a few rows); else why not. On an AMD EPYC the copy lost at every size from 4 rows
+    (0.77x at 4, 0.98x at 128)."""
+    return _measured_on(TRANSPOSED_VENDORS, "Intel CPUs (MKL's product with the weight as "
+                                            "stored is slow there from a few rows)")
+
+
+def transposed_one_row_available() -> bool | Unavailable:
+    """``True`` on a CPU of a vendor the copy was measured to win on for one token (AMD:
+    MKL's matrix-vector product streams the weight as stored at about two thirds of the
+    speed it streams the copy); else why not (on Intel it was even)."""
+    return _measured_on(ONE_ROW_VENDORS, "AMD CPUs for one token (MKL's matrix-vector "
+                                         "product with the weight as stored is slow there)")
+
+
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` as one product with the weight's contiguous ``[in, out]``
     copy (module docstring). Traced, autograd recording, or a tensor subclass:
     ``F.linear``."""
+    return _transposed(x, weight, bias, "transposed")
+
+
+def transposed_one_linear(x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``transposed_linear`` as the ``transposed_one`` row (its hand-offs counted as
+    that row's)."""
+    return _transposed(x, weight, bias, "transposed_one")
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                row: str) -> torch.Tensor:
     if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
             or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)):
         if not compiling():
-            count_handoff("linear", "transposed", _HANDED)
+            count_handoff("linear", row, _HANDED)
         return F.linear(x, weight, bias)
     t = _copy_of(weight)
     if t is None:
-        count_handoff("linear", "transposed", _HANDED)
+        count_handoff("linear", row, _HANDED)
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.mm(x2, t) if bias is None else torch.addmm(bias, x2, t)

@@ -1,4 +1,5 @@
-"""``native`` rows: RMS norm and the half-layout rotary in one pass of C++ (CPU).
+"""``native`` rows: RMS norm and the half-layout rotary in one pass of C++ (CPU), and a
+linear layer for a few rows that reads the weight once.
 
 Small calls - a decode step's norm of one token, its rotary of one position - cost
 torch more in launching operations than in arithmetic: ``LlamaRMSNorm`` is eight
@@ -13,7 +14,14 @@ call, one pass over memory:
   are summed;
 - ``native_rotary_half``: ``x * cos + rotate_half(x) * sin`` on q and k, each product and
   the sum rounded as torch's elementwise operations round them: it equals
-  ``reference_rotary_half`` bit for bit.
+  ``reference_rotary_half`` bit for bit;
+- ``native_linear``: ``x @ weight.T + bias`` in float32 for a few rows (a decode step's
+  token), eight weight rows at a time in 256-bit vectors, the weight read as it is stored
+  and once per four rows of x. A decode step's linear layers stream their weights from
+  memory, and torch's matrix-vector product reached well below the memory's speed on the
+  machine measured (``tables/linear.yaml``). It equals ``F.linear`` up to the order of the
+  float32 sums; it runs only where its vector build does (x86-64-v3, compiled by GCC), as
+  ``native_linear_available`` says.
 
 A kernel splits the rows of a call among torch's intra-op threads (``torch.get_num_threads()``,
 with the GIL released), each row computed whole by one thread in one order: its result is
@@ -33,12 +41,14 @@ without the extension they are unavailable, with the reason ``astrai.native`` gi
 
 from __future__ import annotations
 
-__all__ = ["native_available", "native_rms_norm", "native_rotary", "native_rotary_half"]
+__all__ = ["native_available", "native_linear", "native_linear_available", "native_rms_norm",
+           "native_rotary", "native_rotary_half"]
 
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from astrai import native as extension
 from astrai.backends.rms_norm import torch_rms_norm
@@ -107,3 +117,32 @@ def native_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, *half: Any) -> Any:
     if not compiling():
         count_handoff("rotary", "native", TORCH_OPS)
     return torch_rotary(x, freqs_cis)
+
+
+def native_linear_available() -> bool | Unavailable:
+    """``True`` when the extension is loaded and its linear kernel runs its vector build
+    on this CPU (x86-64-v3: AVX2); else why not (the baseline build is slower than
+    torch's own product)."""
+    kernels = _kernels()
+    if kernels is None:
+        return native_available()
+    if not kernels.linear_rows_vectorised():
+        return Unavailable("the native linear kernel has no vector build for this CPU (it "
+                           "needs x86-64-v3, AVX2, and GCC), and without one it is slower "
+                           "than torch's product")
+    return True
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows, float32, reading the weight once as it is
+    stored (see the module docstring); ``F.linear`` for a call the kernel declines."""
+    if compiling():
+        return F.linear(x, weight, bias)
+    kernels = _kernels()
+    if kernels is not None:
+        out = kernels.linear_rows_kernel(x, weight, bias)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
+    count_handoff("linear", "native", TORCH_OPS)
+    return F.linear(x, weight, bias)

@@ -8,7 +8,9 @@ non-faithful or explicit-only rows nobody enables never win implicitly, and a fo
 takes every call it accepts. It reports:
 
 - *unsatisfiable* rows, whose condition accepts no call at all;
-- *shadowed* rows, which accept calls but lose every one of them to earlier rows;
+- *shadowed* rows, which accept calls but lose every one of them to earlier rows (a row
+  that loses only to rows with an availability probe is a backup for the machines where
+  they are unavailable: a note, not a finding);
 - a coverage matrix: which row wins each (compacted) region of the domain, ``no row``
   where not even the fallback serves (the call raises ``NoImplementationError``), and
   where the winner is not available on this machine, the row that serves here - the row
@@ -42,7 +44,7 @@ from astrai.dispatch.axes import (
 )
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import Registry, current
-from astrai.dispatch.tables.model import ImplRecord, View
+from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
 
 #: Above this many combinations, a deterministic sample of this size is analysed.
 MAX_COMBINATIONS = 200_000
@@ -386,6 +388,11 @@ def lint_view(view: View, state: Registry | None = None) -> LintReport:
         return CallContext(family, **{a: v for a, v in values.items() if a in core},
                            extra={a: v for a, v in values.items() if a not in core})
 
+    backup_wins: set[str] = set()  # rows that win where the probed rows are unavailable
+
+    def probed(rec: ImplRecord) -> bool:
+        return rec.available is not ALWAYS_AVAILABLE
+
     for combo in combos:
         ctx = context(combo)
         asked = asked_features(ctx)
@@ -408,6 +415,13 @@ def lint_view(view: View, state: Registry | None = None) -> LintReport:
         if here is None:
             here = fallback if last == fallback and available(fallback_row) else NO_ROW
         can_win.update((winner, *maybe))
+        # Each row taking the call after only rows with an availability probe wins where
+        # those are unavailable.
+        for rec in chain:
+            if verdicts[rec.name]:
+                backup_wins.add(rec.name)
+                if not probed(rec):
+                    break
         for rec in later:
             if verdicts[rec.name] is not False:
                 taken_by[rec.name].add(winner)
@@ -418,6 +432,7 @@ def lint_view(view: View, state: Registry | None = None) -> LintReport:
 
     problems: list[LintFinding] = []
     position = {r.name: i for i, r in enumerate(chain) if forced is None or i > 0}
+
     for rec in rows:
         name = rec.name
         if name not in satisfiable:
@@ -438,6 +453,11 @@ def lint_view(view: View, state: Registry | None = None) -> LintReport:
         elif forced is not None and forced[0] in by:
             notes.append(f"row {name!r} never wins while profile {forced[1]} forces "
                          f"{forced[0]!r}")
+        elif name in backup_wins:
+            # a backup: it wins where the rows with an availability probe are unavailable
+            notes.append(f"row {name!r} wins only where {_quote(by)} "
+                         f"{'is' if len(by) == 1 else 'are'} unavailable (each has an "
+                         f"availability probe)")
         else:
             problems.append(LintFinding("shadowed", name, f"row {name!r} is shadowed by "
                                         f"{_quote(by)} (every call it accepts is taken "

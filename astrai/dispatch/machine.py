@@ -10,7 +10,7 @@ written elsewhere warns with it.
 
 from __future__ import annotations
 
-__all__ = ["FIELDS", "Machine", "cuda_initialized", "this_machine"]
+__all__ = ["FIELDS", "Machine", "cpu_vendor", "cuda_initialized", "this_machine"]
 
 import os
 import platform
@@ -74,6 +74,20 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as it names itself (``GenuineIntel``, ``AuthenticAMD``: the
+    ``vendor_id`` of ``/proc/cpuinfo``), or ``""`` where the system does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
 
 
 def cuda_initialized() -> bool:
