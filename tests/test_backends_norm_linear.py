@@ -111,7 +111,7 @@ class TestLinear:
         # computes the call with F.linear)
         rows = {r["name"]: load_impl(r["impl"]) for r in table("linear")["rows"]
                 if r.get("faithful", True)}
-        assert list(rows) == ["native", "transposed", "transposed_one", "torch"]
+        assert list(rows) == ["native", "onednn", "transposed", "transposed_one", "torch"]
         for impl in rows.values():
             with torch.no_grad():  # the copy rows: their product (with autograd, F.linear)
                 out = impl(x, w, b)
@@ -148,8 +148,8 @@ class TestLinear:
         fallback."""
         data = table("linear")
         flags = {r["name"]: r.get("faithful", True) for r in data["rows"]}
-        assert flags == {"fp8": False, "bf16": False, "native": True, "transposed": True,
-                         "transposed_one": True, "torch": True}
+        assert flags == {"fp8": False, "bf16": False, "native": True, "onednn": True,
+                         "transposed": True, "transposed_one": True, "torch": True}
         assert data["fallback"] == "torch"
 
 

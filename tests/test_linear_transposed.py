@@ -218,3 +218,52 @@ def test_the_one_token_row_counts_its_own_hand_offs() -> None:
     torch.testing.assert_close(rows.transposed_one_linear(x, w), F.linear(x, w))  # autograd on
     assert dispatch.stats().handed == {("linear", "transposed_one", "F.linear"): 1}
     assert rows.transposed_one_row_available() is not True  # the fixture's CPU is Intel
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (2, 9, 16), (5, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_onednn_row_computes_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    w, b = _w(), (torch.randn(24) if bias else None)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        got = rows.onednn_linear(x, w, b)
+    assert got.shape == (*shape[:-1], 24)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_onednn_row_hands_autograd_calls_to_f_linear() -> None:
+    dispatch.stats(reset=True)
+    x, w = torch.randn(16, 16, requires_grad=True), _w()
+    out = rows.onednn_linear(x, w)
+    out.sum().backward()
+    assert x.grad is not None
+    assert dispatch.stats().handed == {("linear", "onednn", "F.linear"): 1}
+
+
+@pytest.mark.parametrize(("vendor", "available"), [("AuthenticAMD", True),
+                                                   ("GenuineIntel", False)])
+def test_the_onednn_row_is_available_on_the_cpus_it_was_measured_on(
+        vendor: str, available: bool) -> None:
+    rows.cpu_vendor = lambda: vendor  # type: ignore[assignment]
+    answer = rows.onednn_available()
+    if not torch.backends.mkldnn.is_available():
+        assert "oneDNN" in str(answer)
+        return
+    assert (answer is True) == available
+    if not available:
+        assert "AMD" in str(answer) and vendor in str(answer)
+
+
+def test_on_amd_cpus_the_table_gives_onednn_calls_of_sixteen_tokens_and_more() -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
+    dispatch.reload_tables()
+    w = _w()
+    dispatch.stats(reset=True)
+    with torch.no_grad():
+        ops.linear(torch.randn(1, 16, 16), w)
+        ops.linear(torch.randn(15, 16), w)
+    by_row = dispatch.stats().by_row()["linear"]
+    assert by_row["onednn"] == {"chain": 1}
+    assert sum(n for r, o in by_row.items() if r != "onednn" for n in o.values()) == 1
