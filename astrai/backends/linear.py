@@ -232,7 +232,7 @@ def onednn_available() -> bool | Unavailable:
     and the CPU is of a vendor it was measured to win on (an AMD EPYC with AVX-512: about
     2.1x MKL's product at 128 tokens, which MKL computes there with narrower vectors);
     else why not."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return Unavailable("this torch was built without oneDNN (mkldnn)")
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return Unavailable("this torch has no torch.ops.mkldnn._linear_pointwise")
