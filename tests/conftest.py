@@ -119,6 +119,18 @@ def built() -> ModuleType:
     return native.load_from(path)
 
 
+@pytest.fixture
+def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The native rows with the extension's kernels, available to the tables."""
+    from astrai.backends import native as rows
+
+    monkeypatch.setattr(rows, "_kernels", lambda: built)
+    dispatch.refresh()
+    yield built
+    monkeypatch.undo()
+    dispatch.refresh()
+
+
 @contextmanager
 def adopted(module: ModuleType | None) -> Iterator[None]:
     """Within: the facades on ``module``'s hot path (``None``: the Python one, as in a

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -24,16 +23,6 @@ from astrai import ops
 from astrai.backends import native as rows
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The native rows with the extension's kernels, available to the tables."""
-    monkeypatch.setattr(rows, "_kernels", lambda: built)
-    dispatch.refresh()
-    yield built
-    monkeypatch.undo()
-    dispatch.refresh()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,16 +34,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FORMS = [dict(), dict(weight_offset=1.0), dict(cast_before_weight=True),
          dict(weight_offset=1.0, cast_before_weight=True),
          dict(weight_offset=0.1, cast_before_weight=True)]  # an offset W cannot hold exactly
-
-
-@pytest.fixture
-def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The native rows with the extension's kernels, available to the tables."""
-    monkeypatch.setattr(rows, "_kernels", lambda: built)
-    dispatch.refresh()
-    yield built
-    monkeypatch.undo()
-    dispatch.refresh()
 
 
 def _rms_call(shape: tuple[int, ...], dtype: torch.dtype, weight_dtype: torch.dtype,

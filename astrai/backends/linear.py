@@ -223,8 +223,31 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
     return made.t
 
 
-#: The CPU vendors (``cpu_vendor``) the ``onednn`` row was measured to win on.
+#: The CPU vendors (``cpu_vendor``) each CPU row was measured to win on.
 ONEDNN_VENDORS = frozenset({"AuthenticAMD"})
+TRANSPOSED_VENDORS = frozenset({"GenuineIntel"})
+ONE_ROW_VENDORS = frozenset({"AuthenticAMD"})
+
+
+def _measured_on(vendors: frozenset[str], where: str) -> bool | Unavailable:
+    vendor = cpu_vendor()
+    if vendor in vendors:
+        return True
+    return Unavailable(f"measured to win only on {where}; this CPU is "
+                       f"{vendor or 'of an unknown vendor'}, where it was not faster than "
+                       f"F.linear")
+
+
+def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                row: str) -> bool:
+    """Whether a CPU row leaves this call to ``F.linear``: traced, autograd recording, or
+    a tensor subclass (counted in ``stats().handed`` outside tracing)."""
+    if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
+            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)):
+        if not compiling():
+            count_handoff("linear", row, _HANDED)
+        return True
+    return False
 
 
 def onednn_available() -> bool | Unavailable:
@@ -251,27 +274,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     tensor subclass, or any call but float32 CPU tensors: ``F.linear`` (counted in
     ``stats().handed`` outside tracing). It equals ``F.linear`` up to the order of the
     float32 sums."""
-    if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
-            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)
-            or not _float32_cpu(x, weight, bias)):
-        if not compiling():
-            count_handoff("linear", "onednn", _HANDED)
+    if _handed_off(x, weight, bias, "onednn"):
+        return F.linear(x, weight, bias)
+    if not _float32_cpu(x, weight, bias):
+        count_handoff("linear", "onednn", _HANDED)
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
-
-
-#: The CPU vendors (``cpu_vendor``) each row of the copy was measured to win on.
-TRANSPOSED_VENDORS = frozenset({"GenuineIntel"})
-ONE_ROW_VENDORS = frozenset({"AuthenticAMD"})
-
-
-def _measured_on(vendors: frozenset[str], where: str) -> bool | Unavailable:
-    vendor = cpu_vendor()
-    if vendor in vendors:
-        return True
-    return Unavailable(f"measured to win only on {where}; this CPU is "
-                       f"{vendor or 'of an unknown vendor'}, where it was not faster than "
-                       f"F.linear")
 
 
 def transposed_available() -> bool | Unavailable:
@@ -308,10 +316,7 @@ def transposed_one_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 row: str) -> torch.Tensor:
-    if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
-            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)):
-        if not compiling():
-            count_handoff("linear", row, _HANDED)
+    if _handed_off(x, weight, bias, row):
         return F.linear(x, weight, bias)
     t = _copy_of(weight)
     if t is None:

@@ -432,7 +432,6 @@ def lint_view(view: View, state: Registry | None = None) -> LintReport:
 
     problems: list[LintFinding] = []
     position = {r.name: i for i, r in enumerate(chain) if forced is None or i > 0}
-
     for rec in rows:
         name = rec.name
         if name not in satisfiable:

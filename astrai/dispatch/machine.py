@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = ["FIELDS", "Machine", "cpu_vendor", "cuda_initialized", "this_machine"]
 
+import functools
 import os
 import platform
 from collections.abc import Mapping
@@ -63,31 +64,32 @@ class Machine:
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Machine))
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The first value ``/proc/cpuinfo`` (Linux) gives any of ``keys``, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
-                if sep and key.strip() in ("model name", "Model", "cpu model"):
+                if sep and key.strip() in keys:
                     return value.strip()
     except OSError:
         pass
+    return None
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    found = _cpuinfo("model name", "Model", "cpu model")
+    if found is not None:
+        return found
     return platform.processor() or platform.machine() or "unknown"
 
 
+@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as it names itself (``GenuineIntel``, ``AuthenticAMD``: the
     ``vendor_id`` of ``/proc/cpuinfo``), or ``""`` where the system does not say."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def cuda_initialized() -> bool:

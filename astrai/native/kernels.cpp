@@ -525,9 +525,9 @@ __attribute__((always_inline)) inline float lanes_sum(lanes8 v) {
 // Outputs [o, o + R) of the M rows of x (x rows ``in`` apart, y rows ``out`` apart).
 // Always inlined, so that it is compiled within each build of ``linear_blocks``.
 template <int M, int R>
-__attribute__((always_inline)) inline void linear_block(const float* __restrict__ x, const float* __restrict__ w, int64_t ws,
-                         const float* __restrict__ b, float* __restrict__ y, int64_t in,
-                         int64_t out, int64_t o) {
+__attribute__((always_inline)) inline void linear_block(
+    const float* __restrict__ x, const float* __restrict__ w, int64_t ws,
+    const float* __restrict__ b, float* __restrict__ y, int64_t in, int64_t out, int64_t o) {
   const int64_t whole = in - in % kLanes;
   const float* w0 = w + o * ws;
   lanes8 acc[M][R] = {};
