@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from astrai.backends.linear_operator import linear_operator, traceable
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff
@@ -270,16 +271,30 @@ def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` by oneDNN's linear; traced, with autograd recording, with a
+    """``x @ weight.T + bias`` by oneDNN's linear; with autograd recording, with a
     tensor subclass, or any call but float32 CPU tensors: ``F.linear`` (counted in
-    ``stats().handed`` outside tracing). It equals ``F.linear`` up to the order of the
-    float32 sums."""
+    ``stats().handed`` outside tracing). Traced, the call stands in the graph as the
+    operator ``astrai::onednn_linear`` where it would run eagerly. It equals ``F.linear``
+    up to the order of the float32 sums."""
+    if compiling():
+        if traceable(x, weight, bias):
+            return _ONEDNN_OPERATOR(x, weight, bias)
+        return F.linear(x, weight, bias)
     if _handed_off(x, weight, bias, "onednn"):
         return F.linear(x, weight, bias)
     if not _float32_cpu(x, weight, bias):
         count_handoff("linear", "onednn", _HANDED)
         return F.linear(x, weight, bias)
+    return _onednn(x, weight, bias)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
+
+
+#: The ``onednn`` row in a compiled graph (``astrai.backends.linear_operator``).
+_ONEDNN_OPERATOR = linear_operator("onednn", _onednn)
 
 
 def transposed_available() -> bool | Unavailable:

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai import native as extension
+from astrai.backends.linear_operator import linear_operator, traceable
 from astrai.backends.rms_norm import torch_rms_norm
 from astrai.backends.rotary import torch_rotary, torch_rotary_half
 from astrai.dispatch.stats import count_handoff
@@ -136,9 +137,18 @@ def native_linear_available() -> bool | Unavailable:
 def native_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows, float32, reading the weight once as it is
-    stored (see the module docstring); ``F.linear`` for a call the kernel declines."""
+    stored (see the module docstring); ``F.linear`` for a call the kernel declines.
+    Traced, the call stands in the graph as the operator ``astrai::native_linear`` where
+    it would run eagerly (CPU float32, no autograd), else as ``F.linear``."""
     if compiling():
+        if traceable(x, weight, bias):
+            return _NATIVE_OPERATOR(x, weight, bias)
         return F.linear(x, weight, bias)
+    return _native_linear(x, weight, bias)
+
+
+def _native_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     kernels = _kernels()
     if kernels is not None:
         out = kernels.linear_rows_kernel(x, weight, bias)
@@ -146,3 +156,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor,
             return out  # type: ignore[no-any-return]
     count_handoff("linear", "native", TORCH_OPS)
     return F.linear(x, weight, bias)
+
+
+#: The ``native`` linear row in a compiled graph (``astrai.backends.linear_operator``).
+_NATIVE_OPERATOR = linear_operator("native", _native_linear)

@@ -1,0 +1,59 @@
+"""Linear rows that a compiled graph keeps.
+
+A row that computes a linear layer with a kernel of its own (oneDNN's, astrai's native
+one) cannot be traced into: dynamo would see a foreign call and break the graph there,
+or trace torch's own product instead and lose the row. So each such row is registered
+once as a torch operator, ``astrai::<row>_linear(x, weight, bias) -> Tensor``, with a
+shape function for tracing. Under ``torch.compile`` the row calls its operator; inductor
+keeps it in the graph as an external kernel, as it keeps ``aten.mm`` on a CPU, and fuses
+the elementwise work around it as it would around the product it replaces.
+
+An operator stands in a graph only where its row would run eagerly: CPU float32 tensors
+(no subclass) and no autograd recording, since the operators have no backward. Under
+``torch.export`` rows trace to ``F.linear``, so an exported program names only torch's
+operators.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LinearKernel", "linear_operator", "traceable"]
+
+from collections.abc import Callable
+
+import torch
+
+#: A row's kernel: ``(x, weight, bias) -> x @ weight.T + bias``.
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def traceable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a traced call may stand in the graph as a row's operator: float32 CPU
+    tensors of torch's own types, without autograd recording, and not exported."""
+    if torch.is_grad_enabled() or torch.compiler.is_exporting():
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.dtype == torch.float32
+                             and t.device.type == "cpu") for t in (x, weight, bias))
+
+
+def linear_operator(row: str, kernel: LinearKernel) -> LinearKernel:
+    """The operator ``astrai::<row>_linear`` that runs ``kernel``; registered with torch
+    the first time (a second call with the same ``row`` returns the registered one)."""
+    name = f"{row}_linear"
+    namespace = torch.ops.astrai
+    if hasattr(namespace, name):
+        return getattr(namespace, name)  # type: ignore[no-any-return]
+
+    def compute(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, weight, bias)
+
+    op = torch.library.custom_op(f"astrai::{name}", compute, mutates_args=())
+
+    @op.register_fake  # type: ignore[untyped-decorator, misc]
+    def _shape(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    return op  # type: ignore[return-value]

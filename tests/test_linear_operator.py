@@ -1,0 +1,141 @@
+"""Linear rows in a compiled graph: ``onednn`` and ``native`` stand in it as the operators
+``astrai::onednn_linear`` and ``astrai::native_linear`` where they would run eagerly, and
+as ``F.linear`` elsewhere."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import astrai.dispatch as dispatch
+from astrai import ops
+from astrai.backends import linear as rows
+from astrai.backends import native as native_rows
+from astrai.backends.linear_operator import linear_operator
+
+
+@pytest.fixture(autouse=True)
+def _amd() -> Iterator[None]:
+    """The rows' tables as on the AMD CPU the ``onednn`` row was measured on."""
+    vendor = rows.cpu_vendor
+    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
+    dispatch.reload_tables()
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        rows.cpu_vendor = vendor  # type: ignore[assignment]
+        dispatch.reload_tables()
+        torch._dynamo.reset()
+
+
+def _needs_onednn() -> None:
+    if rows.onednn_available() is not True:
+        pytest.skip(f"the onednn row is unavailable here: {rows.onednn_available()}")
+
+
+def _graph_of(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> str:
+    """The code of the graph dynamo traces from ``fn(*args)`` (one graph, no breaks)."""
+    graphs: list[Any] = []
+
+    def capture(gm: torch.fx.GraphModule, _: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
+    assert len(graphs) == 1
+    return str(graphs[0].code)
+
+
+def _mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    h = ops.linear(x, up)
+    return ops.linear(F.silu(h) * h, down) + x
+
+
+def _weights() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)
+
+
+def test_an_operator_is_registered_once_per_row() -> None:
+    first = linear_operator("onednn", F.linear)
+    assert first is torch.ops.astrai.onednn_linear
+    assert linear_operator("onednn", F.linear) is first
+
+
+def test_its_shape_function_gives_the_products_shape() -> None:
+    op = torch.ops.astrai.onednn_linear
+    with FakeTensorMode():
+        out = op(torch.empty(2, 5, 32), torch.empty(48, 32), torch.empty(48))
+    assert out.shape == (2, 5, 48) and out.dtype == torch.float32
+
+
+def test_traced_without_autograd_the_onednn_row_stands_in_the_graph() -> None:
+    _needs_onednn()
+    up, down = _weights()
+    with torch.no_grad():
+        code = _graph_of(_mlp, torch.randn(1, 32, 32), up, down)
+    assert code.count("torch.ops.astrai.onednn_linear") == 2
+    assert "linear(" not in code.replace("onednn_linear", "")
+
+
+def test_traced_with_autograd_or_another_dtype_it_is_f_linear() -> None:
+    _needs_onednn()
+    up, down = _weights()
+    code = _graph_of(_mlp, torch.randn(1, 32, 32), up.requires_grad_(), down)
+    assert "astrai" not in code and "linear(" in code
+    with torch.no_grad():
+        code = _graph_of(rows.onednn_linear, torch.randn(32, 32, dtype=torch.float64),
+                         up.double())
+    assert "astrai" not in code and "linear(" in code
+
+
+def test_exported_it_is_f_linear() -> None:
+    _needs_onednn()
+    up, down = _weights()
+
+    class MLP(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _mlp(x, up, down)
+
+    with torch.no_grad():
+        program = torch.export.export(MLP(), (torch.randn(1, 32, 32),))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("astrai" in t for t in targets)
+    assert any("linear" in t or "mm" in t for t in targets)
+
+
+def test_compiled_by_inductor_it_is_kept_and_the_elementwise_work_around_it_fused() -> None:
+    _needs_onednn()
+    from torch._inductor.utils import run_and_get_code
+
+    up, down = _weights()
+    x = torch.randn(1, 32, 32)
+    with torch.no_grad():
+        got, (code, *_) = run_and_get_code(torch.compile(_mlp, dynamic=False), x, up, down)
+        want = F.linear(F.silu(F.linear(x, up)) * F.linear(x, up), down) + x
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert len(re.findall(r"= torch\.ops\.astrai\.onednn_linear\.default\(", code)) == 2
+    assert re.search(r"def cpp_fused_\w*mul\w*silu|cpp_fused_\w*mul\w*silu\w* = ", code)
+
+
+def test_traced_one_token_calls_the_native_operator_with_the_eager_result(
+        kernels: ModuleType) -> None:
+    if native_rows.native_linear_available() is not True:
+        pytest.skip(f"the native linear row is unavailable: "
+                    f"{native_rows.native_linear_available()}")
+    up, down = _weights()
+    x = torch.randn(1, 1, 32)
+    with torch.no_grad():
+        code = _graph_of(_mlp, x, up, down)
+        eager = _mlp(x, up, down)
+        compiled = torch.compile(_mlp, dynamic=False)(x, up, down)
+    assert code.count("torch.ops.astrai.native_linear") == 2
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
