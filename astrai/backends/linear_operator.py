@@ -26,12 +26,14 @@ import torch
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: ``torch.compiler.is_exporting`` (torch >= 2.5; before it, nothing says so).
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def traceable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a traced call may stand in the graph as a row's operator: float32 CPU
     tensors of torch's own types, without autograd recording, and not exported."""
-    if torch.is_grad_enabled() or torch.compiler.is_exporting():
+    if torch.is_grad_enabled() or _exporting():
         return False
     return all(t is None or (type(t) in _PLAIN and t.dtype == torch.float32
                              and t.device.type == "cpu") for t in (x, weight, bias))
