@@ -139,3 +139,14 @@ def test_traced_one_token_calls_the_native_operator_with_the_eager_result(
         compiled = torch.compile(_mlp, dynamic=False)(x, up, down)
     assert code.count("torch.ops.astrai.native_linear") == 2
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(32,), (0, 32), (5, 32), (2, 3, 32)])
+def test_compiled_it_serves_any_layout_and_rank(shape: tuple[int, ...]) -> None:
+    _needs_onednn()
+    up, _ = _weights()
+    x = torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))  # not contiguous
+    b = torch.randn(48)
+    with torch.no_grad():
+        got = torch.compile(rows.onednn_linear, dynamic=False)(x, up, b)
+    torch.testing.assert_close(got, F.linear(x, up, b), rtol=1e-5, atol=1e-5)

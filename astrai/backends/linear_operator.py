@@ -49,7 +49,7 @@ def linear_operator(row: str, kernel: LinearKernel) -> LinearKernel:
 
     def compute(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight, bias)
+        return kernel(x, weight, bias).contiguous()  # the layout the shape function says
 
     op = torch.library.custom_op(f"astrai::{name}", compute, mutates_args=())
 
