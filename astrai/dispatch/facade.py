@@ -576,6 +576,7 @@ def adopt(module: Any) -> None:
     HOT.native = module
     HOT.lookup = python_hot.lookup if module is None else module.lookup
     process.hot_planner = python_hot.planner if module is None else module.plan
+    process.hot_resolved = None if module is None else getattr(module, "resolved", None)
     if not process.recordings:
         for f in FACADES.values():
             f.lookup = _hot_lookup(f)
@@ -640,23 +641,23 @@ else:
 
 @contextmanager
 def python_path() -> Iterator[None]:
-    """Within: every facade and ``ops.call`` take the pure-Python path - the Python hot
-    path (``astrai.dispatch.python_hot``) in front of the routes, the compiled one out of
-    force - as without the extension; benchmarks compare the two with it. The routes'
+    """Within: every facade, ``ops.call`` and ``resolve`` take the pure-Python path - the
+    Python hot path (``astrai.dispatch.python_hot``) in front of the routes, the compiled
+    one out of force - as without the extension; benchmarks compare the two with it. The routes'
     plans are made again on the way in and on the way out (each path reads its own)."""
     saved = [(f, f.lookup) for f in FACADES.values()]
-    call_lookup, planner = HOT.call_lookup, process.hot_planner
+    call_lookup, planner, resolved = HOT.call_lookup, process.hot_planner, process.hot_resolved
     _replan(python_hot.planner)
     for f, _ in saved:
         f.lookup = python_hot.lookup
-    HOT.call_lookup = HOT.python_call
+    HOT.call_lookup, process.hot_resolved = HOT.python_call, None
     try:
         yield
     finally:
         _replan(planner)
         for f, lookup in saved:
             f.lookup = lookup
-        HOT.call_lookup = call_lookup
+        HOT.call_lookup, process.hot_resolved = call_lookup, resolved
 
 
 def _replan(planner: Any) -> None:

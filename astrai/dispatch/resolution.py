@@ -296,17 +296,26 @@ def same_context(ctx: CallContext) -> CallContext:
 def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
     """Which row serves ``ctx`` and why. Cached per call signature; the same ``ctx``
     object asked about again (a third time) while nothing changed is answered from what
-    the second answer left on it, by identity checks alone."""
+    the second answer left on it, by identity checks alone (in C++ where the compiled hot
+    path is in use)."""
     memo = ctx._resolved
     if memo is not None:
-        # ``in_force`` of the remembered world, inlined (a call into world.py would be a
-        # third of this path's cost), on its fields kept flat beside the answer.
-        snapshot, scope, ops, alias_key, alias, asked, how, got = memo
-        if (asked is family and how is explicit and snapshot is process.snapshot
-                and scope is current_scope() and ops is environ_get(OPS_KEY)
-                and (alias_key is None or alias is environ_get(alias_key))):
-            next(QUIET)  # a hit that serves no call
-            return got  # type: ignore[no-any-return]
+        hot = process.hot_resolved
+        if hot is not None:
+            got = hot(memo, family, explicit, QUIET)  # counts its hit
+            if got is not None:
+                return got  # type: ignore[no-any-return]
+        else:
+            # ``in_force`` of the remembered world, inlined (a call into world.py would be a
+            # third of this path's cost), on its fields kept flat beside the answer.
+            snapshot, scope, ops, alias_key, alias, asked, how, got = memo
+            if (asked is family and how is explicit and snapshot is process.snapshot
+                    and scope is current_scope() and ops is environ_get(OPS_KEY)
+                    and (alias_key is None or alias is environ_get(alias_key))):
+                next(QUIET)  # a hit that serves no call
+                return got  # type: ignore[no-any-return]
+    if not _hot_path_decided:
+        _decide_hot_path()
     state, fields = process.snapshot, ctx.__dict__
     again = "_signature" in fields  # resolved before: worth remembering on the object
     sig = ctx.signature()
@@ -327,6 +336,19 @@ def resolve(family: str, ctx: CallContext, explicit: Any = None) -> Resolution:
         object.__setattr__(ctx, _MEMO, (world.snapshot, world.scope, world.ops, world.alias_key,
                                         world.alias, family, explicit, got))
     return got
+
+
+#: Whether this process took up its hot path (``_decide_hot_path``) yet.
+_hot_path_decided = False
+
+
+def _decide_hot_path() -> None:
+    """At ``resolve``'s first miss: the facades' module, which takes up the compiled hot
+    path where the extension is built already (never building it), so a process using
+    ``resolve`` alone answers its repeated asks in C++ as well."""
+    global _hot_path_decided
+    _hot_path_decided = True
+    import astrai.dispatch.facade  # noqa: F401
 
 
 #: Where ``resolve`` leaves its answer on a ``CallContext`` (``CallContext.__getstate__``

@@ -57,6 +57,9 @@ handoffs: dict[tuple[str, str, str], itertools.count[int]] = {}
 #: The compiled hot path's ``plan`` (``astrai.native``) while it is in use, else ``None``:
 #: a facade's route makes its plan for a snapshot with it.
 hot_planner: Callable[..., Any] | None = None
+#: The compiled hot path's ``resolved`` (``astrai.native``) while it is in use, else
+#: ``None``: ``resolve`` answers a context it answered before with it.
+hot_resolved: Callable[..., Any] | None = None
 #: What a snapshot's routes found about the compiled hot path, per facade: ``None`` where
 #: it reads the facade's calls, else why not.
 hot_status: dict[str, str | None] = {}

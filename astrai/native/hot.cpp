@@ -687,6 +687,31 @@ PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// resolved(memo, family, explicit, counter): what ``resolve`` left on a context (its
+// ``_resolved``: the world's snapshot, scope, ASTR_OPS, alias key and alias, then the
+// family, the explicit request and the answer) when it answers this ask in the world in
+// force now (counting the hit on ``counter``, an iterator), else None.
+PyObject* resolved(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!astrai_set_up()) return nullptr;
+  if (n != 4) Py_RETURN_NONE;
+  PyObject* memo = args[0];
+  if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 8) Py_RETURN_NONE;
+  if (PyTuple_GET_ITEM(memo, 5) != args[1] || PyTuple_GET_ITEM(memo, 6) != args[2]) {
+    Py_RETURN_NONE;
+  }
+  Ref held(memo);  // the checks may run Python code (an environment dict's key compare)
+  if (!in_force(memo)) Py_RETURN_NONE;
+  PyObject* tick = PyIter_Next(args[3]);
+  if (tick == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+  } else {
+    Py_DECREF(tick);
+  }
+  PyObject* got = PyTuple_GET_ITEM(memo, 7);
+  Py_INCREF(got);
+  return got;
+}
+
 // setup(process_dict, scope_var, environ_data, ops_key, tensor, parameter). What a later
 // setup replaces is kept, not released: a call suspended in Python code may still read it.
 PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -727,6 +752,7 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "plan(arity, cases, consts, items, slots) -> capsule"},
     METHOD(lookup, "lookup(last, *args) -> Decision | None"),
     METHOD(key, "key(plan, *args) -> the key lookup reads, or None"),
+    METHOD(resolved, "resolved(memo, family, explicit, counter) -> Resolution | None"),
     {"opcodes", opcodes, METH_NOARGS, "() -> (guards, values, key items)"},
     {nullptr, nullptr, 0, nullptr}};
 
