@@ -343,12 +343,19 @@ _hot_path_decided = False
 
 
 def _decide_hot_path() -> None:
-    """At ``resolve``'s first miss: the facades' module, which takes up the compiled hot
-    path where the extension is built already (never building it), so a process using
-    ``resolve`` alone answers its repeated asks in C++ as well."""
+    """At ``resolve``'s first miss, where the facades have not taken up a hot path yet
+    (``astrai.dispatch.facade.adopt``): the extension, where it is built already (never
+    building it), so a process using ``resolve`` alone answers its repeated asks in C++
+    as well."""
     global _hot_path_decided
     _hot_path_decided = True
-    import astrai.dispatch.facade  # noqa: F401
+    from astrai import native
+
+    if process.hot_planner is not None or native.pending():
+        return
+    module = native.load()
+    if module is not None:
+        process.hot_resolved = getattr(module, "resolved", None)
 
 
 #: Where ``resolve`` leaves its answer on a ``CallContext`` (``CallContext.__getstate__``
