@@ -132,8 +132,12 @@ def main() -> None:
                         "attribute": cached_attribute}, number=20_000)
     r = paired_ratios(cached, {"seed": seed_resolve, "control": cached_copy}, number=20_000)
     print(f"seed resolve            {t['seed']:.3f} us/call")
+    from astrai.dispatch import state
+
+    path = ("the compiled hot path's checks" if state.hot_resolved is not None
+            else "Python's checks: no native extension in use")
     print(f"astrai cached resolve   {t['cached']:.3f} us/call  target <= 0.5 us  "
-          f"{verdict(t['cached'] <= 0.5)}")
+          f"{verdict(t['cached'] <= 0.5)}  ({path})")
     print(f"seed / cached, paired   {r['seed']:.1f}x  target >= 30x  {verdict(r['seed'] >= 30)}")
     print(f"A/A control (cached / a copy of cached), paired: {r['control']:.3f}x")
     print(f"  (called as d.resolve, through the module attribute: {t['attribute']:.3f} us/call)")
