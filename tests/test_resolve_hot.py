@@ -101,6 +101,8 @@ def test_its_check_declines_what_it_was_not_left(built: ModuleType) -> None:
         assert built.resolved(memo[:7], "rms_norm", None, quiet) is None
         assert built.resolved(list(memo), "rms_norm", None, quiet) is None
         assert built.resolved(memo, "rms_norm", None) is None
+        with pytest.raises(TypeError, match="iterator"):
+            built.resolved(memo, "rms_norm", None, [])
         refresh()
         assert built.resolved(memo, "rms_norm", None, quiet) is None
 

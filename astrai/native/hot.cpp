@@ -694,6 +694,11 @@ PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyObject* resolved(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (!astrai_set_up()) return nullptr;
   if (n != 4) Py_RETURN_NONE;
+  if (!PyIter_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "resolved(memo, family, explicit, counter): the "
+                                     "counter is an iterator");
+    return nullptr;
+  }
   PyObject* memo = args[0];
   if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 8) Py_RETURN_NONE;
   if (PyTuple_GET_ITEM(memo, 5) != args[1] || PyTuple_GET_ITEM(memo, 6) != args[2]) {
