@@ -150,3 +150,30 @@ def test_compiled_it_serves_any_layout_and_rank(shape: tuple[int, ...]) -> None:
     with torch.no_grad():
         got = torch.compile(rows.onednn_linear, dynamic=False)(x, up, b)
     torch.testing.assert_close(got, F.linear(x, up, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_strided_bias_and_no_input_features_are_served(compiled: bool) -> None:
+    _needs_onednn()
+    up, _ = _weights()
+    x, b = torch.randn(16, 32), torch.randn(96)
+    fn = torch.compile(rows.onednn_linear, dynamic=False) if compiled else rows.onednn_linear
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, up, b[::2]), F.linear(x, up, b[::2]),
+                                   rtol=1e-5, atol=1e-5)
+        empty_w = torch.randn(48, 0)
+        torch.testing.assert_close(fn(torch.randn(16, 0), empty_w, b[:48]),
+                                   b[:48].expand(16, 48))
+
+
+@pytest.mark.parametrize("tokens", [2, 16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_under_cpu_autocast_a_call_gets_f_linears_precision(
+        kernels: ModuleType, tokens: int, compiled: bool) -> None:
+    up, _ = _weights()
+    x = torch.randn(tokens, 32)
+    fn = torch.compile(ops.linear, dynamic=False) if compiled else ops.linear
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = fn(x, up), F.linear(x, up)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)

@@ -241,10 +241,12 @@ def _measured_on(vendors: frozenset[str], where: str) -> bool | Unavailable:
 
 def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 row: str) -> bool:
-    """Whether a CPU row leaves this call to ``F.linear``: traced, autograd recording, or
-    a tensor subclass (counted in ``stats().handed`` outside tracing)."""
+    """Whether a CPU row leaves this call to ``F.linear``: traced, autograd recording,
+    CPU autocast in force (``F.linear`` computes in its lower precision there), or a
+    tensor subclass (counted in ``stats().handed`` outside tracing)."""
     if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
-            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)):
+            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)
+            or torch.is_autocast_enabled("cpu")):
         if not compiling():
             count_handoff("linear", row, _HANDED)
         return True
@@ -282,7 +284,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x, weight, bias)
     if _handed_off(x, weight, bias, "onednn"):
         return F.linear(x, weight, bias)
-    if not _float32_cpu(x, weight, bias):
+    if not _float32_cpu(x, weight, bias) or not weight.shape[1]:
         count_handoff("linear", "onednn", _HANDED)
         return F.linear(x, weight, bias)
     return _onednn(x, weight, bias)
@@ -290,6 +292,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product, which reads the bias as contiguous and has no primitive for
+    ``in_features == 0`` (``F.linear``'s there)."""
+    if not weight.shape[1]:
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        bias = bias.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
 
 

@@ -9,7 +9,8 @@ keeps it in the graph as an external kernel, as it keeps ``aten.mm`` on a CPU, a
 the elementwise work around it as it would around the product it replaces.
 
 An operator stands in a graph only where its row would run eagerly: CPU float32 tensors
-(no subclass) and no autograd recording, since the operators have no backward. Under
+(no subclass), no autograd recording, since the operators have no backward, and no CPU
+autocast, which would not cast them. Under
 ``torch.export`` rows trace to ``F.linear``, so an exported program names only torch's
 operators.
 """
@@ -32,8 +33,9 @@ _exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda:
 
 def traceable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a traced call may stand in the graph as a row's operator: float32 CPU
-    tensors of torch's own types, without autograd recording, and not exported."""
-    if torch.is_grad_enabled() or _exporting():
+    tensors of torch's own types, without autograd recording or CPU autocast (an operator
+    is not cast by it), and not exported."""
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _exporting():
         return False
     return all(t is None or (type(t) in _PLAIN and t.dtype == torch.float32
                              and t.device.type == "cpu") for t in (x, weight, bias))

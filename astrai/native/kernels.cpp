@@ -20,6 +20,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
@@ -595,8 +596,8 @@ bool linear_vectorised() {
 }
 
 // linear_rows_kernel(x, weight, bias) -> Tensor, or None for a call it does not serve:
-// anything ``served`` declines, a dtype other than float32, or a weight whose rows are
-// not contiguous.
+// anything ``served`` declines, CPU autocast in force, a dtype other than float32, or a
+// weight whose rows are not contiguous.
 PyObject* linear_rows_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (!astrai_set_up()) return nullptr;
   if (n != 3) return fail(PyExc_TypeError, "linear_rows_kernel(x, weight, bias)");
@@ -613,6 +614,8 @@ PyObject* linear_rows_kernel(PyObject*, PyObject* const* args, Py_ssize_t n) {
     if (watched() || !served(args[0], *xp) || !served(args[1], *wp) ||
         (bp != nullptr && !served(args[2], *bp)))
       Py_RETURN_NONE;
+    // Under CPU autocast torch's product computes in the lower precision: torch's call.
+    if (at::autocast::is_autocast_enabled(at::kCPU)) Py_RETURN_NONE;
     if (xp->scalar_type() != at::kFloat || wp->scalar_type() != at::kFloat ||
         (bp != nullptr && bp->scalar_type() != at::kFloat))
       Py_RETURN_NONE;
