@@ -37,6 +37,8 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def test_the_same_object_follows_every_change(path: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASTR_OPS, an op_backend scope, an explicit row, reset() and refresh() each reach
+    an object answered from its memo."""
     x, w = torch.randn(2, 4), torch.ones(4)
     call = ops_context("rms_norm", x, w)
     first = [resolve("rms_norm", call) for _ in range(3)]
