@@ -578,14 +578,16 @@ class TestThreads:
         ]
         errors: list[BaseException] = []
         counts = [0] * len(plan)
-        stop = time.monotonic() + 0.5
         barrier = threading.Barrier(len(plan))
 
         def work(i: int) -> None:
             handle, ndim, want = plan[i]
             try:
                 barrier.wait()
-                while time.monotonic() < stop:
+                # At least 20 rounds each (a loaded machine may schedule a thread late),
+                # then until half a second has passed since the threads met.
+                stop = time.monotonic() + 0.5
+                while counts[i] < 20 or time.monotonic() < stop:
                     with op_backend(toy=handle):
                         got = resolve("toy", ctx(ndim)).name
                         if got != want:
@@ -601,7 +603,7 @@ class TestThreads:
             t.join(10)
         assert not any(t.is_alive() for t in threads)
         assert errors == []
-        assert all(n > 0 for n in counts)
+        assert min(counts) >= 20
 
 
 # -- processes -------------------------------------------------------------------
