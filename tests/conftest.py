@@ -11,8 +11,10 @@ cleared from the environment.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -129,6 +131,18 @@ def kernels(built: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modu
     yield built
     monkeypatch.undo()
     dispatch.refresh()
+
+
+#: The repository's root: the children of ``python_child`` run there.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python_child(env: Mapping[str, str], code: str,
+                 *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code *argv`` in a new process, in the repository's root, with ``env``
+    over this process's environment; its output captured (two minutes at most)."""
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
 
 
 @contextmanager

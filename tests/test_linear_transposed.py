@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -60,12 +60,18 @@ def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(16,), (5, 16), (2, 7, 16), (3, 2, 4, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_it_computes_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    _computes_f_linear(rows.transposed_linear, shape, bias, 1e-6)
+
+
+def _computes_f_linear(row: Callable[..., torch.Tensor], shape: tuple[int, ...], bias: bool,
+                       tolerance: float) -> None:
+    """``row`` on an input of ``shape`` and a ``[24, 16]`` weight equals ``F.linear``."""
     w, b = _w(), (torch.randn(24) if bias else None)
     x = torch.randn(*shape)
     with torch.no_grad():
-        got = rows.transposed_linear(x, w, b)
+        got = row(x, w, b)
     assert got.shape == (*shape[:-1], 24)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=tolerance, atol=tolerance)
 
 
 def test_a_strided_input_is_served() -> None:
@@ -223,12 +229,7 @@ def test_the_one_token_row_counts_its_own_hand_offs() -> None:
 @pytest.mark.parametrize("shape", [(16, 16), (2, 9, 16), (5, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_onednn_row_computes_f_linear(shape: tuple[int, ...], bias: bool) -> None:
-    w, b = _w(), (torch.randn(24) if bias else None)
-    x = torch.randn(*shape)
-    with torch.no_grad():
-        got = rows.onednn_linear(x, w, b)
-    assert got.shape == (*shape[:-1], 24)
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    _computes_f_linear(rows.onednn_linear, shape, bias, 1e-5)
 
 
 def test_the_onednn_row_hands_autograd_calls_to_f_linear() -> None:

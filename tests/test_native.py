@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,8 +27,7 @@ import astrai.dispatch as d
 from astrai import native, ops
 from astrai.dispatch import state
 from astrai.dispatch.facade import FACADES
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import python_child as _run
 
 
 def _hot_args(name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -343,11 +341,6 @@ def test_ops_call_keeps_nothing_when_the_specs_read_a_lazy_axis(
     assert ops.call("mine", torch.zeros(2)) == "fast"
     last = ops._CALL_LAST.get("mine")
     assert last is None or ops._python_call_hot(last, torch.zeros(2)) is None
-
-
-def _run(env: dict[str, str], code: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
 
 
 STATUS = "from astrai import native; print(native.status())"

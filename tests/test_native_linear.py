@@ -8,10 +8,6 @@ GCC) the row is unavailable, which one test checks either way.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -21,8 +17,7 @@ import torch.nn.functional as F
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.backends import native as rows
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import python_child
 
 
 @pytest.fixture
@@ -191,9 +186,7 @@ x, w = torch.randn(1, 8), torch.randn(4, 8)
 with torch.no_grad():
     print(d.resolve("linear", ops.context("linear", x, w)).name)
 """
-    env = {**os.environ, "ASTR_NATIVE": "off"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=ROOT, check=False)
+    done = python_child({"ASTR_NATIVE": "off"}, code)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "astrai's native extension is not loaded: ASTR_NATIVE=off"

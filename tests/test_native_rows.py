@@ -10,11 +10,7 @@ call still computes the right result - is tested in a process where the extensio
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -27,9 +23,9 @@ from astrai.backends import native as rows
 from astrai.backends.rms_norm import reference_rms_norm
 from astrai.backends.rotary import reference_rotary_half
 from astrai.dispatch import Unavailable
+from tests.conftest import python_child
 from tests.test_model_forms import qk_call
 
-ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FORMS = [dict(), dict(weight_offset=1.0), dict(cast_before_weight=True),
          dict(weight_offset=1.0, cast_before_weight=True),
@@ -403,9 +399,7 @@ with torch.no_grad():
         else:
             print("served")
 """
-        env = {**os.environ, "ASTR_NATIVE": "on"}
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=env, cwd=ROOT, check=False)
+        done = python_child({"ASTR_NATIVE": "on"}, code)
         assert done.returncode == 0, done.stderr[-2000:]
         assert len(done.stdout.split()) == 3
 
@@ -479,9 +473,7 @@ with torch.no_grad():
     print(d.explain("rms_norm", ctx).splitlines()[1])
     print(torch.allclose(native.native_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)))
 """
-    env = {**os.environ, "ASTR_NATIVE": "off"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=ROOT, check=False)
+    done = python_child({"ASTR_NATIVE": "off"}, code)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "astrai's native extension is not loaded: ASTR_NATIVE=off"

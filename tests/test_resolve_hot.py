@@ -3,9 +3,7 @@ compiled hot path is in use, in Python elsewhere, with the same answers and coun
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,9 +14,7 @@ import torch
 from astrai.dispatch import op_backend, refresh, resolve, state, stats
 from astrai.dispatch.facade import python_path
 from astrai.ops import context as ops_context
-from tests.conftest import adopted
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import adopted, python_child
 
 
 @pytest.fixture(params=["python", "native"])
@@ -124,8 +120,7 @@ def _child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
             "for _ in range(3): d.resolve('rms_norm', call)\n"
             "from astrai import native\n"
             "print(state.hot_resolved is not None, native.pending())\n")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=ROOT, timeout=120, check=False)
+    return python_child(env, code)
 
 
 def test_a_process_using_resolve_alone_takes_up_a_built_extension(built: ModuleType) -> None:
