@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from astrai.backends.linear_operator import linear_operator, traceable
+from astrai.backends.linear_operator import float32_cpu, linear_operator, plain_call, traceable
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff
@@ -163,7 +163,6 @@ _LOCK = threading.Lock()
 _budget = [1 << 30]
 #: What computes a call the ``transposed`` row hands on (``stats().handed``).
 _HANDED = "F.linear"
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def set_weight_copy_budget(nbytes: int) -> None:
@@ -244,9 +243,7 @@ def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """Whether a CPU row leaves this call to ``F.linear``: traced, autograd recording,
     CPU autocast in force (``F.linear`` computes in its lower precision there), or a
     tensor subclass (counted in ``stats().handed`` outside tracing)."""
-    if (compiling() or torch.is_grad_enabled() or type(weight) not in _PLAIN
-            or type(x) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN)
-            or torch.is_autocast_enabled("cpu")):
+    if compiling() or not plain_call(x, weight, bias):
         if not compiling():
             count_handoff("linear", row, _HANDED)
         return True
@@ -266,11 +263,6 @@ def onednn_available() -> bool | Unavailable:
                                         "vectors than oneDNN's)")
 
 
-def _float32_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
-               for t in tensors)
-
-
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` by oneDNN's linear; with autograd recording, with a
@@ -284,7 +276,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x, weight, bias)
     if _handed_off(x, weight, bias, "onednn"):
         return F.linear(x, weight, bias)
-    if not _float32_cpu(x, weight, bias) or not weight.shape[1]:
+    if not float32_cpu(x, weight, bias) or not weight.shape[1]:
         count_handoff("linear", "onednn", _HANDED)
         return F.linear(x, weight, bias)
     return _onednn(x, weight, bias)

@@ -17,7 +17,7 @@ operators.
 
 from __future__ import annotations
 
-__all__ = ["LinearKernel", "linear_operator", "traceable"]
+__all__ = ["LinearKernel", "float32_cpu", "linear_operator", "plain_call", "traceable"]
 
 from collections.abc import Callable
 
@@ -26,19 +26,32 @@ import torch
 #: A row's kernel: ``(x, weight, bias) -> x @ weight.T + bias``.
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
+#: The tensor types the CPU linear rows serve (a subclass may compute otherwise).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: ``torch.compiler.is_exporting`` (torch >= 2.5; before it, nothing says so).
 _exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def traceable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a traced call may stand in the graph as a row's operator: float32 CPU
-    tensors of torch's own types, without autograd recording or CPU autocast (an operator
-    is not cast by it), and not exported."""
-    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _exporting():
+    """Whether a traced call may stand in the graph as a row's operator: a ``plain_call``
+    of float32 CPU tensors (an operator has no backward and is not cast by autocast), not
+    exported."""
+    return plain_call(x, weight, bias) and float32_cpu(x, weight, bias) and not _exporting()
+
+
+def plain_call(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call is one the CPU linear rows compute themselves: no autograd
+    recording, no CPU autocast (``F.linear`` computes in its lower precision there), and
+    every tensor given (``None`` aside) of torch's own types."""
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return False
-    return all(t is None or (type(t) in _PLAIN and t.dtype == torch.float32
-                             and t.device.type == "cpu") for t in (x, weight, bias))
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def float32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor given (``None`` aside) is float32 on the CPU."""
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu")
+               for t in tensors)
 
 
 def linear_operator(row: str, kernel: LinearKernel) -> LinearKernel:
