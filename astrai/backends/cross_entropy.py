@@ -3,15 +3,15 @@
 ``cross_entropy(logits [N, V], labels [N], ignore_index, reduction)``: each token's loss
 ``logsumexp(logits) - logits[label]``, computed in float32 (float64 for float64 logits);
 tokens whose label is ``ignore_index`` add nothing. ``mean`` divides the sum by the
-tokens counted (NaN when none is, as torch gives), ``sum`` does not, ``none`` gives each
-token's loss (0 for an ignored one). A label outside ``[0, V)`` other than
-``ignore_index`` is an error. ``torch`` is ``F.cross_entropy``; ``reference`` writes the
-formula out.
+tokens counted (NaN when none is, as torch gives; the gradients are then zero), ``sum``
+does not, ``none`` gives each token's loss (0 for an ignored one). Labels of any integer
+dtype are read as int64. A label outside ``[0, V)`` other than ``ignore_index`` is an
+error. ``torch`` is ``F.cross_entropy``; ``reference`` writes the formula out.
 """
 
 from __future__ import annotations
 
-__all__ = ["reference_cross_entropy", "torch_cross_entropy", "wide"]
+__all__ = ["as_int64", "reference_cross_entropy", "torch_cross_entropy", "wide"]
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,16 @@ def wide(t: Tensor) -> Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def as_int64(labels: Tensor) -> Tensor:
+    """``labels`` as int64 (themselves when they are): ``F.cross_entropy`` takes int64
+    targets, and a narrower dtype would wrap ``ignore_index`` when compared with it."""
+    return labels if labels.dtype == torch.int64 else labels.long()
+
+
 def torch_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100,
                         reduction: str = "mean") -> Tensor:
     """``F.cross_entropy`` on the logits in float32."""
-    return F.cross_entropy(wide(logits), labels, ignore_index=ignore_index,
+    return F.cross_entropy(wide(logits), as_int64(labels), ignore_index=ignore_index,
                            reduction=reduction)
 
 
@@ -43,7 +49,7 @@ def check_labels(labels: Tensor, vocab: int, ignore_index: int) -> None:
 def reference_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100,
                             reduction: str = "mean") -> Tensor:
     """``logsumexp(logits) - logits[label]`` over the tokens counted, in float32."""
-    x = wide(logits)
+    x, labels = wide(logits), as_int64(labels)
     check_labels(labels, x.shape[-1], ignore_index)
     counted = labels != ignore_index
     target = x.gather(1, torch.where(counted, labels, 0).unsqueeze(1)).squeeze(1)
