@@ -15,7 +15,14 @@ def cmd_native(args: argparse.Namespace) -> int:
     from astrai import native
 
     if args.build:
+        from astrai.native import building
+
         try:
+            current = building.built_path()
+            problem = building.verify(current) if current.exists() else None
+            if problem is not None and not args.force:
+                print(f"astrai-ops native: {current} is built again: {problem}",
+                      file=sys.stderr)
             path = native.build(force=args.force)
         except native.NativeBuildError as e:
             print(f"astrai-ops native: cannot build the native extension: {e}",

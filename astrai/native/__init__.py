@@ -14,7 +14,11 @@ It is built from the package's own sources with torch's extension machinery (see
 ``astrai.native.building``) into a cache folder, one file per sources / torch / Python /
 compiler version, and then loaded by every process. A package built for one torch and
 Python may ship the file itself (``astrai/native/prebuilt/``), which is then loaded
-before anything in the cache. ``ASTR_NATIVE`` says what to do: unset or ``auto``, use it,
+before anything in the cache. A file is loaded only where it matches the size and SHA-256
+recorded when it was built (``building.verify``); one that does not (truncated, damaged,
+no record) is never loaded: one line on stderr says what is wrong with it, a cached one is
+removed and built again, and where it cannot be, the pure-Python path serves.
+``ASTR_NATIVE`` says what to do: unset or ``auto``, use it,
 building it at the first need where nothing is built (a facade's first call, or a native
 row's first use; never on import), with a line on stderr before and after; where it
 cannot be built, one line says why and the pure-Python path serves. ``1`` / ``on``, the
@@ -43,9 +47,11 @@ from astrai.native.building import (
     NativeBuildError,
     build,
     built_path,
+    discard_if_bad,
     failed_marker,
     prebuilt_path,
     preflight,
+    verify,
 )
 
 _NAME = "_astrai_hot"
@@ -108,11 +114,31 @@ _decided: list[tuple[NativeStatus, ModuleType | None]] = []
 
 def _found() -> Path | None:
     """The compiled file this process can load: a prebuilt one shipped in the package,
-    else one built earlier into the cache; ``None`` when neither exists."""
+    else one built earlier into the cache, whichever first matches its recorded digest;
+    ``None`` when neither does."""
     for path in (prebuilt_path(), _path()):
-        if path.exists():
+        if path.exists() and verify(path) is None:
             return path
     return None
+
+
+def _refuse_bad() -> None:
+    """Say, one line each, which compiled files this process would load but that fail
+    ``verify``, so are not loaded: a prebuilt one (left as shipped), and, unless a prebuilt
+    one serves, a cached one, which is removed (checked again under its build lock first:
+    a build may be renaming a new file and its digest into place)."""
+    prebuilt, cached = prebuilt_path(), _path()
+    if prebuilt.exists():
+        problem = verify(prebuilt)
+        if problem is None:
+            return
+        _say(f"astrai: not loading the prebuilt native extension {prebuilt}: {problem}")
+    if cached.exists() and verify(cached) is not None:
+        problem = discard_if_bad(cached)
+        if problem is not None:
+            then = ("it is left in place, never loaded" if cached.exists() else
+                    "the file is removed (a new build replaces it)")
+            _say(f"astrai: not loading the native extension {cached}: {problem}; {then}")
 
 
 def _say(line: str, end: str = "\n") -> None:
@@ -162,7 +188,8 @@ def _build_on_first_use(path: Path) -> Path:
 
 def load() -> ModuleType | None:
     """The compiled module, set up for this process, or ``None`` (``status()`` says why).
-    Decided once per process: a prebuilt or earlier-built file is loaded; else, unless
+    Decided once per process: a prebuilt or earlier-built file that matches its recorded
+    digest is loaded (one that does not is never loaded: one line says why); else, unless
     ``ASTR_NATIVE=off``, it is built now (a C++ compiler is needed), and where it cannot
     be, one line on stderr says why and the pure-Python path serves every call."""
     if _decided:
@@ -174,6 +201,7 @@ def load() -> ModuleType | None:
         reason = f"{NATIVE_ENV}=off"
     else:
         try:
+            _refuse_bad()
             found = _found()
             if found is None:
                 found = _build_on_first_use(path)

@@ -9,6 +9,12 @@ starting together build it once and the rest load it. Each build is kept under a
 that covers everything the file depends on: the sources, torch (version, location and
 ABI), Python, the flags astrai adds and the compiler (its path, size and date).
 
+A build is renamed into place whole (a reader never sees half a file) after it is flushed to
+disk, and its size and SHA-256 are recorded beside it (``digest_path``). A file is loaded only
+when it matches that record (``verify``): a truncated, overwritten or damaged file, or one with
+no record, would otherwise be mapped by the dynamic loader and end the process (``SIGBUS``)
+or run other code than was built.
+
 Supported: Linux with GCC or Clang (tested), macOS with Clang (torch's machinery handles
 it; untested here). Windows is not supported (the lock and the sources use POSIX and
 GCC/Clang facilities); there the build says so and the pure-Python path serves.
@@ -17,8 +23,9 @@ GCC/Clang facilities); there the build says so and the pure-Python path serves.
 from __future__ import annotations
 
 __all__ = ["BUILD_TIMEOUT_ENV", "EXTRA_CFLAGS", "NAME", "OPENMP_FLAGS", "PREBUILT_DIR", "SOURCES",
-           "NativeBuildError", "build", "built_path", "compiler", "failed_marker",
-           "prebuilt_path", "preflight"]
+           "NativeBuildError", "build", "built_path", "compiler", "digest_path",
+           "discard_if_bad", "failed_marker", "prebuilt_path", "preflight", "record_digest",
+           "verify"]
 
 import hashlib
 import importlib.machinery
@@ -28,6 +35,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,6 +65,8 @@ BUILD_TIMEOUT_ENV = "ASTR_NATIVE_BUILD_TIMEOUT"
 _DEFAULT_TIMEOUT = 600.0
 #: How many built versions the cache keeps (the most recently built or loaded).
 _KEEP = 8
+#: The clock a build's time limit is measured on (seconds; a test may stand in its own).
+_clock: Callable[[], float] = time.monotonic
 
 
 class NativeBuildError(RuntimeError):
@@ -169,6 +179,149 @@ def failed_marker(path: Path) -> Path:
     return path.with_name(f".{path.name}.failed")
 
 
+def digest_path(path: Path) -> Path:
+    """Where the size and SHA-256 of the built file ``path`` are recorded, beside it:
+    ``.<name>.sha256``, one JSON object ``{"sha256": ..., "size": ...}``."""
+    return path.with_name(f".{path.name}.sha256")
+
+
+def _measure(fd: int) -> tuple[int, str]:
+    """The size and SHA-256 of what ``fd`` reads from its start to its end."""
+    h = hashlib.sha256()
+    size = 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _write_durably(target: Path, text: str) -> None:
+    """``text`` in a new file beside ``target`` (the mode a new file gets here: ``0o666``
+    less the umask), flushed to disk, renamed over ``target``."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the renames into it) to disk, where the system allows."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def record_digest(path: Path) -> None:
+    """Record the size and SHA-256 of the built file ``path`` (flushed to disk first) in
+    ``digest_path(path)``, written whole."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        size, sha = _measure(fd)
+    finally:
+        os.close(fd)
+    _write_durably(digest_path(path), json.dumps({"sha256": sha, "size": size}) + "\n")
+    _sync_folder(path.parent)
+
+
+#: Files this process found matching their digests, by what identifies the file and its
+#: record on disk: each is hashed once per process, however often it is looked at.
+_verified: set[tuple[str, int, int, int, int, int, int]] = set()
+
+
+def verify(path: Path) -> str | None:
+    """``None`` where ``path`` matches the size and SHA-256 recorded beside it when it was
+    built, else what is wrong with it (no record, a truncated or changed file, an
+    unreadable one): such a file must never be loaded."""
+    record = digest_path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return "the file does not exist"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
+        try:
+            rst = os.stat(record)
+            text = record.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return f"no digest of it was recorded when it was built ({record.name} is missing)"
+        except (OSError, UnicodeDecodeError) as e:
+            return f"its digest {record.name} cannot be read ({e})"
+        try:
+            data = json.loads(text)
+            size, sha = data["size"], data["sha256"]
+            if type(size) is not int or not isinstance(sha, str):
+                raise TypeError(data)
+        except (ValueError, TypeError, KeyError):
+            return f"its digest {record.name} is malformed"
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, rst.st_ino,
+               rst.st_mtime_ns)
+        if key in _verified:
+            return None
+        if st.st_size != size:
+            return (f"it holds {st.st_size} bytes where {size} were built (truncated or "
+                    f"overwritten)")
+        try:
+            got_size, got = _measure(fd)
+        except OSError as e:
+            return f"it cannot be read ({e.strerror or e})"
+        if got_size != size or got != sha:
+            return ("its SHA-256 differs from the one recorded when it was built (damaged or "
+                    "overwritten)")
+        _verified.add(key)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Remove the built file ``path`` and its digest (either may be missing)."""
+    for f in (path, digest_path(path)):
+        f.unlink(missing_ok=True)
+
+
+def discard_if_bad(path: Path) -> str | None:
+    """Check the built file ``path`` again while holding its build lock (a build renaming a
+    new file and its digest into place holds it) and, where it still fails ``verify``,
+    remove it and its digest: what was wrong, or ``None`` where it matches its digest or
+    does not exist. A failure to remove it is added to what was wrong (it is still never
+    loaded)."""
+    try:
+        timeout = _timeout()
+    except NativeBuildError:
+        timeout = _DEFAULT_TIMEOUT
+    try:
+        with _locked(path.parent / f".{path.name}.lock", timeout):
+            if not path.exists():
+                return None
+            problem = verify(path)
+            if problem is not None:
+                _remove(path)
+            return problem
+    except (OSError, NativeBuildError) as e:
+        problem = verify(path) if path.exists() else None
+        return None if problem is None else f"{problem}; it could not be removed: {e}"
+
+
 def _timeout() -> float:
     raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
     if not raw:
@@ -204,13 +357,15 @@ def build(*, force: bool = False, progress: Callable[[float], None] | None = Non
     since it started."""
     timeout = preflight()
     path = built_path()
-    if path.exists() and not force:
+    if not force and verify(path) is None:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent / f".{path.name}.lock", timeout):
-        if path.exists() and not force:  # another process built it while this one waited
+        if not force and verify(path) is None:  # built by another process meanwhile
             return path
         _prune(path.parent, timeout)
+        if not force:
+            _remove(path)  # it fails verification: never left for a reader to load
         work = tempfile.mkdtemp(prefix=".build-", dir=path.parent)
         try:
             try:
@@ -223,11 +378,25 @@ def build(*, force: bool = False, progress: Callable[[float], None] | None = Non
                 shutil.rmtree(work, ignore_errors=True)
                 os.mkdir(work)
                 made = _compile(Path(work), timeout, (), progress)
-            os.replace(made, path)
+            _install(made, path)
             failed_marker(path).unlink(missing_ok=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return path
+
+
+def _install(made: Path, path: Path) -> None:
+    """Put the built file ``made`` (in a work folder beside ``path``) in place as ``path``:
+    flushed to disk, renamed over ``path`` whole, its digest recorded. A reader between the
+    two renames finds the file and its digest disagreeing and checks again under the build
+    lock (``discard_if_bad``), which this build holds."""
+    fd = os.open(made, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(made, path)
+    record_digest(path)
 
 
 @contextmanager
@@ -257,14 +426,17 @@ def _locked(lock: Path, timeout: float) -> Iterator[None]:
 
 
 def _prune(folder: Path, timeout: float) -> None:
-    """Drop what earlier builds left: work folders older than a build may take (their
-    builder died or was stopped), and built versions beyond the ``_KEEP`` most recently
-    built or loaded."""
+    """Drop what earlier builds left: work folders and unfinished digests older than a
+    build may take (their builder died or was stopped), and built versions (with their
+    digests) beyond the ``_KEEP`` most recently built or loaded."""
     now = time.time()
-    for stale in folder.glob(".build-*"):
+    for stale in [*folder.glob(".build-*"), *folder.glob(f"..{NAME}-*.tmp")]:
         try:
             if now - stale.stat().st_mtime > timeout:
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink()
         except OSError:
             continue
     versions = []
@@ -274,7 +446,7 @@ def _prune(folder: Path, timeout: float) -> None:
         except OSError:
             continue
     for _, old in sorted(versions, reverse=True)[_KEEP - 1:]:
-        for f in (old, old.with_name(f".{old.name}.lock")):
+        for f in (old, old.with_name(f".{old.name}.lock"), digest_path(old)):
             try:
                 f.unlink()
             except OSError:
@@ -321,14 +493,14 @@ def _compile(work: Path, timeout: float, openmp: tuple[str, ...],
                                      start_new_session=True)
         except OSError as e:
             raise NativeBuildError(f"cannot start the build: {e}") from e
-        start = time.monotonic()
+        start = _clock()
         try:
             while True:
                 try:
                     child.wait(timeout=1.0)
                     break
                 except subprocess.TimeoutExpired:
-                    took = time.monotonic() - start
+                    took = _clock() - start
                     if took > timeout:  # stopped below, with all it started
                         raise NativeBuildError(
                             f"the build took more than {timeout:g} s and was stopped "
