@@ -78,6 +78,7 @@ import torch
 from astrai import native
 from astrai.dispatch import python_hot
 from astrai.dispatch import state as process
+from astrai.dispatch.autocasting import Autocast, autocasted
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
@@ -164,11 +165,16 @@ class FamilyCall:
     reading: Reading | None = None
     # The facade function itself (what ``ops.call`` of the family calls).
     function: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+    # How torch's autocast changes the call (``astrai.dispatch.autocasting``): ``None``
+    # where it changes nothing the family's rows would not see as torch's ops do.
+    autocast: Autocast | None = None
     #: Every lazy axis of a call given as the full argument tuple, in order.
     shape: Callable[..., tuple[Any, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", shape_reader(self.readers))
+        if self.autocast is not None:
+            self.autocast.positions(self.params)  # names only the facade's parameters
 
     @classmethod
     def of(cls, facade: Callable[..., Any], describe: Callable[..., tuple[Any, ...]],
@@ -177,7 +183,7 @@ class FamilyCall:
            asks: tuple[str, ...] = (),
            check: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]] | None = None,
            incidental: tuple[str, ...] = (), reading: Reading | None = None,
-           family: str | None = None) -> FamilyCall:
+           family: str | None = None, autocast: Autocast | None = None) -> FamilyCall:
         """The ``FamilyCall`` of ``facade`` (its parameters read off its signature; the
         feature keywords, ``**features``, are given as ``keywords``); its family is the
         facade's name without ``apply_`` unless given."""
@@ -187,7 +193,7 @@ class FamilyCall:
         return cls(family or facade.__name__.removeprefix("apply_"),
                    tuple(p.name for p in params),
                    tuple(p.default for p in params), positional, reads, describe, readers,
-                   keywords, asks, check, incidental, reading, facade)
+                   keywords, asks, check, incidental, reading, facade, autocast)
 
     @property
     def lazy(self) -> tuple[str, ...]:
@@ -512,10 +518,11 @@ class Facade:
     compiled or the Python one -, or ``None``: a recording is in force, or on the Python
     hot path the route's last world has no plan)."""
 
-    __slots__ = ("call", "function", "last", "lookup", "name", "plain", "route")
+    __slots__ = ("call", "cast", "function", "last", "lookup", "name", "plain", "route")
 
     def __init__(self, call: FamilyCall, function: Callable[..., Any], name: str) -> None:
         self.call, self.function, self.name = call, function, name
+        self.cast = None if call.autocast is None else call.autocast.positions(call.params)
         self.last: list[LastWorld] = [NO_WORLD]
         self.plain: Route = route(call, self.last, name, self)
         self.route: Route = self.plain
@@ -530,6 +537,14 @@ class Facade:
             self.route = recording(self.call, self.plain, process.note_call)
         else:
             self.route = self.plain
+
+    def autocasted(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The facade's call ``function(*args, **kwargs)`` under autocast, made as torch
+        makes the op the family stands for (``autocasting.autocasted``): the facade
+        hands a call here where ``autocasting()`` says autocast is in force."""
+        if self.cast is None:
+            raise TypeError(f"facade {self.name!r} declares no autocast")
+        return autocasted(self.function, self.cast, args, kwargs)
 
     def __repr__(self) -> str:
         return f"Facade({self.name!r} of family {self.call.family!r})"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch import state as process
+from astrai.dispatch.autocasting import autocasting
 from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.reading import GUARDS, ITEMS, VALUES
 from astrai.dispatch.scopes import current_scope
@@ -361,10 +362,10 @@ def key(p: Any, *args: Any) -> Any:
 
 def lookup(last: list[Any], *args: Any) -> Any:
     """The decision the route whose last world ``last`` holds keeps for the call
-    ``args``, or ``None`` (no plan, another arity, a call its plan declines, no
-    decision kept, or a world no longer in force)."""
+    ``args``, or ``None`` (no plan, another arity, autocast in force, a call its plan
+    declines, no decision kept, or a world no longer in force)."""
     seen = last[0]
     p = seen[3]
-    if p.__class__ is not Plan or len(args) != p.arity:
+    if p.__class__ is not Plan or len(args) != p.arity or autocasting():
         return None
     return p.lookup(seen, *args)

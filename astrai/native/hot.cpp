@@ -23,6 +23,8 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cstdint>
 #include <limits>
@@ -75,6 +77,14 @@ const at::Tensor* plain(PyObject* obj) {
   if (t.unsafeGetTensorImpl()->is_python_dispatch()) return nullptr;
   if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return nullptr;
   return &t;
+}
+
+// Whether autocast is in force for any device: a call is then cast by its facade before
+// it is decided (its operands' dtypes are not the ones it was called with), so no kept
+// decision answers it. Autocast is in force for a device when its key is not excluded.
+bool autocasting() {
+  return !c10::impl::tls_local_dispatch_key_set().excluded_.isSupersetOf(
+      c10::autocast_dispatch_keyset);
 }
 
 // ``dict.get`` of an environment dict: the value (borrowed, compared by identity only),
@@ -649,11 +659,11 @@ PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t n) {
 }
 
 // lookup(last, *args): the decision the route keeps for this call in its last world,
-// (a new reference) or None. ``last`` is the route's one-element list holding
-// ``(world, decisions, keyer, plan)``.
+// (a new reference) or None (always None under autocast). ``last`` is the route's
+// one-element list holding ``(world, decisions, keyer, plan)``.
 PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (!astrai_set_up()) return nullptr;
-  if (n < 1) Py_RETURN_NONE;
+  if (n < 1 || autocasting()) Py_RETURN_NONE;
   try {
     PyObject* last = args[0];
     if (!PyList_Check(last) || PyList_GET_SIZE(last) != 1) Py_RETURN_NONE;

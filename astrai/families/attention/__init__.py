@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 from astrai.backends.attention.dense import PAGED_MODES, check_dense
 from astrai.backends.attention.paged import check_paged
 from astrai.dispatch import state as process
+from astrai.dispatch.autocasting import Autocast, autocasting
 from astrai.dispatch.facade import (
     DEVICE_OPS,
     FamilyCall,
@@ -227,6 +228,11 @@ class AttentionFeatures(TypedDict, total=False):
     sinks: torch.Tensor | None  # [heads]: a sink logit per head joins each softmax
 
 
+#: Autocast casts query, key, value and a floating mask, as it casts
+#: ``F.scaled_dot_product_attention``'s.
+ATTENTION_AUTOCAST = Autocast(("q", "k", "v", "attn_mask"))
+
+
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any = ...,
               layer_id: int = ..., attn_mask: torch.Tensor | None = ..., is_causal: bool = ...,
@@ -268,10 +274,16 @@ def attention(
                 next(d.counter)
                 return d.call(q, k, v, kv_cache=kv_cache, layer_id=layer_id,  # type: ignore[no-any-return]
                               attn_mask=attn_mask, is_causal=is_causal, fwd=fwd)
+        if autocasting():
+            return f.autocasted((q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd),  # type: ignore[no-any-return]
+                                {"backend": backend})
         return f.route(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,  # type: ignore[no-any-return]
                                  _NONE))(
             q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
             is_causal=is_causal, fwd=fwd)
+    if autocasting():
+        return f.autocasted((q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd),  # type: ignore[no-any-return]
+                            {"backend": backend, "return_weights": return_weights, **features})
     given: dict[str, Any] = {**features, "return_weights": return_weights}
     asked = attention_features(q, is_causal, kv_cache, given)
     return f.route(backend, (q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, asked))(  # type: ignore[no-any-return]
@@ -283,7 +295,7 @@ ATTENTION = facade(FamilyCall.of(
     attention, describe_attention, ATTENTION_READS, ATTENTION_SHAPE, positional=3,
     keywords=tuple(ATTENTION_FEATURES), asks=ATTENTION_ASKS,
     check=lambda full, asked: attention_features(full[0], full[6], full[3], asked),
-    incidental=("layer_id",), reading=ATTENTION_READING))
+    incidental=("layer_id",), reading=ATTENTION_READING, autocast=ATTENTION_AUTOCAST))
 
 
 # -- the heads-first layout ------------------------------------------------------------
@@ -348,6 +360,8 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if d is not None:
         next(d.counter)
         call = d.call
+    elif autocasting():
+        return f.autocasted((q, k, v, attn_mask, is_causal), {"backend": backend})  # type: ignore[no-any-return]
     elif process.recordings and not compiling():  # recorded as the seq-first call
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         attn_mask=attn_mask, is_causal=is_causal, backend=backend)
@@ -366,6 +380,6 @@ def attention_heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 ATTENTION_HEADS_FIRST = facade(FamilyCall.of(
     attention_heads_first, describe_attention_heads_first, ATTENTION_READS,
     ATTENTION_HEADS_FIRST_SHAPE, positional=3, reading=ATTENTION_HEADS_FIRST_READING,
-    family="attention"), name="attention_heads_first")
+    family="attention", autocast=ATTENTION_AUTOCAST), name="attention_heads_first")
 FAMILY = declare(Family("attention", (ATTENTION, ATTENTION_HEADS_FIRST),
                         model="astrai.families.attention.model:RECOGNITION"))

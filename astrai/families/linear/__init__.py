@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.dispatch.autocasting import Autocast, autocasting
 from astrai.dispatch.facade import (
     DEVICE_OPS,
     FamilyCall,
@@ -88,9 +89,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if d is not None:
             next(d.counter)
             return d.call(x, weight, bias)  # type: ignore[no-any-return]
+    if autocasting():
+        return f.autocasted((x, weight, bias), {"backend": backend})  # type: ignore[no-any-return]
     return f.route(backend, (x, weight, bias))(x, weight, bias)  # type: ignore[no-any-return]
 
 
 LINEAR = facade(FamilyCall.of(linear, describe_linear, LINEAR_READS, LINEAR_SHAPE,
-                              positional=3, reading=LINEAR_READING))
+                              positional=3, reading=LINEAR_READING,
+                              autocast=Autocast(("x", "weight", "bias"))))
 FAMILY = declare(Family("linear", (LINEAR,), model="astrai.families.linear.model:RECOGNITION"))

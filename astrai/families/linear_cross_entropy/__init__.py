@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from astrai.dispatch.autocasting import Autocast, autocasting
 from astrai.dispatch.facade import (
     FamilyCall,
     facade,
@@ -77,10 +78,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """The cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` (float32),
     through the ``linear_cross_entropy`` table."""
     args = (hidden, weight, labels, bias, ignore_index, reduction)
+    if autocasting():
+        return LINEAR_CROSS_ENTROPY.autocasted(args, {"backend": backend})  # type: ignore[no-any-return]
     return LINEAR_CROSS_ENTROPY.route(backend, args)(*args)  # type: ignore[no-any-return]
 
 
 LINEAR_CROSS_ENTROPY = facade(FamilyCall.of(
     linear_cross_entropy, describe_linear_cross_entropy, LINEAR_CROSS_ENTROPY_READS,
-    LINEAR_CROSS_ENTROPY_SHAPE, positional=6))
+    LINEAR_CROSS_ENTROPY_SHAPE, positional=6,
+    autocast=Autocast(("hidden", "weight", "bias"))))
 FAMILY = declare(Family("linear_cross_entropy", (LINEAR_CROSS_ENTROPY,)))
