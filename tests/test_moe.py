@@ -18,6 +18,7 @@ import astrai.dispatch as d
 from astrai import ops
 from astrai.backends.activation import torch_activation
 from astrai.backends.moe_experts import (
+    _every_expert,
     grouped_mm_available,
     grouped_mm_moe_experts,
     grouped_moe_experts,
@@ -111,6 +112,27 @@ def test_gradients_flow_through_the_rows_that_train() -> None:
     for other in grads[1:]:
         for a, b in zip(grads[0], other, strict=True):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("tokens", [2, 9])  # fewer (token, slot) pairs than experts, more
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_the_traced_form_has_the_loops_values_and_gradients(tokens: int, on: str) -> None:
+    """What a row traces to under export or autograd (torch's operators, no size from the
+    data) gives the loop's sum and gradients, the slot naming no expert included."""
+    gate_up, down = _experts(dtype=torch.float64)
+    hidden = torch.randn(tokens, 16, dtype=torch.float64)
+    index, weights = _choice(tokens, 5, 2)
+    index[0, 1] = 5
+    grads = []
+    for traced in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weights, gate_up, down)]
+        x, w, up, dn = leaves
+        out = (_every_expert(x, index, w, up, dn, "silu", on, False) if traced
+               else grouped_moe_experts(x, index, w, up, dn, "silu", on))
+        out.square().sum().backward()  # type: ignore[no-untyped-call]
+        grads.append([out.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("args, match", [

@@ -6,8 +6,8 @@ down, act, weights_on="output", backend=None)`` (the computation:
 ``astrai.backends.moe_experts``), how a call is validated and read into its axes
 (``dtype``, ``device_cuda``, ``grad_enabled`` and the table's ``act``, ``weights_on``,
 ``experts``, ``top_k`` and ``align`` - the largest power of two, up to 64, dividing the
-weights' addresses and strides in bytes; lazily ``device``, ``sm`` and
-``tokens``, the rows of ``hidden``), and its model recognition
+weights' addresses and strides in bytes, an address unread while traced; lazily
+``device``, ``sm`` and ``tokens``, the rows of ``hidden``), and its model recognition
 (``astrai.families.moe_experts.model``: the 3-d expert stacks of Mixtral, Qwen2-MoE,
 Qwen3-MoE, DeepSeek-V3 and Llama 4). An expert call costs a matmul per expert, so the
 family keeps no compiled hot-path reading: the Python path serves it.
@@ -36,6 +36,10 @@ from astrai.dispatch.facade import (
 from astrai.families import Family, declare
 
 _grad = torch.is_grad_enabled
+#: Whether the call is traced by ``torch.compile`` or ``torch.export``.
+_tracing = torch.compiler.is_compiling
+#: The tensor types whose address is read (a subclass may have none).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: Where the router's weights apply: to each expert's output (Mixtral, Qwen, DeepSeek)
 #: or to its input (Llama 4).
@@ -90,11 +94,18 @@ def describe_moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Ten
 
 def _align(*weights: Tensor) -> int:
     """The largest power of two up to 64 dividing every weight's address and strides
-    (but a unit one) in bytes (grouped matmul kernels need 16)."""
+    (but a unit one) in bytes (grouped matmul kernels need 16). Traced (``torch.compile``,
+    ``torch.export``), or for a tensor subclass, the address cannot be read: it counts
+    as aligned to its element size alone, which every tensor's address is."""
     best = 64
+    addressed = not _tracing()
     for w in weights:
         size = w.element_size()
-        for v in (w.data_ptr(), *(s * size for s in w.stride() if s != 1)):
+        if addressed and type(w) in _PLAIN:
+            address = w.data_ptr()
+        else:
+            address = size
+        for v in (address, *(s * size for s in w.stride() if s != 1)):
             while best > 1 and v % best:
                 best //= 2
     return best
