@@ -10,7 +10,8 @@ ratios to plain):
   tokens/s against plain eager.
 - **prefill**: one forward of 128 tokens, batch 1; speed against plain eager.
 
-Configurations: plain eager; routed (``dispatch_model``) on the path in force - with
+Configurations: plain eager; routed (``dispatch_model(model, mode="inference")``: the
+weights declared frozen, as serving declares them) on the path in force - with
 astrai's native extension, the default wherever it builds - and routed on the pure-Python
 path (a child process with ``ASTR_NATIVE=off``, against its own plain); ``torch.compile``
 of the plain model and of the routed one (prefill; cold compile times printed). Plain and
@@ -130,7 +131,7 @@ def _toggles(model: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     from astrai.integrations.transformers.routing import ROUTE_ATTR
 
     restore_model(model)
-    dispatch_model(model)
+    dispatch_model(model, mode="inference")
     routes = [(m, {n: m.__dict__[n] for n in ("forward", ROUTE_ATTR)})
               for m in model.modules() if ROUTE_ATTR in m.__dict__]
     restore_model(model)
@@ -199,7 +200,7 @@ def compiled_ratios(model: Any) -> dict[str, Any]:
     plain, routed = _toggles(model)
     plain()
     plain_copy, routed_copy = copy.deepcopy(model), copy.deepcopy(model)
-    dispatch_model(routed_copy)
+    dispatch_model(routed_copy, mode="inference")
     compiled_plain, compiled_routed = torch.compile(plain_copy), torch.compile(routed_copy)
     cold = {}
     with torch.no_grad():
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.integrations.transformers import dispatch_model, restore_model
 
     model = _model()
-    report = dispatch_model(model)
+    report = dispatch_model(model, mode="inference")
     restore_model(model)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Llama {CONFIG['hidden_size']} hidden, {CONFIG['num_hidden_layers']} layers, "
@@ -359,7 +360,7 @@ def _generate_once(mode: str, tokens: int) -> None:
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         LlamaConfig(**CONFIG), attn_implementation="sdpa").eval()
     if mode == "dispatched":
-        dispatch_model(model)
+        dispatch_model(model, mode="inference")
     prompt = torch.randint(3, CONFIG["vocab_size"], (1, PROMPT),
                            generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

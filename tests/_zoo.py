@@ -134,8 +134,9 @@ def coverage_row(name: str, report: Any) -> str:
         left[n.family] = left.get(n.family, 0) + 1
     cells = " | ".join(str(counts.get(f, 0)) for f in COLUMNS)
     rest = ", ".join(f"{family} {n}" for family, n in sorted(left.items())) or "-"
-    return (f"| {name} | {cells} | {shares['matmul_flops']:.0%} | "
-            f"{shares['parameters']:.0%} | {rest} |")
+    flops, params = (("-" if shares[k] is None else f"{shares[k]:.0%}")
+                     for k in ("matmul_flops", "parameters"))
+    return f"| {name} | {cells} | {flops} | {params} | {rest} |"
 
 
 #: The families the table has a column for, in order.

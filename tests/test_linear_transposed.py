@@ -12,19 +12,24 @@ import torch.nn.functional as F
 import astrai.dispatch as dispatch
 from astrai import ops
 from astrai.backends import linear as rows
+from astrai.backends.frozen import freeze, thaw
 
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
-    """The row on any machine: its availability asks for an Intel CPU, so the tests say
-    they run on one (and the tables are re-read, so the probe asks again)."""
+    """The row on any machine: its availability asks for an Intel CPU and a weight
+    declared frozen in the process, so the tests say they run on one and declare one (and
+    the tables are re-read, so the probe asks again)."""
     rows.release_weight_copies()
     vendor = rows.cpu_vendor
     rows.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
+    held = torch.ones(1)
+    freeze([held])
     dispatch.reload_tables()
     try:
         yield
     finally:
+        thaw([held])
         rows.cpu_vendor = vendor  # type: ignore[assignment]
         dispatch.reload_tables()
         rows.set_weight_copy_budget(1 << 30)
@@ -54,7 +59,11 @@ def test_it_is_available_on_the_cpus_it_was_measured_to_win_on(vendor: str,
 
 
 def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
-    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+    """A weight declared frozen (as ``dispatch_model(model, mode="inference")`` declares a
+    model's parameters): the row keeps a copy of such a weight only."""
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+    freeze([w])
+    return w
 
 
 @pytest.mark.parametrize("shape", [(16,), (5, 16), (2, 7, 16), (3, 2, 4, 16)])
@@ -105,6 +114,7 @@ def test_one_copy_per_weight_kept_across_calls() -> None:
 
 def test_a_weight_changed_in_place_or_replaced_gets_a_new_copy() -> None:
     layer = torch.nn.Linear(16, 24)
+    freeze(layer.parameters())
     x = torch.randn(6, 16)
     with torch.no_grad():
         ops.linear(x, layer.weight, layer.bias, backend="transposed")
@@ -185,8 +195,8 @@ def test_a_weight_stored_in_out_is_used_as_it_is() -> None:
 
 
 def test_a_view_made_for_the_call_gets_no_copy() -> None:
-    """A slice of a weight is a new tensor at every call: a copy would be remade each time,
-    so the call runs F.linear (counted)."""
+    """A slice of a weight is a new tensor at every call, not declared frozen (its weight
+    is): the call runs F.linear (counted)."""
     w = _w(48)
     x = torch.randn(6, 16)
     dispatch.stats(reset=True)

@@ -105,7 +105,7 @@ class TestLinearLike:
         flops, all_flops = report.matmul_flops
         assert flops == 2 * (8 * 16 + 16 * 8)
         assert all_flops == flops + 2 * 64 + 2 * 4 * 64  # ScaledLinear; experts: all (no k)
-        assert "reaching astrai:" in str(report)
+        assert "weights routed to astrai:" in str(report)
 
 
 class TestAttentionWeights:

@@ -7,16 +7,24 @@
 
 - ``torch``: ``F.linear`` in ``x``'s dtype.
 - ``transposed``: one matrix product ``x @ Wt`` with a contiguous ``[in, out]`` copy
-  ``Wt`` of the weight, made at the weight's first such call and kept beside it (CPU).
-  MKL multiplies by the weight as it is stored, ``[out, in]`` read transposed, markedly
-  slower at a few to a few hundred rows (2x at 8 rows of a 512-wide layer); the copy
-  turns every later call into the fast product. The result equals ``F.linear``'s up to
-  the order of the float32 sums. A copy is remade when its weight changes (in place:
-  its version; replaced: its storage), dropped when the weight is freed, and all copies
-  together stay within a budget (``set_weight_copy_budget``, 1 GiB unless set): past it,
-  the first refusal warns once and the call runs ``F.linear``, counted in
-  ``stats().handed``. ``weight_copies()`` says what is held, ``release_weight_copies()``
-  frees it.
+  ``Wt`` of the weight (CPU). MKL multiplies by the weight as it is stored, ``[out, in]``
+  read transposed, markedly slower at a few to a few hundred rows (2x at 8 rows of a
+  512-wide layer); the copy turns every later call into the fast product. The result
+  equals ``F.linear``'s up to the order of the float32 sums. A copy is kept only for a
+  weight declared frozen (``dispatch_model(model, mode="inference")``, or
+  ``astrai.backends.frozen.freeze``): a write through ``weight.data`` or a NumPy view
+  moves nothing a copy could be checked against, so a call with any other weight runs
+  ``F.linear``, counted in ``stats().handed`` (a weight stored ``[in, out]`` and passed
+  as its transpose, GPT-2's ``Conv1D``, is read as it is, frozen or not). A frozen
+  weight's copy is made at its first such call and remade when the weight shows a
+  change: its version (inference tensors track none), address, storage (the storage
+  object itself, so a new storage at a freed one's address is seen), shape, strides,
+  dtype or device. Copies go with their weight (freed, or its declaration withdrawn)
+  and all together stay within a budget (``set_weight_copy_budget``, 1 GiB unless
+  set): past it, the first refusal warns once and the call runs ``F.linear``, counted
+  in ``stats().handed``. ``weight_copies()`` says what is held,
+  ``release_weight_copies()`` frees it. ``in_features == 0``: ``F.linear`` (the bias,
+  or zeros).
 - ``bf16``: casts to bfloat16, multiplies, casts back — faster on hardware with
   bf16 matrix units, at bfloat16 precision (so not faithful).
 - ``fp8``: per-tensor-scaled float8 (e4m3) operands multiplied by
@@ -47,13 +55,19 @@ __all__ = [
 ]
 
 import threading
-from typing import Any
+import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-from astrai.backends.linear_operator import float32_cpu, linear_operator, plain_call, traceable
+from astrai.backends.frozen import any_frozen, derived, derived_stores
+from astrai.backends.linear_operator import (
+    float32_cpu,
+    handoff_reason,
+    linear_operator,
+    plain_call,
+    traceable,
+)
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff
@@ -147,18 +161,36 @@ def fp8_linear(
 
 
 class _Copy:
-    """A weight's ``[in, out]`` copy, and what the weight was when it was made."""
+    """A frozen weight's ``[in, out]`` copy, and what the weight was when it was made."""
 
-    __slots__ = ("ptr", "shape", "t", "version")
+    __slots__ = ("device", "dtype", "ptr", "shape", "storage", "stride", "t", "version")
 
     def __init__(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
             self.t = weight.detach().t().contiguous()
-        self.version, self.ptr, self.shape = weight._version, weight.data_ptr(), weight.shape
+        self.version = _version(weight)
+        self.ptr, self.shape, self.stride = weight.data_ptr(), weight.shape, weight.stride()
+        self.dtype, self.device = weight.dtype, weight.device
+        # The storage object (one per storage, kept while the storage lives): a weak
+        # reference to it, dead once the storage is freed, tells a storage made later at
+        # the same address from this one.
+        self.storage = weakref.ref(weight.untyped_storage())
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` shows no change since the copy was made."""
+        return (self.ptr == weight.data_ptr() and self.version == _version(weight)
+                and self.storage() is weight.untyped_storage()
+                and self.shape == weight.shape and self.stride == weight.stride()
+                and self.dtype == weight.dtype and self.device == weight.device)
 
 
-#: Each weight's copy, dropped with the weight.
-_COPIES: Any = WeakIdKeyDictionary()  # (untyped in torch)
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; ``None`` for an inference tensor, which keeps none."""
+    return None if t.is_inference() else t._version
+
+
+#: The key of the copy in a frozen weight's store (``astrai.backends.frozen``).
+_KEY = "linear.transposed"
 _LOCK = threading.Lock()
 _budget = [1 << 30]
 #: What computes a call the ``transposed`` row hands on (``stats().handed``).
@@ -174,43 +206,58 @@ def set_weight_copy_budget(nbytes: int) -> None:
     _budget[0] = nbytes
 
 
+def _copies() -> list[_Copy]:
+    """Every copy held."""
+    return [c for store in derived_stores() if (c := store.get(_KEY)) is not None]
+
+
 def _held() -> int:
     """The bytes of every copy held (the caller holds ``_LOCK``)."""
-    return sum(c.t.nbytes for c in _COPIES.values())
+    return sum(c.t.nbytes for c in _copies())
 
 
 def weight_copies() -> tuple[int, int]:
     """``(copies, bytes)`` the ``transposed`` row holds now."""
     with _LOCK:
-        return len(_COPIES), _held()
+        copies = _copies()
+    return len(copies), sum(c.t.nbytes for c in copies)
 
 
 def release_weight_copies() -> int:
     """Free every copy the ``transposed`` row holds (made again at the next call that
     needs one); returns the bytes freed."""
     with _LOCK:
-        freed = _held()
-        _COPIES.clear()
+        freed = 0
+        for store in derived_stores():
+            got = store.pop(_KEY, None)
+            if got is not None:
+                freed += got.t.nbytes
     return freed
 
 
-def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
+#: Why a call gets no copy (``stats().handed``'s reasons).
+_NOT_FROZEN = "a weight not declared frozen (dispatch_model(model, mode='inference'))"
+_PAST_BUDGET = "past the weight copy budget (set_weight_copy_budget)"
+
+
+def _copy_of(weight: torch.Tensor) -> torch.Tensor | str:
     """``weight`` as a contiguous ``[in, out]`` matrix: its own transpose where it is
-    stored so (GPT-2's ``Conv1D`` is served as ``weight.t()``), else its current copy, made
-    now if it has none or it changed; ``None`` when making it would pass the budget or
-    would not outlive the call (the weight is a view made for it)."""
-    got = _COPIES.get(weight)
-    if got is not None:
-        if (got.version == weight._version and got.ptr == weight.data_ptr()
-                and got.shape == weight.shape):
-            return got.t  # type: ignore[no-any-return]
-        with _LOCK:  # the weight changed since: its copy goes, whatever serves it now
-            _COPIES.pop(weight, None)
+    stored so (GPT-2's ``Conv1D`` is served as ``weight.t()``), else, for a weight
+    declared frozen, its current copy, made now if it has none or the weight shows a
+    change; else why not (the weight is not declared frozen, or the copy would pass the
+    budget)."""
     t = weight.t()
     if t.is_contiguous():
         return t
-    if weight._base is not None:
-        return None
+    store = derived(weight)
+    if store is None:
+        return _NOT_FROZEN
+    got = store.get(_KEY)
+    if got is not None:
+        if got.fits(weight):
+            return got.t  # type: ignore[no-any-return]
+        with _LOCK:  # the weight changed since: its copy goes, whatever serves it now
+            store.pop(_KEY, None)
     with _LOCK:
         held = _held()
         if held + weight.nbytes > _budget[0]:
@@ -218,8 +265,8 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor | None:
                       f"copies and may hold {_budget[0]} (set_weight_copy_budget); a "
                       f"weight of {weight.nbytes} bytes gets no copy, its calls run "
                       f"F.linear (counted in stats().handed)")
-            return None
-        made = _COPIES[weight] = _Copy(weight)
+            return _PAST_BUDGET
+        made = store[_KEY] = _Copy(weight)
     return made.t
 
 
@@ -229,13 +276,20 @@ TRANSPOSED_VENDORS = frozenset({"GenuineIntel"})
 ONE_ROW_VENDORS = frozenset({"AuthenticAMD"})
 
 
-def _measured_on(vendors: frozenset[str], where: str) -> bool | Unavailable:
+def _measured_on(vendors: frozenset[str], where: str,
+                 frozen_only: bool = False) -> bool | Unavailable:
+    """``True`` on a CPU of ``vendors`` (and, ``frozen_only``, while a weight is declared
+    frozen in this process); else why not."""
     vendor = cpu_vendor()
-    if vendor in vendors:
-        return True
-    return Unavailable(f"measured to win only on {where}; this CPU is "
-                       f"{vendor or 'of an unknown vendor'}, where it was not faster than "
-                       f"F.linear")
+    if vendor not in vendors:
+        return Unavailable(f"measured to win only on {where}; this CPU is "
+                           f"{vendor or 'of an unknown vendor'}, where it was not faster "
+                           f"than F.linear")
+    if frozen_only and not any_frozen():
+        return Unavailable("no weight is declared frozen in this process, and the row "
+                           "multiplies by copies of frozen weights only "
+                           "(dispatch_model(model, mode=\"inference\") declares a model's)")
+    return True
 
 
 def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -245,7 +299,7 @@ def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     tensor subclass (counted in ``stats().handed`` outside tracing)."""
     if compiling() or not plain_call(x, weight, bias):
         if not compiling():
-            count_handoff("linear", row, _HANDED)
+            count_handoff("linear", row, _HANDED, handoff_reason(x, weight, bias))
         return True
     return False
 
@@ -277,7 +331,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
     if _handed_off(x, weight, bias, "onednn"):
         return F.linear(x, weight, bias)
     if not float32_cpu(x, weight, bias) or not weight.shape[1]:
-        count_handoff("linear", "onednn", _HANDED)
+        count_handoff("linear", "onednn", _HANDED, "in_features == 0" if not weight.shape[1]
+                      else "not float32 CPU tensors")
         return F.linear(x, weight, bias)
     return _onednn(x, weight, bias)
 
@@ -303,7 +358,8 @@ def transposed_available() -> bool | Unavailable:
     a few rows); else why not. On an AMD EPYC the copy lost at every size from 4 rows
     (0.77x at 4, 0.98x at 128)."""
     return _measured_on(TRANSPOSED_VENDORS, "Intel CPUs (MKL's product with the weight as "
-                                            "stored is slow there from a few rows)")
+                                            "stored is slow there from a few rows)",
+                        frozen_only=True)
 
 
 def transposed_one_row_available() -> bool | Unavailable:
@@ -311,14 +367,15 @@ def transposed_one_row_available() -> bool | Unavailable:
     MKL's matrix-vector product streams the weight as stored at about two thirds of the
     speed it streams the copy); else why not (on Intel it was even)."""
     return _measured_on(ONE_ROW_VENDORS, "AMD CPUs for one token (MKL's matrix-vector "
-                                         "product with the weight as stored is slow there)")
+                                         "product with the weight as stored is slow there)",
+                        frozen_only=True)
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` as one product with the weight's contiguous ``[in, out]``
-    copy (module docstring). Traced, autograd recording, or a tensor subclass:
-    ``F.linear``."""
+    copy (module docstring). A weight not declared frozen, traced, autograd recording,
+    a tensor subclass, or ``in_features == 0``: ``F.linear``."""
     return _transposed(x, weight, bias, "transposed")
 
 
@@ -333,9 +390,12 @@ def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 row: str) -> torch.Tensor:
     if _handed_off(x, weight, bias, row):
         return F.linear(x, weight, bias)
+    if not weight.shape[1]:  # no product to take: the bias, or zeros
+        count_handoff("linear", row, _HANDED, "in_features == 0")
+        return F.linear(x, weight, bias)
     t = _copy_of(weight)
-    if t is None:
-        count_handoff("linear", row, _HANDED)
+    if isinstance(t, str):
+        count_handoff("linear", row, _HANDED, t)
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.mm(x2, t) if bias is None else torch.addmm(bias, x2, t)

@@ -17,7 +17,8 @@ operators.
 
 from __future__ import annotations
 
-__all__ = ["LinearKernel", "float32_cpu", "linear_operator", "plain_call", "traceable"]
+__all__ = ["LinearKernel", "float32_cpu", "handoff_reason", "linear_operator", "plain_call",
+           "traceable"]
 
 from collections.abc import Callable
 
@@ -46,6 +47,19 @@ def plain_call(*tensors: torch.Tensor | None) -> bool:
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return False
     return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def handoff_reason(*tensors: torch.Tensor | None) -> str:
+    """Why ``plain_call`` leaves a call to torch (``""`` where it does not)."""
+    subclasses = sorted({type(t).__name__ for t in tensors
+                         if t is not None and type(t) not in _PLAIN})
+    if subclasses:
+        return f"a tensor subclass ({', '.join(subclasses)})"
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast in force"
+    if torch.is_grad_enabled():
+        return "autograd recording"
+    return ""
 
 
 def float32_cpu(*tensors: torch.Tensor | None) -> bool:

@@ -54,6 +54,8 @@ UNCACHED: itertools.count[int] = itertools.count()
 #: Calls a row handed to another computation per (family, row, what computed them): a
 #: ``native`` row's call its kernel declined, computed with torch's operations.
 handoffs: dict[tuple[str, str, str], itertools.count[int]] = {}
+#: The same hand-offs per (family, row, what computed them, why), where the row said why.
+handoff_reasons: dict[tuple[str, str, str, str], itertools.count[int]] = {}
 #: The compiled hot path's ``plan`` (``astrai.native``) while it is in use, else ``None``:
 #: a facade's route makes its plan for a snapshot with it.
 hot_planner: Callable[..., Any] | None = None
@@ -68,6 +70,9 @@ hot_status: dict[str, str | None] = {}
 hot_notes: Callable[[str, Any], list[str]] | None = None
 #: What ``stats(reset=True)`` subtracts from the never-replaced counters.
 baseline: dict[object, int] = {}
+#: The counts ``stats.unobserved`` scopes kept out (astrai's own probing calls), per
+#: ``baseline`` key, since the process started: never cleared (``stats.since`` reads them).
+uncounted: dict[object, int] = {}
 
 # -- recording and decision locks (``astrai.record``, ``astrai.lock``) ---------------------
 #: The recordings in force (``record()``, ``ASTR_RECORD``): each facade call is added to
@@ -130,6 +135,7 @@ def reset_counts() -> None:
     themselves are never replaced: cached decisions hold them)."""
     base: dict[object, int] = {key: count(c) for key, c in list(counters.items())}
     base.update({("handoff", *key): count(c) for key, c in list(handoffs.items())})
+    base.update({("why", *key): count(c) for key, c in list(handoff_reasons.items())})
     base.update(quiet=count(QUIET), misses=count(MISSES), uncached=count(UNCACHED))
     baseline.clear()
     baseline.update(base)

@@ -14,10 +14,12 @@ value seen is kept.
 
 Recordings are process-wide: calls from every thread are recorded, and several
 recordings (nested, or in several threads) each get every call made while they are in
-force. ``ASTR_RECORD=path`` records a whole process (from the import of ``astrai.ops``)
-and writes the workload to ``path`` when the process exits; a forked child does not
-record (nor write) its parent's recording, and a process it starts (which inherits the
-variable) writes its own calls to ``<stem>.<pid><suffix>`` beside ``path``.
+force (astrai's own probing calls, ``dispatch_model``'s recognition, are never recorded:
+``astrai.dispatch.stats.unobserved``). ``ASTR_RECORD=path`` records a whole process (from
+the import of ``astrai.ops``) and writes the workload to ``path`` when the process exits; a
+forked child does not record (nor write) its parent's recording, and a process it starts
+(which inherits the variable) writes its own calls to ``<stem>.<pid><suffix>`` beside
+``path``.
 
 Cost: nothing while nothing records. The facades switch to recording routes when the
 first recording starts and back when the last ends (``state.record_switches``), so
@@ -52,6 +54,7 @@ from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import current
 from astrai.dispatch.scopes import current_scope
+from astrai.dispatch.stats import UNOBSERVED
 from astrai.record.workload import RecordedCall, Workload, describe_value, selection_of
 
 #: The most distinct calls a recording keeps (later new ones are counted as dropped).
@@ -137,7 +140,7 @@ def note_call(ctx: CallContext, explicit: Any, incidental: tuple[str, ...] = ())
     arguments the row gets), to every recording in force. ``incidental`` names keyword
     arguments that do not make calls distinct."""
     recordings = process.recordings
-    if not recordings:
+    if not recordings or UNOBSERVED.get():  # astrai's own probing calls: not the workload
         return
     state = process.snapshot or current()
     scope = current_scope()

@@ -1,4 +1,12 @@
-"""What ``dispatch_model`` routed in a model, and what it could not route and why."""
+"""What ``dispatch_model`` routed in a model, and what it could not route and why.
+
+The report is made at dispatch time: what was routed, and the share of the model's
+weights routed (a weight routed is one whose calls go to astrai's facades, not one whose
+every call astrai's rows compute). ``calls()`` says, at any later moment, what came of
+the calls made since the dispatch: computed by astrai's rows, handed back to torch by
+a row (a ``DTensor``, autograd recording: ``stats().handed``) with the reason, or run
+by the model's own code.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from astrai.dispatch.stats import FamilyCalls, Mark, since
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,9 @@ class DispatchReport:
     not_routed: tuple[NotRouted, ...]
     changed: int
     families: frozenset[str]
-    #: ``(reaching astrai, in all)``: the model's parameters (each tensor once), and the
-    #: multiply-adds x 2 per token of its weight matmuls (linear layers; an expert stack
+    #: ``(routed to astrai, in all)``: the model's parameters (each tensor once; a
+    #: quantised module's packed weights included), and the multiply-adds x 2 per token
+    #: of its weight matmuls (linear layers, quantised ones included; an expert stack
     #: counts the share of experts a token runs; attention's own products aside).
     parameters: tuple[int, int] = (0, 0)
     matmul_flops: tuple[int, int] = (0, 0)
@@ -53,6 +64,11 @@ class DispatchReport:
     #: counts for each (``modules``, ``call sites``).
     order: tuple[str, ...] = ()
     nouns: Mapping[str, str] = field(default_factory=dict)
+    #: ``dispatch_model``'s mode: ``train``, or ``inference`` (every parameter frozen).
+    mode: str = "train"
+    #: The counters when the report was made: ``calls()`` counts from them (``None``:
+    #: from the start of the process).
+    counted_from: Mark | None = field(default=None, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:
         """Modules (call sites) routed, per family, every family asked for included."""
@@ -75,33 +91,70 @@ class DispatchReport:
             "parameters": list(self.parameters),
             "matmul_flops": list(self.matmul_flops),
             "notes": list(self.notes),
+            "mode": self.mode,
+            "calls": {f: {"rows": c.rows, "model": c.model,
+                          "handed": [{"row": r, "to": to, "why": why, "calls": n}
+                                     for (r, to, why), n in sorted(c.handed.items())]}
+                      for f, c in self.calls().items()},
         }
 
-    def shares(self) -> dict[str, float]:
+    def shares(self) -> dict[str, float | None]:
         """The share (0..1) of the model's parameters and weight-matmul FLOPs per token
-        that reach astrai (1.0 for a model with none)."""
-        return {name: (got / total if total else 1.0)
+        routed to astrai; ``None`` where the model has none to count (no weight matmul:
+        a CNN)."""
+        return {name: (got / total if total else None)
                 for name, (got, total) in (("parameters", self.parameters),
                                            ("matmul_flops", self.matmul_flops))}
+
+    def calls(self) -> dict[str, FamilyCalls]:
+        """The calls of each family since the report was made, split: computed by
+        astrai's rows, handed back to torch (per row, what computed them and why), run by
+        the model's own code. The counts are the process's (every model's calls), as
+        ``stats()``'s; resets of ``stats()`` meanwhile change nothing."""
+        got = since(self.counted_from or Mark()).families()
+        order = list(dict.fromkeys([*self.order, *sorted(got)]))
+        return {f: got[f] for f in order if f in got and got[f].total}
 
     def __str__(self) -> str:
         lines = [f"astrai dispatch_model: {self.model} "
                  f"({self.changed} module{'s' if self.changed != 1 else ''} changed)"]
-        for family, n in self.counts().items():
+        lines.append(f"  mode: {self.mode}" + (" (every parameter declared frozen)"
+                                               if self.mode == "inference" else ""))
+        counts = self.counts()
+        calls = self.calls()
+        width = max([10, *map(len, counts)])
+        for family, n in counts.items():
             kinds: Counter[tuple[str, str]] = Counter(
                 (r.kind, r.detail) for r in self.routed if r.family == family)
-            what = self.nouns.get(family, "modules")
-            lines.append(f"  {family:<10} {n:>4} {what} routed")
+            what = _noun(self.nouns.get(family, "modules"), n)
+            lines.append(f"  {family:<{width}} {n:>4} {what} routed")
             lines += [f"      {count} x {kind}" + (f": {detail}" if detail else "")
                       for (kind, detail), count in sorted(kinds.items())]
         lines += [f"  note: {note}" for note in self.notes]
         share = self.shares()
-        lines.append(f"  reaching astrai: {share['matmul_flops']:.1%} of the weight matmul "
-                     f"FLOPs per token, {share['parameters']:.1%} of the parameters")
+        flops = ("no weight matmuls to count" if share["matmul_flops"] is None
+                 else f"{share['matmul_flops']:.1%} of the weight matmul FLOPs per token")
+        params = ("no parameters to count" if share["parameters"] is None
+                  else f"{share['parameters']:.1%} of the parameters")
+        lines.append(f"  weights routed to astrai: {flops}, {params} (routed, not served: "
+                     f"the calls say what computed them)")
+        if calls:
+            lines.append("  calls since the dispatch (the whole process's, as stats()):")
+            width = max([10, *map(len, calls)])
+            lines += [f"    {family:<{width}} {c.describe()}" for family, c in calls.items()]
+        else:
+            lines.append("  calls since the dispatch: none yet (report.calls() counts them, "
+                         "computed by astrai's rows apart from those handed back to torch)")
         if self.not_routed:
             lines.append("  not routed:")
-            lines += [f"    {n.family:<10} {n.path} ({n.kind}): {n.reason}"
+            width = max([10, *(len(n.family) for n in self.not_routed)])
+            lines += [f"    {n.family:<{width}} {n.path} ({n.kind}): {n.reason}"
                       for n in self.not_routed]
         else:
             lines.append("  not routed: nothing")
         return "\n".join(lines)
+
+
+def _noun(plural: str, n: int) -> str:
+    """``modules`` / ``call sites`` for ``n`` of them (``1 module``)."""
+    return plural[:-1] if n == 1 and plural.endswith("s") else plural

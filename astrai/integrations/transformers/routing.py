@@ -22,9 +22,10 @@ This module knows no family by name. For each module of the model, in order:
   for what its family gave (a router to the facade); the sites of several families in
   one forward share one copy.
 
-The rest - every module holding a weight that no family serves (embeddings) - is listed
-with the reason (``coverage``), beside the shares of parameters and weight-matmul FLOPs
-reaching astrai.
+The rest - every module holding a weight that no family serves (embeddings, quantised
+layers) - is listed with the reason (``coverage``), beside the shares of parameters and
+weight-matmul FLOPs routed to astrai; the report's ``calls()`` says later which calls
+astrai's rows computed and which a row handed back to torch.
 
 Each routed module carries its ``Route`` (``_astrai_route``): what was routed, for which
 families, and the ``forward`` installed. ``dispatch_model`` routes a module once (a
@@ -40,21 +41,22 @@ model object itself (``torch.save(model)``, not its ``state_dict``) needs
 
 from __future__ import annotations
 
-__all__ = ["FAMILIES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch_model",
+__all__ = ["FAMILIES", "MODES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch_model",
            "model_families", "restore_model", "verify_model"]
 
 import copy
 import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from astrai.backends.frozen import freeze, thaw
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.stats import MODEL_OWN, stats
+from astrai.dispatch.stats import MODEL_OWN, mark, stats, unobserved
 from astrai.families import every_family
 from astrai.families.recognition import Installed, ModelRecognition, Note, Refused, Sites
 from astrai.integrations.transformers.coverage import shares, unaccounted
@@ -376,30 +378,50 @@ class _Dispatch:
         nouns = {f: r.noun for f, r in self.known.items()}
         return DispatchReport(type(self.model).__name__, tuple(routed), tuple(refused),
                               self.changed, self.wanted, params, flops, tuple(notes),
-                              tuple(self.known), nouns)
+                              tuple(self.known), nouns, counted_from=mark())
 
 
-def dispatch_model(model: nn.Module, families: Iterable[str] | None = None) -> DispatchReport:
+#: ``dispatch_model``'s modes: ``train`` (parameters may change in any way; rows keep
+#: nothing derived from them) and ``inference`` (every parameter declared frozen).
+MODES = ("train", "inference")
+
+
+def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
+                   mode: str = "train") -> DispatchReport:
     """Route ``model``'s work of every family that recognises itself in a model (the
     built-in ones: attention and rotary call sites, RMS norms, linear layers), or only
     of ``families``, through astrai's facades; returns the report of what is routed and
-    what could not be, with the reason. Routes each module once."""
+    what could not be, with the reason. Routes each module once.
+
+    ``mode="inference"`` declares every parameter of the model frozen
+    (``astrai.backends.frozen.freeze``): changed only through the parameter itself or a
+    new ``.data``, never by a write through ``.data`` or a NumPy view; rows may then keep
+    copies derived from them (the linear row ``transposed``). ``mode="train"`` (the
+    default) withdraws that declaration for every parameter of the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"dispatch_model takes a torch.nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"dispatch_model: unknown mode {mode!r}; modes: "
+                         f"{', '.join(map(repr, MODES))}")
     known = model_families()
     run = _Dispatch(model, known, _wanted(families, known))
+    (freeze if mode == "inference" else thaw)(model.parameters())
     # Recognition runs each module's own code on small random CPU tensors: whatever
-    # device the model lives on (meta included) or the caller made the default.
-    with torch.device("cpu"):
+    # device the model lives on (meta included) or the caller made the default; the
+    # facade calls it makes to compare leave no trace in stats() or a recording.
+    with torch.device("cpu"), unobserved():
         for path, module in model.named_modules():
             run.module(path, module)
-    return run.report()
+    return replace(run.report(), mode=mode)
 
 
 def restore_model(model: nn.Module) -> int:
     """Put back every ``forward`` ``dispatch_model`` replaced in ``model``; returns how
     many modules were restored. A module whose ``forward`` was replaced again after
-    astrai's is left as it is, with a warning (its route is forgotten all the same)."""
+    astrai's is left as it is, with a warning (its route is forgotten all the same).
+    Every parameter of the model is no longer declared frozen (what rows derived from
+    them is dropped)."""
+    thaw(model.parameters())
     restored = 0
     for path, module in model.named_modules():
         route: Route | None = module.__dict__.pop(ROUTE_ATTR, None)
