@@ -18,7 +18,9 @@ astrai's loss function in place of its own and - when labels are given and autog
 records - has the head (``get_output_embeddings()``, which must compute ``x @ W.T + b``)
 return ``DeferredLogits``: the loss takes them whole into the fused call. Whatever
 else uses the logits (soft-capping, scaling, a user reading ``outputs.logits``) computes
-them through the head on first use, so the result is always the model's own. Inside a
+them as the head would have on first use, from the values of that forward: when the
+forward returns, logits not yet computed keep copies of the head's input and parameters
+(an optimizer step or an in-place change afterwards changes nothing read). Inside a
 user's ``torch.compile`` the model computes its own loss (traced with the rest).
 """
 
@@ -90,10 +92,10 @@ def served_loss(form: LossForm) -> Callable[..., torch.Tensor]:
         target = _labels(labels, form.shift, ignore_index, shift_labels)
         reduction = "sum" if num_items_in_batch is not None else "mean"
         if isinstance(logits, DeferredLogits) and not logits.computed:
-            hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
-            params = logits.head._parameters
-            loss = linear_cross_entropy(hidden, params["weight"], target.to(hidden.device),  # type: ignore[arg-type]
-                                        params.get("bias"), ignore_index, reduction)
+            hidden, weight, bias = logits.operands()
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            loss = linear_cross_entropy(hidden, weight, target.to(hidden.device), bias,
+                                        ignore_index, reduction)
         else:
             flat = logits.reshape(-1, vocab_size)
             loss = cross_entropy(flat, target.to(flat.device), ignore_index, reduction)
@@ -182,17 +184,23 @@ def _loss_forward(form: LossForm) -> Callable[..., Any]:
         before_loss = self.__dict__.get("_loss_function", _MISSING)
         before_head = _MISSING if head is None else head.__dict__.get("forward", _MISSING)
         self.__dict__["_loss_function"] = loss_function
+        made: list[DeferredLogits] = []
         if head is not None:
-            compute = head.forward
-            vocab = int(head._parameters["weight"].shape[0])  # type: ignore[union-attr]
+            params = head._parameters
 
             def deferred(hidden: torch.Tensor) -> torch.Tensor:
-                return DeferredLogits(hidden, head, compute, vocab)
+                # the live parameters until this forward returns, copies from then on
+                logits = DeferredLogits(hidden, params["weight"], params.get("bias"),  # type: ignore[arg-type]
+                                        sealed=False)
+                made.append(logits)
+                return logits
 
             head.__dict__["forward"] = deferred
         try:
             return type(self).forward(self, *args, **kwargs)
         finally:
+            for logits in made:
+                logits.seal()
             for owner, name, value in ((self, "_loss_function", before_loss),
                                        (head, "forward", before_head)):
                 if owner is None:
