@@ -84,6 +84,7 @@ from typing import Any
 import torch
 
 from astrai.dispatch import CallContext, explain
+from astrai.dispatch.torch_compile import compiling
 from astrai.errors import UnsupportedFeatureError
 from astrai.families.attention import ATTENTION, attention, attention_heads_first
 
@@ -219,6 +220,10 @@ def weights_collected(module: torch.nn.Module | None) -> bool:
     """Whether transformers is collecting this eager-attention layer's weights now: the
     layer would return them unrouted, so the adapter must too."""
     if _COLLECTOR is None:
+        return False
+    # Traced, transformers' collector answers as a global once a traced forward set it
+    # (a context variable's ``get`` cannot be traced); before that nothing collects.
+    if compiling() and not getattr(_COLLECTOR, "compiling", False):
         return False
     collected = _COLLECTOR.get()
     if not isinstance(collected, dict) or not (
