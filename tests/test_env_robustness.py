@@ -12,15 +12,14 @@ a value that names nothing is a ``TableError`` naming the path, and the tables i
 Then a table directory that is removed, or whose file becomes a directory, a dangling
 symlink or unreadable, between loads: ``reload_tables()`` / ``load_tables()`` raise a
 ``TableError`` naming the path and the previous tables stay in force. Unreadability needs a
-user that file modes apply to: as root, those cases run in a forked child that switches to
-``nobody``. ``TestRegressions`` pins the paths that made the loader raise ``OSError`` or
-drop a family silently until fedf52a (an over-long name, a parent that cannot be entered,
-an unreadable directory).
+user that file modes apply to: as root, those cases run with the process's effective user
+switched to ``nobody`` for the load. ``TestRegressions`` pins the paths that made the
+loader raise ``OSError`` or drop a family silently until fedf52a (an over-long name, a
+parent that cannot be entered, an unreadable directory).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -315,7 +314,7 @@ def _unlock(path: Path) -> None:
 
 
 def outcome(action: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``action`` (a load) and describe what happened, as JSON-ready data."""
+    """Run ``action`` (a load) and describe what happened, as plain data."""
     before = current()
     try:
         return {"loaded": action()}
@@ -340,16 +339,20 @@ def _reachable_by_others(path: Path) -> bool:
 def as_unprivileged(action: Callable[[], Any]) -> dict[str, Any]:
     """``outcome(action)`` as a user that file modes apply to.
 
-    Not root: here. Root: in a forked child that switches to ``nobody`` first. The
-    reload reads the shipped tables too, and the checkout may lie where only root may
-    enter (CI clones into a fresh ``mktemp -d``, mode 700): so the child reads a
-    world-readable copy of them, as from an installed wheel (``shipped_tables_dir`` is
-    pointed there in the child only). What it has already imported it keeps, forked.
+    Not root: here. Root: here too, with the effective user and group switched to
+    ``nobody`` (no supplementary groups) for the action and back after it; the
+    capabilities that let root ignore file modes leave with the effective user, and
+    return with it. No child process: a fork of this process (large, with torch's
+    threads) would depend on the memory and locks of the moment. The reload reads the
+    shipped tables too, and the checkout may lie where only root may enter (CI clones
+    into a fresh ``mktemp -d``, mode 700): so ``nobody`` reads a world-readable copy of
+    them, as from an installed wheel (``shipped_tables_dir`` is pointed there for the
+    action only). What the process has already imported it keeps.
     """
     if os.geteuid() != 0:
         return outcome(action)
-    if not hasattr(os, "fork"):
-        pytest.skip("running as root without os.fork: cannot drop privileges")
+    if not hasattr(os, "seteuid"):
+        pytest.skip("running as root without os.seteuid: cannot drop privileges")
     base = Path(tempfile.mkdtemp(prefix="astrai-shipped-"))
     try:
         tables = base / "tables"
@@ -358,36 +361,33 @@ def as_unprivileged(action: Callable[[], Any]) -> dict[str, Any]:
         if not _reachable_by_others(tables):
             pytest.skip(f"{base.parent} cannot be entered by others: 'nobody' could not "
                         "read the tables")
-        report = _in_child_as_nobody(action, tables)
+        return _as_nobody(action, tables)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if "skip" in report:
-        pytest.skip(report["skip"])
-    return report
 
 
-def _in_child_as_nobody(action: Callable[[], Any], tables: Path) -> dict[str, Any]:
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
+def _as_nobody(action: Callable[[], Any], tables: Path) -> dict[str, Any]:
+    """``outcome(action)`` with this process's effective ids ``nobody``'s and the shipped
+    tables read from ``tables``; root's ids and groups restored whatever happens."""
+    groups = os.getgroups()
+    shipped = registry.shipped_tables_dir
+    registry.shipped_tables_dir = lambda: tables
+    try:
+        os.setgroups([])
+        os.setegid(NOBODY)
         try:
-            os.close(rfd)
-            registry.shipped_tables_dir = lambda: tables
-            try:
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-            except OSError as exc:
-                report: dict[str, Any] = {"skip": f"cannot switch to nobody: {exc}"}
-            else:
-                report = outcome(action)
-            os.write(wfd, json.dumps(report).encode())
+            os.seteuid(NOBODY)
+        except OSError as exc:
+            pytest.skip(f"cannot switch to nobody: {exc}")
+        try:
+            assert os.geteuid() == NOBODY
+            return outcome(action)
         finally:
-            os._exit(0)
-    os.close(wfd)
-    with os.fdopen(rfd, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)  # type: ignore[no-any-return]
+            os.seteuid(0)
+    finally:
+        os.setegid(0)
+        os.setgroups(groups)
+        registry.shipped_tables_dir = shipped
 
 
 def assert_refused_naming(report: dict[str, Any], path: Path, words: str) -> None:

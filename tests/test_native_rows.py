@@ -303,14 +303,27 @@ class TestWhatOnlyTorchSees:
     transform, a tangent, a subclass: the kernels decline them, so the rows compute what
     the reference computes, seen by whoever watches torch's operations."""
 
-    def test_jit_trace_records_the_operations(self, kernels: ModuleType) -> None:
+    def test_an_export_records_the_operations(self, kernels: ModuleType) -> None:
+        """``torch.export`` (non-strict: the row itself runs, on the tracer's tensors)
+        records torch's operations, so the program computes the reference for inputs it
+        never saw."""
+
+        class Norm(torch.nn.Module):
+            def __init__(self, weight: torch.Tensor) -> None:
+                super().__init__()
+                self.register_buffer("weight", weight)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return rows.native_rms_norm(x, self.weight, 1e-6)
+
         w = torch.randn(8)
-        x = torch.randn(2, 8)
         with torch.no_grad():
-            traced = torch.jit.trace(lambda x: rows.native_rms_norm(x, w, 1e-6), (x,),
-                                     check_trace=False)
+            program = torch.export.export(Norm(w), (torch.randn(2, 8),), strict=False)
+            ops_seen = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+            assert ops_seen and all(op.startswith("aten.") for op in ops_seen), ops_seen
             other = torch.randn(2, 8)
-            torch.testing.assert_close(traced(other), reference_rms_norm(other, w, 1e-6))
+            torch.testing.assert_close(program.module()(other),
+                                       reference_rms_norm(other, w, 1e-6))
 
     def test_fake_tensors_and_dispatch_modes(self, kernels: ModuleType) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode

@@ -284,25 +284,44 @@ def _plan(path: Path) -> Any:
     return yaml.safe_load(path.read_text())["families"]
 
 
-def _tune_twice(workload: Workload, tmp_path: Path, name: str) -> tuple[Any, Any]:
-    plans = []
+def _tune_twice(workload: Workload, tmp_path: Path, name: str
+                ) -> tuple[tuple[Any, bool], tuple[Any, bool]]:
+    """Two tunes of ``workload``: each one's plan, and whether it found the machine quiet
+    (what its profile's provenance states)."""
+    runs = []
     for i in (1, 2):
         out = tmp_path / f"{name}{i}.yaml"
-        tune_workload(workload, out, rounds=7, budget=5, progress=False)
-        plans.append(_plan(out))
-    return plans[0], plans[1]
+        tuned = tune_workload(workload, out, rounds=7, budget=5, progress=False)
+        quiet = yaml.safe_load(out.read_text())["provenance"]["noise"]["quiet"]
+        assert tuned.noise is not None and quiet is tuned.noise.quiet
+        runs.append((_plan(out), quiet))
+    return runs[0], runs[1]
+
+
+#: Pairs of tunes at most, while the machine is not quiet for both runs of a pair.
+PAIRS = 3
 
 
 def test_the_demo_workload_tuned_twice_gives_one_plan(demo_workload: Workload,
                                                       tmp_path: Path) -> None:
-    first, second = _tune_twice(demo_workload, tmp_path, "quiet")
-    assert first == second
+    """Two runs that found the machine quiet give one plan. Other processes that load
+    the machine for part of a run (a shared runner) can tip a call one way in one run
+    only; then tune says so in its output and provenance ("Tune again on a quiet
+    machine"), and the pair is tuned again: two plans may differ only where a run said
+    it was not quiet."""
+    for pair in range(PAIRS):
+        (first, quiet1), (second, quiet2) = _tune_twice(demo_workload, tmp_path, f"q{pair}-")
+        if first == second:
+            return
+        assert not (quiet1 and quiet2), (first, second)
+    pytest.skip(f"in {PAIRS} pairs of tunes, one run of each found the machine busy and "
+                f"the plans differed: no pair of quiet runs to compare")
 
 
 @pytest.mark.usefixtures("busy")
 def test_the_same_plan_while_other_processes_load_the_cpu(demo_workload: Workload,
                                                           tmp_path: Path) -> None:
-    first, second = _tune_twice(demo_workload, tmp_path, "loaded")
+    (first, _), (second, _) = _tune_twice(demo_workload, tmp_path, "loaded")
     assert first == second
     doc = yaml.safe_load((tmp_path / "loaded2.yaml").read_text())
     assert doc["provenance"]["threads"] == torch.get_num_threads()
