@@ -420,3 +420,34 @@ def test_traced_rotary_is_elementwise_for_inductor_to_fuse(row: str) -> None:
     assert seen and not {operator.setitem, operator.iadd, operator.isub} & set(seen)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_size_the_data_decides_is_unknown_to_the_tables() -> None:
+    """The rows a mask picks (an expert's tokens, as transformers 4's MoE loops take
+    them) have a size no guard can be made on: the tables see the length as unknown - no
+    spec comparing it holds, so the row taken is one that serves any length - and the
+    function compiles as one graph, to the eager result."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 16, generator=g), torch.randn(8, 16, generator=g)
+    picked = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+
+    def expert(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows = x[mask.nonzero().squeeze(1)]
+        return astrai.ops.linear(rows, w)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    with torch.no_grad():
+        got = torch.compile(expert, backend=counter, fullgraph=True)(x, picked)
+        want = expert(x, picked)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want)
+
+    # torch.export's default traces outside dynamo: the same call, decided the same way
+    class Expert(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return expert(x, mask)
+
+    program = torch.export.export(Expert(), (x, picked))
+    torch.testing.assert_close(program.module()(x, picked), want)

