@@ -174,6 +174,23 @@ def hot(built: ModuleType) -> Iterator[ModuleType]:
 
 
 @pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[object]:
+    """A one-process gloo group and its one-device CPU mesh (skips where torch has no
+    gloo)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def write_yaml(tmp_path: Path) -> Callable[[str, str], Path]:
     """Write ``text`` (dedented) to ``tmp_path/name`` and return the path."""
 

@@ -289,31 +289,15 @@ def test_a_wrapper_s_reads_of_every_output_leave_the_logits_deferred() -> None:
         no_grad.register_hook(lambda g: g)
 
 
-@pytest.fixture
-def one_rank(tmp_path: Any) -> Any:
-    """A one-process gloo group and its one-device CPU mesh."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not hasattr(fsdp, "fully_shard"):
-        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 @_needs("llama")
 def test_under_fsdp2_the_loss_stays_fused(one_rank: Any) -> None:
     """A model dispatched, then sharded by FSDP2: the head and the loss stay one fused
     call (the logits are never made unless read), with the plain sharded model's loss
     and gradients; read later, the logits are the plain model's."""
-    from torch.distributed.fsdp import fully_shard
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    fully_shard = fsdp.fully_shard
 
     plain, routed = _pair("llama")
     for model in (plain, routed):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -128,22 +127,6 @@ def _transposed_row() -> Iterator[None]:
         rows.cpu_vendor = vendor  # type: ignore[assignment]
         d.reload_tables()
         rows.release_weight_copies()
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[object]:
-    """A one-process gloo group and its one-device CPU mesh."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 class TestHandedCallsCountedApart:

@@ -47,34 +47,32 @@ def freeze(tensors: Iterable[torch.Tensor]) -> int:
     ``.data`` or a NumPy view (an inference tensor keeps no version: declared frozen, it
     is not written at all). Rows may then keep copies derived from them. Returns how
     many were not declared before."""
-    got = _tensors(tensors, "freeze")
-    added = 0
-    with _LOCK:
-        before = bool(_FROZEN)
-        for t in got:
-            if t not in _FROZEN:
-                _FROZEN[t] = {}
-                added += 1
-        flipped = bool(_FROZEN) != before
-    if flipped:
-        refresh()  # rows serving frozen weights only become available
-    return added
+    return _declare(_tensors(tensors, "freeze"), True)
 
 
 def thaw(tensors: Iterable[torch.Tensor]) -> int:
     """Withdraw the declaration of ``tensors`` and drop what rows derived from them;
     returns how many were declared."""
-    got = _tensors(tensors, "thaw")
-    removed = 0
+    return _declare(_tensors(tensors, "thaw"), False)
+
+
+def _declare(tensors: list[torch.Tensor], frozen: bool) -> int:
+    """Declare (``frozen``) or withdraw ``tensors``; how many changed. The first
+    declaration and the last withdrawal refresh the tables' availability probes: rows
+    serving frozen weights only become available, or unavailable again."""
+    changed = 0
     with _LOCK:
         before = bool(_FROZEN)
-        for t in got:
-            if _FROZEN.pop(t, None) is not None:
-                removed += 1
+        for t in tensors:
+            if frozen and t not in _FROZEN:
+                _FROZEN[t] = {}
+                changed += 1
+            elif not frozen and _FROZEN.pop(t, None) is not None:
+                changed += 1
         flipped = bool(_FROZEN) != before
     if flipped:
-        refresh()  # rows serving frozen weights only are unavailable again
-    return removed
+        refresh()
+    return changed
 
 
 def any_frozen() -> bool:
