@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,7 +85,9 @@ def available(name: str) -> bool:
 
 
 def build(name: str, attn_implementation: str = "sdpa") -> nn.Module:
-    """The tiny random model of ``name`` (float32, eval), its norm weights random."""
+    """The tiny random model of ``name`` (float32, eval), its norm weights random; the
+    calling test skips where transformers is not installed."""
+    pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
     config = _config(name)
     torch.manual_seed(0)
