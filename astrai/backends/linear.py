@@ -61,13 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from astrai.backends.frozen import any_frozen, derived, derived_stores
-from astrai.backends.linear_operator import (
-    float32_cpu,
-    handoff_reason,
-    linear_operator,
-    plain_call,
-    traceable,
-)
+from astrai.backends.linear_operator import float32_cpu, linear_operator, traceable
+from astrai.backends.operators import handoff_reason, plain_call
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff

@@ -17,49 +17,24 @@ operators.
 
 from __future__ import annotations
 
-__all__ = ["LinearKernel", "float32_cpu", "handoff_reason", "linear_operator", "plain_call",
-           "traceable"]
+__all__ = ["LinearKernel", "float32_cpu", "linear_operator", "traceable"]
 
 from collections.abc import Callable
 
 import torch
 
+from astrai.backends.operators import plain_call, registered_operator
+
 #: A row's kernel: ``(x, weight, bias) -> x @ weight.T + bias``.
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-#: The tensor types the CPU linear rows serve (a subclass may compute otherwise).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: ``torch.compiler.is_exporting`` (torch >= 2.5; before it, nothing says so).
-_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def traceable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a traced call may stand in the graph as a row's operator: a ``plain_call``
     of float32 CPU tensors (an operator has no backward and is not cast by autocast), not
     exported."""
-    return plain_call(x, weight, bias) and float32_cpu(x, weight, bias) and not _exporting()
-
-
-def plain_call(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call is one the CPU linear rows compute themselves: no autograd
-    recording, no CPU autocast (``F.linear`` computes in its lower precision there), and
-    every tensor given (``None`` aside) of torch's own types."""
-    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
-        return False
-    return all(t is None or type(t) in _PLAIN for t in tensors)
-
-
-def handoff_reason(*tensors: torch.Tensor | None) -> str:
-    """Why ``plain_call`` leaves a call to torch (``""`` where it does not)."""
-    subclasses = sorted({type(t).__name__ for t in tensors
-                         if t is not None and type(t) not in _PLAIN})
-    if subclasses:
-        return f"a tensor subclass ({', '.join(subclasses)})"
-    if torch.is_autocast_enabled("cpu"):
-        return "CPU autocast in force"
-    if torch.is_grad_enabled():
-        return "autograd recording"
-    return ""
+    return (plain_call(x, weight, bias) and float32_cpu(x, weight, bias)
+            and not torch.compiler.is_exporting())
 
 
 def float32_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -71,20 +46,13 @@ def float32_cpu(*tensors: torch.Tensor | None) -> bool:
 def linear_operator(row: str, kernel: LinearKernel) -> LinearKernel:
     """The operator ``astrai::<row>_linear`` that runs ``kernel``; registered with torch
     the first time (a second call with the same ``row`` returns the registered one)."""
-    name = f"{row}_linear"
-    namespace = torch.ops.astrai
-    if hasattr(namespace, name):
-        return getattr(namespace, name)  # type: ignore[no-any-return]
 
     def compute(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         return kernel(x, weight, bias).contiguous()  # the layout the shape function says
 
-    op = torch.library.custom_op(f"astrai::{name}", compute, mutates_args=())
-
-    @op.register_fake  # type: ignore[untyped-decorator, misc]
-    def _shape(x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+    def shape(x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
-    return op  # type: ignore[return-value]
+    return registered_operator(f"{row}_linear", compute, shape)  # type: ignore[no-any-return]

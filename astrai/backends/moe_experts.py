@@ -49,13 +49,12 @@ import torch
 import torch.nn.functional as F
 
 from astrai.backends.activation import reference_activation, torch_activation
+from astrai.backends.operators import plain_call, registered_operator
 
 Tensor = torch.Tensor
 #: A row's eager code: ``(hidden, top_k_index, top_k_weights, gate_up, down, act,
 #: weights_on) -> out``.
 ExpertsKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, str, str], Tensor]
-#: The tensor types the rows' operators serve (a subclass may compute otherwise).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _check_index(counts: Tensor, experts: int) -> None:
@@ -234,10 +233,8 @@ def _opaque(*tensors: Tensor) -> bool:
     (the operators have no backward), no autocast on the tensors' device or the CPU
     (the operator would not be cast as the traced code around it is), every tensor of
     torch's own types."""
-    device = tensors[0].device.type
-    return not (torch.compiler.is_exporting() or torch.is_grad_enabled()
-                or torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled(device)
-                or any(type(t) not in _PLAIN for t in tensors))
+    return (plain_call(*tensors) and not torch.compiler.is_exporting()
+            and not torch.is_autocast_enabled(tensors[0].device.type))
 
 
 def _traced(operator: ExpertsKernel, hidden: Tensor, index: Tensor, weights: Tensor,
@@ -299,10 +296,6 @@ def _every_expert(hidden: Tensor, index: Tensor, weights: Tensor, gate_up: Tenso
 def _experts_operator(row: str, kernel: ExpertsKernel) -> ExpertsKernel:
     """The operator ``astrai::moe_experts_<row>`` that runs ``kernel`` (a row's eager
     code); registered with torch the first time."""
-    name = f"moe_experts_{row}"
-    namespace = torch.ops.astrai
-    if hasattr(namespace, name):
-        return getattr(namespace, name)  # type: ignore[no-any-return]
 
     def compute(hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -310,15 +303,12 @@ def _experts_operator(row: str, kernel: ExpertsKernel) -> ExpertsKernel:
         out = kernel(hidden, top_k_index, top_k_weights, gate_up, down, act, weights_on)
         return out.contiguous()  # the layout the shape function says
 
-    op = torch.library.custom_op(f"astrai::{name}", compute, mutates_args=())
-
-    @op.register_fake  # type: ignore[untyped-decorator, misc]
-    def _shape(hidden: torch.Tensor, top_k_index: torch.Tensor,
-               top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               act: str, weights_on: str) -> torch.Tensor:
+    def shape(hidden: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              act: str, weights_on: str) -> torch.Tensor:
         return hidden.new_empty(hidden.shape)
 
-    return op  # type: ignore[return-value]
+    return registered_operator(f"moe_experts_{row}", compute, shape)  # type: ignore[no-any-return]
 
 
 _TORCH_OPERATOR = _experts_operator("torch", _torch_loop)

@@ -130,13 +130,19 @@ def count(counter: itertools.count[int]) -> int:
     return int(counter.__reduce__()[1][0])  # type: ignore[index]
 
 
+def every_counter() -> dict[object, itertools.count[int]]:
+    """Every counter, by its key in ``baseline``."""
+    out: dict[object, itertools.count[int]] = dict(list(counters.items()))
+    out.update({("handoff", *key): c for key, c in list(handoffs.items())})
+    out.update({("why", *key): c for key, c in list(handoff_reasons.items())})
+    out.update(quiet=QUIET, misses=MISSES, uncached=UNCACHED)
+    return out
+
+
 def reset_counts() -> None:
     """Start every count from zero: record what later reads subtract (the counters
     themselves are never replaced: cached decisions hold them)."""
-    base: dict[object, int] = {key: count(c) for key, c in list(counters.items())}
-    base.update({("handoff", *key): count(c) for key, c in list(handoffs.items())})
-    base.update({("why", *key): count(c) for key, c in list(handoff_reasons.items())})
-    base.update(quiet=count(QUIET), misses=count(MISSES), uncached=count(UNCACHED))
+    base = {key: count(c) for key, c in every_counter().items()}
     baseline.clear()
     baseline.update(base)
 

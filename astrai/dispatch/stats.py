@@ -239,18 +239,9 @@ class Mark:
     counts: Mapping[object, int] = field(default_factory=dict)
 
 
-def _every_counter() -> dict[object, itertools.count[int]]:
-    """Every counter, by its baseline key."""
-    out: dict[object, itertools.count[int]] = dict(process.counters.items())
-    out.update({("handoff", *k): c for k, c in list(process.handoffs.items())})
-    out.update({("why", *k): c for k, c in list(process.handoff_reasons.items())})
-    out.update(quiet=QUIET, misses=MISSES, uncached=UNCACHED)
-    return out
-
-
 def mark() -> Mark:
     """The counters now, for ``since``: a ``dispatch_model`` report keeps one."""
-    return Mark({key: _raw(c, key) for key, c in _every_counter().items()})
+    return Mark({key: _raw(c, key) for key, c in process.every_counter().items()})
 
 
 def since(then: Mark) -> UsageStats:
@@ -271,12 +262,12 @@ def unobserved() -> Iterator[None]:
     The counters are process-wide: calls other threads make during the block are kept
     out of the counts too (never of their recordings)."""
     token = UNOBSERVED.set(True)
-    before = {key: process.count(c) for key, c in _every_counter().items()}
+    before = {key: process.count(c) for key, c in process.every_counter().items()}
     try:
         yield
     finally:
         UNOBSERVED.reset(token)
-        for key, c in _every_counter().items():
+        for key, c in process.every_counter().items():
             made = process.count(c) - before.get(key, 0)
             if made:
                 process.baseline[key] = process.baseline.get(key, 0) + made

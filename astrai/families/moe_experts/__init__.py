@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from astrai.backends.activation import ACTIVATIONS
+from astrai.backends.operators import PLAIN_TYPES
 from astrai.dispatch.facade import (
     FamilyCall,
     facade,
@@ -38,8 +39,6 @@ from astrai.families import Family, declare
 _grad = torch.is_grad_enabled
 #: Whether the call is traced by ``torch.compile`` or ``torch.export``.
 _tracing = torch.compiler.is_compiling
-#: The tensor types whose address is read (a subclass may have none).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: Where the router's weights apply: to each expert's output (Mixtral, Qwen, DeepSeek)
 #: or to its input (Llama 4).
@@ -101,7 +100,7 @@ def _align(*weights: Tensor) -> int:
     addressed = not _tracing()
     for w in weights:
         size = w.element_size()
-        if addressed and type(w) in _PLAIN:
+        if addressed and type(w) in PLAIN_TYPES:
             address = w.data_ptr()
         else:
             address = size
