@@ -387,14 +387,11 @@ def build(*, force: bool = False, progress: Callable[[float], None] | None = Non
 
 def _install(made: Path, path: Path) -> None:
     """Put the built file ``made`` (in a work folder beside ``path``) in place as ``path``:
-    flushed to disk, renamed over ``path`` whole, its digest recorded. A reader between the
-    two renames finds the file and its digest disagreeing and checks again under the build
-    lock (``discard_if_bad``), which this build holds."""
-    fd = os.open(made, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    renamed over ``path`` whole, then its digest recorded (``record_digest`` flushes the
+    file to disk first, so a recorded digest stands for a file on disk; a file left without
+    one is never loaded). A reader between the rename and the record finds the file and its
+    digest disagreeing and checks again under the build lock (``discard_if_bad``), which
+    this build holds."""
     os.replace(made, path)
     record_digest(path)
 
