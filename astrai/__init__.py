@@ -7,6 +7,18 @@ design contract the code keeps.
 
 from __future__ import annotations
 
-__all__ = ["__version__"]
+from typing import Any
+
+__all__ = ["__version__", "tune_model"]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``astrai.tune_model`` (``astrai.tune.model``), imported on first use: importing
+    ``astrai`` loads neither torch nor transformers."""
+    if name == "tune_model":  # by name, as ``astrai.dispatch`` loads its workflows
+        import importlib
+
+        return importlib.import_module("astrai.tune.model").tune_model
+    raise AttributeError(f"module 'astrai' has no attribute {name!r}")

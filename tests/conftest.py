@@ -96,6 +96,7 @@ def _isolate_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run each test against the tables in force before it, with a clean environment."""
     for var in ("ASTR_OPS", "ASTR_BACKEND", "ASTR_TABLES", "ASTR_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ASTR_TUNED", "off")  # no profile from the user's cache (tune_model)
     state.reset()
     saved = state.snapshot
     _impls.PROBE.update(available=True, calls=0)
@@ -232,3 +233,36 @@ def spy(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[Any]:
 
     monkeypatch.setattr(owner, name, recorded)
     return seen
+
+
+#: A profile putting the explicit-only ``transposed`` linear row in the implicit chain, as
+#: a profile tuned on a machine where it wins does.
+TRANSPOSED_ON = """version: 1
+profile: transposed-on
+description: the transposed linear row in the implicit chain
+families:
+  linear:
+    enable: [transposed]
+"""
+
+
+@contextmanager
+def cpu_of(vendor: str, isa: str = "avx512", *, transposed: bool = True) -> Iterator[None]:
+    """The machine axes taken for a CPU of ``vendor`` (``intel``, ``amd``) with ``isa``,
+    and (``transposed``) the explicit-only ``transposed`` linear row enabled by a profile;
+    the shipped tables are read again on the way out."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder, \
+            dispatch.assume_machine(cpu_vendor=vendor, cpu_isa=isa):
+        try:
+            if not transposed:
+                yield
+                return
+            path = Path(folder) / "transposed-on.yaml"
+            path.write_text(TRANSPOSED_ON)
+            dispatch.load_tables(path)
+            with dispatch.use_profile("transposed-on"):
+                yield
+        finally:
+            dispatch.reload_tables()

@@ -26,7 +26,13 @@ from astrai.dispatch import (
     shipped_tables_dir,
     use_profile,
 )
-from astrai.dispatch.axes import AXES, CORE_VOCABULARY, PREDICATES, Axis, Vocabulary
+from astrai.dispatch.axes import (
+    CORE_VOCABULARY,
+    EXPRESSION_AXES,
+    PREDICATES,
+    Axis,
+    Vocabulary,
+)
 from astrai.dispatch.expr import definitions
 from astrai.dispatch.expr.definitions import (
     MAX_DEFINITION_DEPTH,
@@ -46,7 +52,7 @@ ATTENTION_LIKE = {
     "paged": "has_cache and ndim == 3 and fwd in {prefill, decode}",
 }
 CYCLE_HINT = "a definition may use other definitions but never itself, directly or through others"
-CORE_NAMES = ", ".join(sorted([*AXES, *PREDICATES]))
+CORE_NAMES = ", ".join(sorted([*EXPRESSION_AXES, *PREDICATES]))
 
 
 def built(texts: dict[str, str], vocabulary: Vocabulary = CORE_VOCABULARY) -> Vocabulary:

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from astrai.dispatch.axes import (
-    AXES,
     CORE_VOCABULARY,
     DTYPES,
+    EXPRESSION_AXES,
     KEYWORDS,
     PREDICATES,
     Axis,
@@ -33,8 +33,8 @@ COMMON = ("float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2, int8
           "int32, int64, uint8, bool, complex64, complex128")
 ALL_DTYPES = f"{COMMON}, none"
 #: What error messages list: every built-in axis, then every axis and predicate, sorted.
-CORE_AXES = ", ".join(sorted(AXES))
-CORE_NAMES = ", ".join(sorted([*AXES, *PREDICATES]))
+CORE_AXES = ", ".join(sorted(EXPRESSION_AXES))
+CORE_NAMES = ", ".join(sorted([*EXPRESSION_AXES, *PREDICATES]))
 
 BIG = (
     "fwd in {prefill, decode} and has_cache and ndim == 3 and dtype == bfloat16"

@@ -24,7 +24,7 @@ from astrai.backends import frozen, native
 from astrai.backends import linear as rows
 from astrai.integrations.transformers import dispatch_model, restore_model
 from tests import _zoo
-from tests.conftest import adopted
+from tests.conftest import adopted, cpu_of
 
 #: Each row, the CPU vendor it is available on, and the tokens the table gives it.
 ROWS = {"transposed": ("GenuineIntel", 6), "transposed_one": ("AuthenticAMD", 1)}
@@ -61,13 +61,13 @@ def elsewhere_frozen() -> Iterator[torch.Tensor]:
 
 @contextmanager
 def on_cpu_of(vendor: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The tables read again on a CPU of ``vendor`` (the rows' availability asks for it);
-    the native row, which precedes them for a few tokens, out of the way."""
-    monkeypatch.setattr(rows, "cpu_vendor", lambda: vendor)
+    """The machine taken for a CPU of ``vendor`` (AVX-512), the explicit-only
+    ``transposed`` row enabled (as a tuned profile does where it wins); the native row,
+    which precedes them for a few tokens, out of the way."""
     monkeypatch.setattr(native, "_kernels", lambda: None)
-    dispatch.reload_tables()
     try:
-        yield
+        with cpu_of({"GenuineIntel": "intel", "AuthenticAMD": "amd"}[vendor]):
+            yield
     finally:
         monkeypatch.undo()
         dispatch.reload_tables()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,20 +20,17 @@ from astrai import ops
 from astrai.backends import linear as rows
 from astrai.backends import native as native_rows
 from astrai.backends.linear_operator import linear_operator
+from tests.conftest import cpu_of
 
 
 @pytest.fixture(autouse=True)
 def _amd() -> Iterator[None]:
     """The rows' tables as on the AMD CPU the ``onednn`` row was measured on."""
-    vendor = rows.cpu_vendor
-    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
-    dispatch.reload_tables()
     torch._dynamo.reset()
     try:
-        yield
+        with cpu_of("amd", transposed=False):
+            yield
     finally:
-        rows.cpu_vendor = vendor  # type: ignore[assignment]
-        dispatch.reload_tables()
         torch._dynamo.reset()
 
 
@@ -126,17 +124,37 @@ def test_compiled_by_inductor_it_is_kept_and_the_elementwise_work_around_it_fuse
     assert re.search(r"def cpp_fused_\w*mul\w*silu|cpp_fused_\w*mul\w*silu\w* = ", code)
 
 
-def test_traced_one_token_calls_the_native_operator_with_the_eager_result(
-        kernels: ModuleType) -> None:
+#: A profile letting the native row's operator stand in compiled graphs (the shipped table
+#: keeps traced calls off it: not measured against inductor).
+NATIVE_TRACED = """version: 1
+profile: native-traced
+description: the native linear row's operator in compiled graphs
+families:
+  linear:
+    when:
+      native: device == cpu and dtype == float32 and not grad_enabled and tokens <= 4
+"""
+
+
+def test_traced_one_token_calls_take_the_native_operator_where_the_table_says(
+        kernels: ModuleType, tmp_path: Path) -> None:
     if native_rows.native_linear_available() is not True:
         pytest.skip(f"the native linear row is unavailable: "
                     f"{native_rows.native_linear_available()}")
     up, down = _weights()
     x = torch.randn(1, 1, 32)
     with torch.no_grad():
-        code = _graph_of(_mlp, x, up, down)
         eager = _mlp(x, up, down)
-        compiled = torch.compile(_mlp, dynamic=False)(x, up, down)
+        assert dispatch.stats().by_row()["linear"] == {"native": {"chain": 2}}
+        shipped = _graph_of(_mlp, x, up, down)  # not traced: the next row, F.linear
+        path = tmp_path / "native-traced.yaml"
+        path.write_text(NATIVE_TRACED)
+        dispatch.load_tables(path)
+        torch._dynamo.reset()
+        with dispatch.use_profile("native-traced"):
+            code = _graph_of(_mlp, x, up, down)
+            compiled = torch.compile(_mlp, dynamic=False)(x, up, down)
+    assert "astrai" not in shipped and shipped.count("linear(") == 2
     assert code.count("torch.ops.astrai.native_linear") == 2
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 

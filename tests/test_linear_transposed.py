@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,48 +15,36 @@ from astrai import ops
 from astrai.backends import linear as rows
 from astrai.backends.frozen import freeze, thaw
 
+ENABLE = """version: 1
+profile: transposed-on
+description: the transposed row in the implicit chain (a tuned profile enables it where it wins)
+families:
+  linear:
+    enable: [transposed]
+"""
+
 
 @pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
-    """The row on any machine: its availability asks for an Intel CPU and a weight
-    declared frozen in the process, so the tests say they run on one and declare one (and
-    the tables are re-read, so the probe asks again)."""
+def _fresh(tmp_path: Path) -> Iterator[None]:
+    """The row on any machine: it is explicit-only, so a profile enables it (as tuning
+    does where it wins); its availability asks for a weight declared frozen in the
+    process, so the tests declare one. The machine is taken for an Intel CPU with
+    AVX-512 (where no other CPU row takes these calls)."""
     rows.release_weight_copies()
-    vendor = rows.cpu_vendor
-    rows.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
     held = torch.ones(1)
     freeze([held])
-    dispatch.reload_tables()
-    try:
-        yield
-    finally:
-        thaw([held])
-        rows.cpu_vendor = vendor  # type: ignore[assignment]
-        dispatch.reload_tables()
-        rows.set_weight_copy_budget(1 << 30)
-        rows.release_weight_copies()
-
-
-def _native_linear() -> bool:
-    from astrai.backends.native import native_linear_available
-
-    return native_linear_available() is True
-
-
-@pytest.mark.parametrize(("vendor", "available"), [("GenuineIntel", True),
-                                                   ("AuthenticAMD", False), ("", False)])
-def test_it_is_available_on_the_cpus_it_was_measured_to_win_on(vendor: str,
-                                                               available: bool) -> None:
-    rows.cpu_vendor = lambda: vendor  # type: ignore[assignment]
-    answer = rows.transposed_available()
-    assert (answer is True) == available
-    if not available:
-        assert "Intel" in str(answer) and (vendor or "unknown vendor") in str(answer)
-        dispatch.reload_tables()
-        text = dispatch.explain("linear", dispatch.CallContext(
-            family="linear", dtype=torch.float32, tokens=8, ndim=2))
-        line = next(t for t in text.splitlines() if t.strip().startswith("transposed:"))
-        assert "SKIP unavailable" in line and "Intel" in line
+    path = tmp_path / "transposed-on.yaml"
+    path.write_text(ENABLE)
+    with dispatch.assume_machine(cpu_vendor="intel", cpu_isa="avx512"):
+        dispatch.load_tables(path)
+        try:
+            with dispatch.use_profile("transposed-on"):
+                yield
+        finally:
+            thaw([held])
+            dispatch.reload_tables()
+            rows.set_weight_copy_budget(1 << 30)
+            rows.release_weight_copies()
 
 
 def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
@@ -64,6 +53,22 @@ def _w(out_f: int = 24, in_f: int = 16, seed: int = 0) -> torch.Tensor:
     w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
     freeze([w])
     return w
+
+
+def test_it_is_available_wherever_a_weight_is_declared_frozen() -> None:
+    assert rows.transposed_available() is True
+    assert rows.transposed_one_row_available() is True
+    with dispatch.assume_machine(cpu_vendor="amd"):
+        assert rows.transposed_available() is True  # where it wins is the table's to say
+
+
+def test_it_is_explicit_only_in_the_shipped_table() -> None:
+    dispatch.reload_tables()  # the fixture's profile is gone: the shipped table alone
+    text = dispatch.explain("linear", dispatch.CallContext(
+        family="linear", dtype=torch.float32, tokens=8, ndim=2, grad_enabled=False,
+        device="cpu"))
+    line = next(t for t in text.splitlines() if t.strip().startswith("transposed:"))
+    assert "SKIP explicit-only" in line
 
 
 @pytest.mark.parametrize("shape", [(16,), (5, 16), (2, 7, 16), (3, 2, 4, 16)])
@@ -94,14 +99,12 @@ def test_the_table_gives_it_cpu_float32_calls_of_four_tokens_and_more() -> None:
     w = _w()
     dispatch.stats(reset=True)
     with torch.no_grad():
-        ops.linear(torch.randn(3, 16), w)  # 3 tokens: the native row, else torch
+        ops.linear(torch.randn(3, 16), w)  # 3 tokens: torch (native only below AVX-512)
         ops.linear(torch.randn(1, 5, 16), w)  # 5 tokens: transposed
         ops.linear(torch.randn(4, 16, dtype=torch.float64), w.double())  # float64: torch
     ops.linear(torch.randn(8, 16), w)  # autograd on: torch
-    few = "native" if _native_linear() else "torch"
-    want: dict[str, dict[str, int]] = {"torch": {"chain": 2}, "transposed": {"chain": 1}}
-    want[few] = {"chain": want.get(few, {}).get("chain", 0) + 1}
-    assert dispatch.stats().by_row()["linear"] == want
+    assert dispatch.stats().by_row()["linear"] == {"torch": {"chain": 3},
+                                                    "transposed": {"chain": 1}}
 
 
 def test_one_copy_per_weight_kept_across_calls() -> None:
@@ -214,11 +217,11 @@ def test_on_amd_cpus_one_token_takes_the_copy_and_more_tokens_do_not(
     from astrai.backends import native
 
     monkeypatch.setattr(native, "_kernels", lambda: None)
-    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
-    dispatch.reload_tables()
     w = _w()
     dispatch.stats(reset=True)
-    with torch.no_grad():
+    with torch.no_grad(), dispatch.assume_machine(cpu_vendor="amd", cpu_isa="avx512"), \
+            dispatch.use_profile():
+        dispatch.reload_tables()  # the shipped table, without the fixture's profile
         one = ops.linear(torch.randn(1, 1, 16), w)
         ops.linear(torch.randn(1, 2, 16), w)
         ops.linear(torch.randn(8, 16), w)
@@ -233,7 +236,10 @@ def test_the_one_token_row_counts_its_own_hand_offs() -> None:
     x, w = torch.randn(1, 16), _w()
     torch.testing.assert_close(rows.transposed_one_linear(x, w), F.linear(x, w))  # autograd on
     assert dispatch.stats().handed == {("linear", "transposed_one", "F.linear"): 1}
-    assert rows.transposed_one_row_available() is not True  # the fixture's CPU is Intel
+    text = dispatch.explain("linear", dispatch.CallContext(
+        family="linear", dtype=torch.float32, tokens=1, ndim=2, grad_enabled=False,
+        device="cpu"))  # the fixture's CPU is an Intel one
+    assert "transposed_one: reject (cpu_vendor == amd (this machine has intel))" in text
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (2, 9, 16), (5, 16)])
@@ -251,28 +257,37 @@ def test_the_onednn_row_hands_autograd_calls_to_f_linear() -> None:
     assert dispatch.stats().handed == {("linear", "onednn", "F.linear"): 1}
 
 
-@pytest.mark.parametrize(("vendor", "available"), [("AuthenticAMD", True),
-                                                   ("GenuineIntel", False)])
-def test_the_onednn_row_is_available_on_the_cpus_it_was_measured_on(
-        vendor: str, available: bool) -> None:
-    rows.cpu_vendor = lambda: vendor  # type: ignore[assignment]
+def test_the_onednn_row_is_available_wherever_torch_has_onednn() -> None:
     answer = rows.onednn_available()
     if not torch.backends.mkldnn.is_available():
         assert "oneDNN" in str(answer)
         return
-    assert (answer is True) == available
-    if not available:
-        assert "AMD" in str(answer) and vendor in str(answer)
+    assert answer is True
+
+
+@pytest.mark.parametrize(("vendor", "isa", "serves"), [
+    ("amd", "avx512", True), ("amd", "avx2", False), ("intel", "avx512", False),
+    ("intel", "amx", False)])
+def test_the_table_gives_onednn_where_it_was_measured_to_win(vendor: str, isa: str,
+                                                             serves: bool) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    call = dispatch.CallContext(family="linear", dtype=torch.float32, tokens=16, ndim=2,
+                                grad_enabled=False, device="cpu")
+    with dispatch.assume_machine(cpu_vendor=vendor, cpu_isa=isa):
+        assert (dispatch.resolve("linear", call).name == "onednn") == serves
+    stated = dispatch.CallContext(family="linear", dtype=torch.float32, tokens=16, ndim=2,
+                                  grad_enabled=False, device="cpu",
+                                  extra={"cpu_vendor": vendor, "cpu_isa": isa})
+    assert (dispatch.resolve("linear", stated).name == "onednn") == serves
 
 
 def test_on_amd_cpus_the_table_gives_onednn_calls_of_sixteen_tokens_and_more() -> None:
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
-    rows.cpu_vendor = lambda: "AuthenticAMD"  # type: ignore[assignment]
-    dispatch.reload_tables()
     w = _w()
     dispatch.stats(reset=True)
-    with torch.no_grad():
+    with torch.no_grad(), dispatch.assume_machine(cpu_vendor="amd", cpu_isa="avx512"):
         ops.linear(torch.randn(1, 16, 16), w)
         ops.linear(torch.randn(15, 16), w)
     by_row = dispatch.stats().by_row()["linear"]

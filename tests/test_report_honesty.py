@@ -18,6 +18,7 @@ from astrai.dispatch.stats import UsageStats, count_handoff, mark, since
 from astrai.integrations.transformers import dispatch_model
 from astrai.integrations.transformers.report import DispatchReport, Routed
 from tests import _zoo
+from tests.conftest import cpu_of
 
 
 def _quantised(name: str = "llama") -> nn.Module:
@@ -115,17 +116,13 @@ def _transposed_row() -> Iterator[None]:
     from astrai.backends import frozen
     from astrai.backends import linear as rows
 
-    vendor = rows.cpu_vendor
-    rows.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
     held = torch.ones(1)
     frozen.freeze([held])
-    d.reload_tables()
     try:
-        yield
+        with cpu_of("intel"):
+            yield
     finally:
         frozen.thaw([held])
-        rows.cpu_vendor = vendor  # type: ignore[assignment]
-        d.reload_tables()
         rows.release_weight_copies()
 
 

@@ -30,7 +30,7 @@ from astrai.dispatch import (
     state,
     use_profile,
 )
-from astrai.dispatch.axes import AXES
+from astrai.dispatch.axes import EXPRESSION_AXES
 from tests import _impls
 from tests.conftest import TOY_TABLE, ctx
 
@@ -246,7 +246,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:5:5: unknown key 'forse' (did you mean 'force'?); expected one of: add, "
-            f"chain_when, disable, enable, fallback, force, order, when"
+            f"chain_when, disable, enable, fallback, force, model_code, order, when"
         ]
 
     def test_error_duplicate_row_names(self, write_yaml: Write) -> None:
@@ -341,7 +341,7 @@ class TestLoadTables:
             """)
         assert got == [
             f"{path}:7:11: unknown axis 'ndimm' (did you mean 'ndim'?); expected one of: "
-            f"{', '.join(sorted(AXES))}\n"
+            f"{', '.join(sorted(EXPRESSION_AXES))}\n"
             f"    ndimm == 3\n"
             f"    ^~~~~"
         ]

@@ -64,7 +64,6 @@ from astrai.backends.frozen import any_frozen, derived, derived_stores
 from astrai.backends.linear_operator import float32_cpu, linear_operator, traceable
 from astrai.backends.operators import handoff_reason, plain_call
 from astrai.dispatch.log import warn_once
-from astrai.dispatch.machine import cpu_vendor
 from astrai.dispatch.stats import count_handoff
 from astrai.dispatch.tables.model import Unavailable
 from astrai.dispatch.torch_compile import compiling
@@ -265,22 +264,10 @@ def _copy_of(weight: torch.Tensor) -> torch.Tensor | str:
     return made.t
 
 
-#: The CPU vendors (``cpu_vendor``) each CPU row was measured to win on.
-ONEDNN_VENDORS = frozenset({"AuthenticAMD"})
-TRANSPOSED_VENDORS = frozenset({"GenuineIntel"})
-ONE_ROW_VENDORS = frozenset({"AuthenticAMD"})
-
-
-def _measured_on(vendors: frozenset[str], where: str,
-                 frozen_only: bool = False) -> bool | Unavailable:
-    """``True`` on a CPU of ``vendors`` (and, ``frozen_only``, while a weight is declared
-    frozen in this process); else why not."""
-    vendor = cpu_vendor()
-    if vendor not in vendors:
-        return Unavailable(f"measured to win only on {where}; this CPU is "
-                           f"{vendor or 'of an unknown vendor'}, where it was not faster "
-                           f"than F.linear")
-    if frozen_only and not any_frozen():
+def _frozen_weights() -> bool | Unavailable:
+    """``True`` while some weight is declared frozen in this process (the rows that
+    multiply by copies of frozen weights have nothing to copy otherwise); else why not."""
+    if not any_frozen():
         return Unavailable("no weight is declared frozen in this process, and the row "
                            "multiplies by copies of frozen weights only "
                            "(dispatch_model(model, mode=\"inference\") declares a model's)")
@@ -300,16 +287,13 @@ def _handed_off(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def onednn_available() -> bool | Unavailable:
-    """``True`` where torch has oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``)
-    and the CPU is of a vendor it was measured to win on (an AMD EPYC with AVX-512: about
-    2.1x MKL's product at 128 tokens, which MKL computes there with narrower vectors);
-    else why not."""
+    """``True`` where torch has oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``);
+    else why not. Where it is faster than MKL's product is the table's to say."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return Unavailable("this torch was built without oneDNN (mkldnn)")
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return Unavailable("this torch has no torch.ops.mkldnn._linear_pointwise")
-    return _measured_on(ONEDNN_VENDORS, "AMD CPUs (where MKL's product runs narrower "
-                                        "vectors than oneDNN's)")
+    return True
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -348,22 +332,15 @@ _ONEDNN_OPERATOR = linear_operator("onednn", _onednn)
 
 
 def transposed_available() -> bool | Unavailable:
-    """``True`` on a CPU of a vendor the ``transposed`` row (4 tokens and more) was
-    measured to win on (Intel: MKL's product with the weight as stored is slow there from
-    a few rows); else why not. On an AMD EPYC the copy lost at every size from 4 rows
-    (0.77x at 4, 0.98x at 128)."""
-    return _measured_on(TRANSPOSED_VENDORS, "Intel CPUs (MKL's product with the weight as "
-                                            "stored is slow there from a few rows)",
-                        frozen_only=True)
+    """``True`` while some weight is declared frozen (the row multiplies by copies of
+    frozen weights only); else why not. Where the copy is faster than the weight as
+    stored is the table's to say."""
+    return _frozen_weights()
 
 
 def transposed_one_row_available() -> bool | Unavailable:
-    """``True`` on a CPU of a vendor the copy was measured to win on for one token (AMD:
-    MKL's matrix-vector product streams the weight as stored at about two thirds of the
-    speed it streams the copy); else why not (on Intel it was even)."""
-    return _measured_on(ONE_ROW_VENDORS, "AMD CPUs for one token (MKL's matrix-vector "
-                                         "product with the weight as stored is slow there)",
-                        frozen_only=True)
+    """``transposed_available``, for the one-token row."""
+    return _frozen_weights()
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor,

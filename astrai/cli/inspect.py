@@ -16,7 +16,7 @@ from astrai.cli.output import OK, PROBLEMS, UsageError
 from astrai.cli.parser import CALL_OPTIONS
 from astrai.dispatch import registry
 from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.axes import AXES, Axis, CallContext
+from astrai.dispatch.axes import AXES, MACHINE_AXES, Axis, CallContext
 from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.plugins import Plugin, plugin_problems
 from astrai.dispatch.registry import Registry
@@ -193,12 +193,21 @@ def _context(args: argparse.Namespace, state: Registry) -> CallContext:
     values = {name: (getattr(args, name) if axis.kind == "bool" or getattr(args, name) is None
                      else _axis_value(axis.flag, axis, getattr(args, name)))
               for name, axis in AXES.items()}
-    return CallContext(args.family, **values,
-                       extra=_extra_axes(args, state.families[args.family]))
+    extra = _extra_axes(args, state.families[args.family])
+    if args.traced:
+        extra["traced"] = True
+    extra.update(_machine_axes(args))
+    return CallContext(args.family, **values, extra=extra)
+
+
+def _machine_axes(args: argparse.Namespace) -> dict[str, Any]:
+    """The machine axes stated for another machine (``--cpu-isa avx2``...)."""
+    return {name: _axis_value(axis.flag, axis, raw) for name, axis in MACHINE_AXES.items()
+            if (raw := getattr(args, f"machine_{name}", None)) is not None}
 
 
 def _describes_call(args: argparse.Namespace) -> bool:
-    return bool(args.axis) or any(
+    return bool(args.axis) or args.traced or any(
         getattr(args, name) != axis.default for name, axis in AXES.items())
 
 

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-__all__ = ["CALL_OPTIONS", "DESCRIPTION", "INIT_DIR", "add_axis_flag", "make_parser"]
+__all__ = ["CALL_OPTIONS", "DESCRIPTION", "INIT_DIR", "MACHINE_OPTIONS", "add_axis_flag",
+           "make_parser"]
 
 import argparse
 
 from astrai import __version__
 from astrai.cli.output import help_text
-from astrai.dispatch.axes import AXES, Axis, format_value
+from astrai.dispatch.axes import AXES, MACHINE_AXES, TRACED_AXIS, Axis, format_value
 from astrai.dispatch.env import OPS_ENV, TABLES_ENV
 
 #: Where ``init`` copies the shipped tables by default.
 INIT_DIR = "astrai-tables"
 
 #: The options that describe a call to ``explain`` (without any, it shows the table).
-CALL_OPTIONS = (*(axis.flag for axis in AXES.values()), "--axis")
+CALL_OPTIONS = (*(axis.flag for axis in AXES.values()), TRACED_AXIS.flag, "--axis")
+#: The options that ask ``explain`` about another machine (a machine axis's value).
+MACHINE_OPTIONS = tuple(axis.flag for axis in MACHINE_AXES.values())
 
 
 #: What ``astrai-ops --help`` says the command line is for.
@@ -24,7 +27,16 @@ DESCRIPTION = ("``astrai-ops`` / ``python -m astrai``: inspect, explain, validat
 
 
 def add_axis_flag(parser: argparse.ArgumentParser, axis: Axis) -> None:
-    """The ``explain`` option that sets one core axis (declared in ``axes.AXES``)."""
+    """The ``explain`` option that sets one core axis (declared in ``axes.AXES``), or
+    states a machine axis's value for another machine (``axes.MACHINE_AXES``)."""
+    if axis.machine:
+        what = ", ".join(axis.value_names()) if axis.kind != "int" else \
+            f"an integer >= {axis.minimum}"
+        parser.add_argument(axis.flag, dest=f"machine_{axis.name}", default=None,
+                            metavar="N" if axis.kind == "int" else "VALUE",
+                            help=f"as on a machine where {axis.name} is this ({axis.description}"
+                                 f"; {what}); default: this machine's")
+        return
     if axis.kind == "bool":
         parser.add_argument(axis.flag, dest=axis.name, action="store_const",
                             const=not axis.default, default=axis.default,
@@ -60,6 +72,9 @@ def make_parser() -> argparse.ArgumentParser:
                            "options: the family's table, rows in effective order)")
     e.add_argument("family")
     for axis in AXES.values():
+        add_axis_flag(e, axis)
+    add_axis_flag(e, TRACED_AXIS)
+    for axis in MACHINE_AXES.values():
         add_axis_flag(e, axis)
     e.add_argument("--axis", action="append", default=[], metavar="NAME=VALUE",
                    help="a value for one of the family's extra axes")
@@ -109,7 +124,16 @@ def make_parser() -> argparse.ArgumentParser:
 
     t = command("tune", "time every row that can serve each call of a recorded workload and "
                         "write the fastest per shape bucket as a profile (with provenance)")
-    t.add_argument("workload", metavar="WORKLOAD", help="a recorded workload (demo --record)")
+    t.add_argument("workload", nargs="?", metavar="WORKLOAD",
+                   help="a recorded workload (demo --record); or --model")
+    t.add_argument("--model", metavar="DIR_OR_CONFIG",
+                   help="tune this machine for a transformers causal LM in one step "
+                        "(astrai.tune_model): a directory save_pretrained wrote, or a "
+                        "config.json (random weights where there are none); the profile "
+                        "goes to the user's cache, where dispatch_model finds it")
+    t.add_argument("--train", action="store_true",
+                   help="with --model: a training step (forward and backward of the loss) "
+                        "is part of the run")
     t.add_argument("-o", "--output", default="tuned.yaml", metavar="PROFILE",
                    help="where to write the profile; its name is the file's stem "
                         "(default: tuned.yaml)")

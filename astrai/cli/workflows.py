@@ -92,6 +92,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--budget must be 0 or more seconds")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be at least 1")
+    if (args.model is None) == (args.workload is None):
+        raise UsageError("tune takes a WORKLOAD or --model DIR_OR_CONFIG (one of them)")
+    if args.model is not None:
+        return _tune_model(args)
+    if args.train:
+        raise UsageError("--train goes with --model")
     if args.report:
         not_an_input(args.report, args.workload, args.output, what="--report")
     workload = Workload.load(args.workload)
@@ -120,3 +126,47 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(line)
     print(f"activate: ASTR_TABLES={tuned.path} ASTR_OPS=profile={tuned.name}")
     return OK
+
+
+def _tune_model(args: argparse.Namespace) -> int:
+    """``tune --model``: build the model, ``astrai.tune_model`` it, print the summary."""
+    from astrai.tune.model import tune_model
+
+    model = load_model(args.model)
+    tuned = tune_model(model, train=args.train, threads=args.threads, rounds=args.rounds,
+                       budget=args.budget)
+    print(tuned.summary())
+    for line in tuned.tuned.excluded():
+        print(line)
+    return OK
+
+
+def load_model(where: str) -> Any:
+    """A transformers causal LM from a directory ``save_pretrained`` wrote (its weights,
+    or random ones where the directory holds a config alone) or from a config file."""
+    import json
+    from pathlib import Path
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        raise UsageError(f"--model needs transformers installed: {exc}") from None
+    path = Path(where)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {where}: the directory holds no config.json")
+        weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+        if weights:
+            return AutoModelForCausalLM.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+    elif path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            kind = data.pop("model_type")
+        except (OSError, ValueError, KeyError) as exc:
+            raise UsageError(f"--model {where}: not a transformers config (a JSON object "
+                             f"with a model_type): {exc}") from None
+        config = AutoConfig.for_model(kind, **data)
+    else:
+        raise UsageError(f"--model {where}: no such directory or file")
+    return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]

@@ -16,6 +16,7 @@ from astrai.dispatch.explain import explain, explain_plan
 from astrai.dispatch.expr.spec import Spec, parse_spec
 from astrai.dispatch.precedence import PRECEDENCE, Source
 from astrai.dispatch.registry import (
+    assume_machine,
     current,
     list_families,
     list_profiles,
@@ -84,6 +85,7 @@ __all__ = [
     "UnknownFamilyError",
     "UsageStats",
     "Workload",
+    "assume_machine",
     "check_agreement",
     "check_lock",
     "current",

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from astrai import __version__
 from astrai.dispatch import state as process
-from astrai.dispatch.axes import AXES, PREDICATES
+from astrai.dispatch.axes import EXPRESSION_AXES, PREDICATES
 from astrai.dispatch.env import TABLES_ENV
 from astrai.dispatch.expr.analysis import named_parts
 from astrai.dispatch.expr.spec import Spec
@@ -344,7 +344,7 @@ def _stale_profile(prof: Profile, families: Mapping[str, FamilyTable]) -> str:
             stale = _stale_definition(spec, table)
             if stale:
                 return stale
-            gone = sorted(spec.axes() - set(AXES) - set(table.axes))
+            gone = sorted(spec.axes() - set(EXPRESSION_AXES) - set(table.axes))
             if gone:
                 return (f"compares axis {gone[0]!r}, which family {fam!r} no longer "
                         f"declares; load the profile again with it")

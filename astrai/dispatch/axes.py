@@ -20,13 +20,16 @@ __all__ = [
     "DEVICE_TYPES",
     "DTYPES",
     "EMPTY",
+    "EXPRESSION_AXES",
     "FEATURES_OFF",
     "FEATURE_AXES",
     "FWD_MODES",
     "LAZY_AXES",
+    "MACHINE_AXES",
     "NO_FEATURES",
     "PREDICATES",
     "ROTARY_LAYOUTS",
+    "TRACED_AXIS",
     "Axis",
     "AxisKind",
     "CallContext",
@@ -52,8 +55,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from astrai.dispatch._suggest import did_you_mean
+from astrai.dispatch.hardware import (
+    CPU_VENDORS,
+    GPU_VENDORS,
+    ISA_LEVELS,
+    IsaLevel,
+    isa_level,
+    machine_facts,
+)
 
-AxisKind = Literal["bool", "int", "enum", "dtype"]
+AxisKind = Literal["bool", "int", "enum", "dtype", "level"]
 
 #: torch's dtype names (aliases such as ``half`` included), mapped to the dtype.
 DTYPES: Mapping[str, torch.dtype] = dict(
@@ -110,7 +121,9 @@ class Axis:
     """One axis of a call context.
 
     ``kind`` is ``bool`` (stands alone in an expression), ``int`` (ordered),
-    ``enum`` (one of ``values``) or ``dtype`` (one of torch's dtype names).
+    ``enum`` (one of ``values``), ``level`` (one of ``values``, ordered as instruction-set
+    levels are: ``astrai.dispatch.hardware.IsaLevel``) or ``dtype`` (one of torch's dtype
+    names).
     ``nullable`` axes may hold ``None`` (written ``none``). A core axis also has its
     ``default`` and the command-line ``flag`` that sets it (a bool flag sets the value
     opposite to the default; an int flag takes a value of at least ``minimum``).
@@ -120,6 +133,9 @@ class Axis:
     A ``feature`` axis is something a call asks for beyond plain computation (a custom
     scale, soft-capping, ...): it is off (its default) unless asked for, and a row serves
     a call that asks for it only when the row declares it (``features:``).
+    A ``machine`` axis is a fact about the machine (``astrai.dispatch.hardware``), the
+    same for every call of a process: it is no field of a call and never enters a
+    decision key; a context may state another machine's value in ``extra``.
     """
 
     name: str
@@ -134,6 +150,7 @@ class Axis:
     minimum: int = 0
     lazy: bool = False
     feature: bool = False
+    machine: bool = False
 
     def __post_init__(self) -> None:
         if self.getter is None:
@@ -150,7 +167,7 @@ class Axis:
     @property
     def ordered(self) -> bool:
         """Whether ``<``, ``<=``, ``>``, ``>=`` make sense on this axis."""
-        return self.kind == "int"
+        return self.kind in ("int", "level")
 
     def value_names(self) -> list[str]:
         """The names a value of this axis may be written as (for error messages)."""
@@ -158,7 +175,7 @@ class Axis:
             names = ["true", "false"]
         elif self.kind == "dtype":
             names = [n for n in COMMON_DTYPES if n in DTYPES]
-        elif self.kind == "enum":
+        elif self.kind in ("enum", "level"):
             names = list(self.values)
         else:
             names = []
@@ -185,6 +202,8 @@ class Axis:
             return DTYPES[text]
         if self.kind == "enum" and text in self.values:
             return text
+        if self.kind == "level" and text in self.values:
+            return isa_level(text)
         return self._refuse(text)
 
     def _refuse(self, text: str) -> Any:
@@ -373,6 +392,59 @@ def asked_features(ctx: CallContext) -> frozenset[str]:
 _read_core = operator.attrgetter(*CORE_AXES)
 
 
+def _machine_getter(name: str, level: bool) -> Callable[[Any], Any]:
+    """A machine axis's reader: the value a context states for another machine (its
+    ``extra``), else this machine's (read once per process)."""
+    def get(ctx: Any) -> Any:
+        extra = ctx.extra
+        if name in extra:
+            value = extra[name]
+            return IsaLevel(value) if level and value is not None else value
+        return getattr(machine_facts(), name)
+
+    return get
+
+
+def _machine_axis(name: str, kind: AxisKind, description: str, flag: str, *,
+                  values: tuple[str, ...] = (), nullable: bool = False,
+                  minimum: int = 0) -> Axis:
+    return Axis(name, kind, values, nullable, description, core=False,
+                getter=_machine_getter(name, kind == "level"), flag=flag, minimum=minimum,
+                machine=True)
+
+
+#: The machine axes (``Axis.machine``): the same for every call of a process.
+MACHINE_AXES: Mapping[str, Axis] = MappingProxyType({a.name: a for a in (
+    _machine_axis("cpu_vendor", "enum", "the CPU's vendor (intel, amd, arm, apple, other)",
+                  "--cpu-vendor", values=CPU_VENDORS),
+    _machine_axis("cpu_isa", "level", "the instruction-set level torch's CPU kernels run, "
+                  "ordered within an architecture: x86_64 < avx2 < avx512 < avx512_bf16 < "
+                  "amx; neon < sve < sve2", "--cpu-isa", values=ISA_LEVELS, nullable=True),
+    _machine_axis("cores", "int", "CPU cores this process may run on", "--cores",
+                  minimum=1),
+    _machine_axis("threads", "int", "torch's intra-op threads when the machine was read",
+                  "--threads", minimum=1),
+    _machine_axis("gpu_vendor", "enum", "the GPU torch can use: cuda, rocm, xpu, mps, or "
+                  "none", "--gpu-vendor", values=GPU_VENDORS, nullable=True),
+)})
+
+def _traced(ctx: Any) -> bool:
+    return bool(ctx.extra.get("traced", False))
+
+
+#: ``traced``: the decision is for a call torch.compile traces (not read off the call: the
+#: traced decision states it in ``extra``, an eager one never does). Where a row would
+#: stand in the graph as an operator of its own, its table says where that was measured
+#: to beat what inductor makes of torch's operations (``not traced or ...``).
+TRACED_AXIS = Axis("traced", "bool", description="the call is traced by torch.compile "
+                   "(a decision taken while tracing)", core=False, getter=_traced,
+                   default=False, flag="--traced")
+
+#: Every axis an expression may name: the core axes, ``traced``, then the machine axes.
+EXPRESSION_AXES: Mapping[str, Axis] = MappingProxyType(
+    {**AXES, TRACED_AXIS.name: TRACED_AXIS, **MACHINE_AXES})
+
+
 def context_fields(ctx: CallContext) -> dict[str, Any]:
     """The call's axes by name, typed for JSON: ints, bools, None and strings as they are,
     a dtype (or any other value) as the name the grammar writes."""
@@ -436,7 +508,7 @@ class Vocabulary:
     ``Spec``, already built, or to the reason it cannot be used where it is looked up (a
     ``str``: a definition cycle), which the parser reports at the name."""
 
-    axes: Mapping[str, Axis] = field(default_factory=lambda: AXES)
+    axes: Mapping[str, Axis] = field(default_factory=lambda: EXPRESSION_AXES)
     predicates: Mapping[str, tuple[str, str]] = field(default_factory=lambda: PREDICATES)
     definitions: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
 

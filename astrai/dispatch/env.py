@@ -8,6 +8,7 @@ encoded names and values, so a lookup there by a pre-encoded name is one dict ge
 from __future__ import annotations
 
 __all__ = [
+    "CACHE_HOME_ENV",
     "ENVIRON_DATA",
     "LOCK_ENV",
     "LOCK_KEY",
@@ -21,6 +22,8 @@ __all__ = [
     "RECORD_ENV",
     "RECORD_OWNER_ENV",
     "TABLES_ENV",
+    "TUNED_ENV",
+    "cache_root",
     "decoded",
     "encoded",
     "environ_get",
@@ -29,6 +32,7 @@ __all__ = [
 
 import functools
 import os
+from pathlib import Path
 from typing import Any
 
 
@@ -84,6 +88,20 @@ LOCK_MODE_ENV = "ASTR_LOCK_MODE"
 #: ``astrai.native``) and where it is built (a folder).
 NATIVE_ENV = "ASTR_NATIVE"
 NATIVE_DIR_ENV = "ASTR_NATIVE_DIR"
+#: Whether ``dispatch_model`` puts this machine's tuned profile (``astrai.tune_model``,
+#: kept in the user's cache) in force: ``on`` (the default) or ``off``.
+TUNED_ENV = "ASTR_TUNED"
+#: The user's cache (the XDG base directory); astrai's lives in ``<it>/astrai``.
+CACHE_HOME_ENV = "XDG_CACHE_HOME"
+
+
+def cache_root(home: str | os.PathLike[str] | None = None) -> Path:
+    """astrai's folder in the user's cache: ``<home>/astrai``, ``home`` by default
+    ``XDG_CACHE_HOME``, else ``~/.cache`` (the native build and tuned profiles live
+    under it)."""
+    base = home if home is not None else (os.environ.get(CACHE_HOME_ENV)
+                                          or Path.home() / ".cache")
+    return Path(base).expanduser() / "astrai"
 
 #: The names as ``os.environ`` stores them, for the raw reads of the hot path.
 OPS_KEY = encoded(OPS_ENV)

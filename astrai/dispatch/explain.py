@@ -15,11 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch.axes import CallContext, context_fields, format_value, unremarkable
+from astrai.dispatch.axes import (
+    MACHINE_AXES,
+    CallContext,
+    context_fields,
+    format_value,
+    unremarkable,
+)
 from astrai.dispatch.env import LOCK_ENV
+from astrai.dispatch.hardware import machine_facts
+from astrai.dispatch.keying import family_specs
 from astrai.dispatch.plugins import in_use
-from astrai.dispatch.provenance import describe
-from astrai.dispatch.registry import current
+from astrai.dispatch.provenance import describe, left_to_model
+from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.resolution import evaluate, settle
 from astrai.dispatch.scopes import active_view
 from astrai.dispatch.stats import stats
@@ -64,14 +72,30 @@ class Explanation:
     provided_by: str = ""  # who provided the family's table
     #: The plugins whose rows (or table) the family holds: distribution -> version.
     plugins: Mapping[str, str] = field(default_factory=dict)
+    #: Profile -> where it comes from, for those in force process-wide (the tuned one
+    #: ``dispatch_model`` found): the file and when it was tuned.
+    origins: Mapping[str, str] = field(default_factory=dict)
+    #: The machine axes the decision was taken under (empty when no spec of the family
+    #: reads one and the call states none): name -> value.
+    machine: Mapping[str, Any] = field(default_factory=dict)
+    #: Those the call stated for another machine: name -> this machine's own value.
+    stated: Mapping[str, Any] = field(default_factory=dict)
 
     def render(self) -> str:
         """The contract §8 text."""
         lines = [f"[{self.family}] " + " ".join(f"{k}={format_value(v)}"
                                                 for k, v in self.context.items()
-                                                if not unremarkable(k, v))]
+                                                if not unremarkable(k, v)
+                                                and k not in MACHINE_AXES)]
+        if self.machine:
+            lines.append("  machine: " + " ".join(
+                f"{k}={format_value(v)}" + (f" (stated; here {format_value(self.stated[k])})"
+                                            if k in self.stated else "")
+                for k, v in self.machine.items()))
         if self.profiles:
-            lines.append(f"  profiles: {' + '.join(self.profiles)}")
+            lines.append("  profiles: " + " + ".join(
+                f"{p} ({self.origins[p]})" if p in self.origins else p
+                for p in self.profiles))
         lines += [_row_text(r) for r in self.rows]
         lines += [f"  note: {n}" for n in self.notes]
         if self.source:
@@ -89,8 +113,12 @@ class Explanation:
             "source": self.source,
             "provided_by": self.provided_by,
             "plugins": dict(self.plugins),
-            "context": dict(self.context),
+            "context": {k: v for k, v in self.context.items() if k not in MACHINE_AXES},
+            "machine": {k: format_value(v) if v is not None else None
+                        for k, v in self.machine.items()},
+            "machine_stated": sorted(self.stated),
             "profiles": list(self.profiles),
+            "profile_origins": dict(self.origins),
             "rows": [{"name": r.name, "verdict": r.verdict, "detail": r.detail,
                       "fallback": r.fallback, "provided_by": r.provided_by,
                       "source": r.source} for r in self.rows],
@@ -134,6 +162,7 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
     notes: list[str] = list(view.notes)
     notes += [describe(p.name, p.provenance) for p in map(state.profiles.get, view.profiles)
               if p is not None and p.provenance is not None]
+    notes += _left_to_model(state, family, view.profiles)
     if process.hot_notes is not None:
         notes += process.hot_notes(family, state)
     handed = stats().handed
@@ -153,10 +182,25 @@ def explanation(family: str, ctx: CallContext, explicit: Any = None) -> Explanat
                 error = drift.error().args[0]
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
+    machine, stated = _machine(state, family, ctx)
     return Explanation(family, context_fields(ctx), view.profiles, tuple(rows), tuple(notes),
                        row, origin, error, source=view.table.source,
                        provided_by=view.table.provided_by,
-                       plugins=in_use(state.plugins, (view.table,)))
+                       plugins=in_use(state.plugins, (view.table,)), machine=machine,
+                       stated=stated, origins=_origins(state, view.profiles))
+
+
+def _machine(state: Registry, family: str, ctx: CallContext
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The machine axes the decision was taken under, when some spec of the family reads
+    one or the call states one (else nothing), and those stated: name -> this machine's
+    value."""
+    here = machine_facts().as_dict()
+    stated = {name: here[name] for name in MACHINE_AXES if name in ctx.extra}
+    read = set().union(*(spec.axes() for spec in family_specs(state, family)))
+    if not stated and not read.intersection(MACHINE_AXES):
+        return {}, {}
+    return {name: axis.getter(ctx) for name, axis in MACHINE_AXES.items()}, stated
 
 
 def explain(family: str, ctx: CallContext, explicit: Any = None) -> str:
@@ -169,3 +213,32 @@ def explain_plan(ctxs: Mapping[str, CallContext],
     """``explain`` for several families, one block each."""
     explicit = explicit or {}
     return "\n\n".join(explain(fam, ctx, explicit.get(fam)) for fam, ctx in ctxs.items())
+
+
+# -- profiles in force process-wide, and families a routed model leaves to its code -----
+
+def _origins(state: Registry, profiles: tuple[str, ...]) -> dict[str, str]:
+    """Profile -> ``in force process-wide, from FILE, tuned DATE`` for the profiles of
+    ``profiles`` put in force process-wide (``scopes.set_process_profiles``)."""
+    out: dict[str, str] = {}
+    for name in profiles:
+        prof = state.profiles.get(name)
+        if prof is None or name not in process.process_profiles:
+            continue
+        file = prof.source.rsplit(":", 1)[0] if prof.source.rsplit(":", 1)[-1].isdigit() \
+            else prof.source
+        tuned = (prof.provenance or {}).get("tuned")
+        out[name] = f"in force process-wide, from {file}" + (f", tuned {tuned}" if tuned
+                                                             else "")
+    return out
+
+
+def _left_to_model(state: Registry, family: str, profiles: tuple[str, ...]) -> list[str]:
+    """A note per profile in force that leaves ``family`` to a routed model's own code."""
+    notes = []
+    for name in profiles:
+        prof = state.profiles.get(name)
+        if prof is not None and any(ov.model_code for ov in prof.for_family(family)):
+            notes.append(f"a model routed by dispatch_model leaves {family} to the model's "
+                         f"own code: {left_to_model(name, prof.provenance, family)}")
+    return notes

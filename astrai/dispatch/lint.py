@@ -187,8 +187,16 @@ def _domain(m: _Mention) -> Domain:
     axis = m.axis
     if axis.kind == "bool":
         out: Domain = [(False, "false"), (True, "true")]
+    elif axis.kind == "enum" and axis.machine:
+        # a machine's vendor: the values named, and one for every other
+        out = [(v, v) for v in axis.values if v in m.values]
+        others = [v for v in axis.values if v not in m.values]
+        if others:
+            out.append((others[0], "other"))
     elif axis.kind == "enum":
         out = [(v, v) for v in axis.values]
+    elif axis.kind == "level":
+        out = _level_domain(axis, m.values)
     elif axis.kind == "int":
         out = _int_domain(m.values)
     else:
@@ -197,9 +205,31 @@ def _domain(m: _Mention) -> Domain:
         rest = [DTYPES[n] for n in _OTHER_DTYPES if DTYPES[n] not in named]
         if rest:
             out.append((rest[0], "other"))
-    if axis.nullable and (None in m.values or axis.kind in ("enum", "int")):
+    if axis.nullable and (None in m.values or axis.kind in ("enum", "int", "level")):
         out.insert(0, (None, "none"))
     return out
+
+
+def _level_domain(axis: Axis, named: set[Any]) -> Domain:
+    """One value per class the comparisons of an instruction-set level can tell apart:
+    each level named and its neighbours in its architecture, and a level of another
+    architecture (where every ordering is false)."""
+    levels = list(axis.values)
+    keep: set[str] = set()
+    for value in named:
+        if value is None or value not in levels:
+            continue
+        i = levels.index(value)
+        keep.update(v for v in levels[max(0, i - 1):i + 2]
+                    if axis.parse(v) <= axis.parse(value) or axis.parse(v) >= axis.parse(value))
+    if keep:
+        outside = next((v for v in levels if not any(
+            axis.parse(v) <= axis.parse(k) or axis.parse(v) >= axis.parse(k) for k in keep)), None)
+        if outside is not None:
+            keep.add(outside)
+    else:
+        keep.add(levels[0])
+    return [(axis.parse(v), v) for v in levels if v in keep]
 
 
 def _combinations(sizes: list[int]) -> tuple[Iterator[tuple[int, ...]], int, bool]:

@@ -10,9 +10,8 @@ written elsewhere warns with it.
 
 from __future__ import annotations
 
-__all__ = ["FIELDS", "Machine", "cpu_vendor", "cuda_initialized", "this_machine"]
+__all__ = ["FIELDS", "Machine", "cuda_initialized", "this_machine"]
 
-import functools
 import os
 import platform
 from collections.abc import Mapping
@@ -83,13 +82,6 @@ def _cpu_model() -> str:
     if found is not None:
         return found
     return platform.processor() or platform.machine() or "unknown"
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as it names itself (``GenuineIntel``, ``AuthenticAMD``: the
-    ``vendor_id`` of ``/proc/cpuinfo``), or ``""`` where the system does not say."""
-    return _cpuinfo("vendor_id") or ""
 
 
 def cuda_initialized() -> bool:

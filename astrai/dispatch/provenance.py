@@ -11,7 +11,7 @@ each active profile that has one.
 
 from __future__ import annotations
 
-__all__ = ["describe", "machine_of", "warn_if_elsewhere"]
+__all__ = ["describe", "left_to_model", "machine_of", "warn_if_elsewhere"]
 
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +33,22 @@ def describe(name: str, provenance: Mapping[str, Any]) -> str:
     return (f"profile {name}: tuned {provenance['tuned']} on "
             f"{machine_of(provenance).describe()}{where} ({provenance.get('rounds', 0)} "
             f"rounds{combined})")
+
+
+def left_to_model(name: str, provenance: Mapping[str, Any] | None, family: str) -> str:
+    """Why profile ``name`` leaves ``family`` to a model's own code (its overlay's
+    ``model_code``), in words: the figures ``astrai.tune_model`` measured, when the
+    provenance holds them."""
+    got = (provenance or {}).get("model_code", {}).get(family)
+    if not got:
+        return f"profile {name} leaves {family} to the model's own code (its model_code)"
+    low, high = got["model_interval_us"]
+    a_low, a_high = got["astrai_interval_us"]
+    models = ", ".join(got.get("models", {})) or "the tuned models"
+    return (f"profile {name} leaves {family} to the model's own code: measured "
+            f"{got['model_us']:.2f} us a call [{low:.2f}, {high:.2f}] against "
+            f"{got['astrai_us']:.2f} us [{a_low:.2f}, {a_high:.2f}] routed, over "
+            f"{got['calls']} calls of {models} ({got['verdict']}; 95% intervals)")
 
 
 def warn_if_elsewhere(name: str, source: str, provenance: Mapping[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "Registry",
+    "assume_machine",
     "current",
     "env_table_paths",
     "list_families",
@@ -29,10 +30,13 @@ __all__ = [
 
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
+from astrai.dispatch import hardware
 from astrai.dispatch import state as process
 from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.assembly import (
@@ -42,6 +46,7 @@ from astrai.dispatch.assembly import (
     table_sources,
     yaml_files,
 )
+from astrai.dispatch.hardware import MachineFacts
 from astrai.dispatch.joined import Joined, join_rows
 from astrai.dispatch.names import family_name_problem
 from astrai.dispatch.plugins import discover, plugin_problems
@@ -140,8 +145,26 @@ def unplugged_families() -> Mapping[str, FamilyTable]:
 
 
 def refresh() -> None:
-    """Forget cached availability probes (and every cached decision)."""
+    """Forget cached availability probes and the machine facts read (the machine axes:
+    a thread count set since), and every cached decision."""
+    hardware.forget()
     _commit(lambda base: _refreshed(base))
+
+
+@contextmanager
+def assume_machine(**values: Any) -> Iterator[MachineFacts]:
+    """Within the block, the machine axes take ``values`` in place of this machine's
+    (``assume_machine(cpu_vendor="amd", cpu_isa="avx512")``), for every table, profile
+    and decision of the process; the decisions taken before and within are forgotten at
+    both ends. What the rows can run is still this machine's (their availability)."""
+    facts = hardware.assumed(**values)
+    hardware.assume(facts)
+    refresh()
+    try:
+        yield facts
+    finally:
+        hardware.assume(None)
+        refresh()
 
 
 def _refreshed(base: Registry | None) -> Registry:

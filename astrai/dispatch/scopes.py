@@ -8,7 +8,8 @@ scope in force in the caller while suspended, and closing it later (or from anot
 thread) ends a scope that is not the innermost one - that raises ``ScopeError`` instead
 of silently restoring the wrong scope; enter the scope around the loop that drives the
 generator. The profiles in force for a call are the environment's (``environment``)
-first, then the scopes'.
+first, then the scopes'; profiles put in force process-wide (``set_process_profiles``:
+every thread, e.g. the tuned profile ``dispatch_model`` finds) come before both.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ __all__ = [
     "get_override",
     "handle_key",
     "op_backend",
+    "process_profiles",
     "reset_override",
     "scope_variable",
     "set_override",
+    "set_process_profiles",
     "use_profile",
 ]
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -247,16 +251,45 @@ def use_profile(*names: str) -> Iterator[None]:
 
 
 
+def set_process_profiles(*names: str) -> tuple[str, ...]:
+    """Apply these profiles in every thread and task, before those of ``ASTR_OPS`` and of
+    ``use_profile`` scopes (which therefore win where they disagree), until the next call;
+    no names: none. Returns the profiles in force process-wide before. Unknown names
+    raise ``ValueError``. A new snapshot of the same tables goes in force (a new epoch),
+    so no decision cached under the profiles before is used after."""
+    known = current().profiles
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown profile {name!r}{did_you_mean(name, known)}; "
+                             f"known profiles: {', '.join(sorted(known)) or '(none)'}")
+    with process.swap_lock:
+        before: tuple[str, ...] = process.process_profiles
+        process.process_profiles = tuple(dict.fromkeys(names))
+        base = current()
+        process.snapshot = replace(base, epoch=next(process.epochs))
+        process.note_epoch(process.snapshot.epoch)
+    return before
+
+
+def process_profiles() -> tuple[str, ...]:
+    """The profiles in force process-wide (``set_process_profiles``)."""
+    return tuple(process.process_profiles)
+
+
 # -- what is in force for a call ---------------------------------------------------
 
 def active_profiles(state: Registry, env: EnvSettings, scope: Scope | None = None
                     ) -> tuple[str, ...]:
-    """Profiles in force: those from ``ASTR_OPS`` first, then ``use_profile`` scopes (of
-    ``scope``, or the scope in force)."""
+    """Profiles in force: those put in force process-wide (``set_process_profiles``)
+    first, then those from ``ASTR_OPS``, then ``use_profile`` scopes (of ``scope``, or
+    the scope in force); a process-wide one also named later counts once, there."""
     scoped = (scope or _scope.get()).profiles
-    if not scoped and not env.profiles:
+    wide: tuple[str, ...] = process.process_profiles
+    if not scoped and not env.profiles and not wide:
         return ()
-    names = (*env.profiles, *scoped) if scoped else env.profiles
+    if wide:
+        wide = tuple(n for n in wide if n not in env.profiles and n not in scoped)
+    names = (*wide, *env.profiles, *scoped) if scoped or wide else env.profiles
     return tuple(n for n in names if n in state.profiles)
 
 

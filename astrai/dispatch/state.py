@@ -41,6 +41,9 @@ epochs = itertools.count(1)
 max_decisions = 1 << 16
 #: The precompiled artifact of the shipped tables, read once (``tables.artifact``).
 artifact_entries: dict[str, Any] | None = None
+#: Profiles in force in every thread (``scopes.set_process_profiles``), before those of
+#: ``ASTR_OPS`` and of the ``use_profile`` scopes.
+process_profiles: tuple[str, ...] = ()
 #: Parsed ``ASTR_OPS`` / alias values, per distinct raw values and epoch (``environment``).
 env_parsed: dict[tuple[object, ...], Any] = {}
 #: Messages already logged by ``warn_once``.
@@ -157,7 +160,8 @@ def reset() -> None:
     locks.clear()
     lock_indexes.clear()
     reset_counts()
-    global snapshot
+    global snapshot, process_profiles
+    process_profiles = ()
     if snapshot is not None:
         # A new snapshot of the same tables, its caches empty, rather than caches cleared
         # in place: what resolve left on call contexts and what a facade keeps of its last

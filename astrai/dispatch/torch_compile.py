@@ -65,7 +65,7 @@ def decision_name(family: str, names: tuple[str, ...], values: tuple[Any, ...], 
     ``key`` is ``state.compile_key`` as the traced code read it: it is passed so the
     read (and so the guard) is part of the graph.
     """
-    ctx = CallContext.of(family, names, values)
+    ctx = CallContext.of(family, (*names, "traced"), (*values, True))
     state = current()
     record = settle(state, family, backend, ctx, evaluate(family, ctx, backend,
                                                           state=state))[0].record

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from astrai.dispatch.env import NATIVE_DIR_ENV
+from astrai.dispatch.env import NATIVE_DIR_ENV, cache_root
 
 #: The extension's module name (its ``PyInit_`` symbol).
 NAME = "_astrai_hot"
@@ -163,8 +163,7 @@ def cache_dir() -> Path:
     root = os.environ.get(NATIVE_DIR_ENV)
     if root:
         return Path(root).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "astrai" / "native"
+    return cache_root() / "native"
 
 
 def built_path() -> Path:

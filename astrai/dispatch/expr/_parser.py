@@ -302,9 +302,9 @@ class Parser(Generic[T]):
                 return DTYPES[text]
             message = (f"unknown dtype {text!r}{hint}; expected a torch dtype name such as "
                        f"{', '.join(names)}")
-        elif rule == "NAME" and kind == "enum":
+        elif rule == "NAME" and kind in ("enum", "level"):
             if text in axis.values:
-                return text
+                return axis.parse(text)  # type: ignore[no-any-return]
             message = (
                 f"unknown value {text!r} for {axis.name!r}{hint}; "
                 f"expected one of: {', '.join(names)}"

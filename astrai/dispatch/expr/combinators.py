@@ -135,6 +135,9 @@ class _Atom(_Frozen):
         self._set(axis=axis, _get=axis.getter)
 
     def _reason(self, ctx: CallContext) -> str:
+        if self.axis.machine:
+            whose = "stated" if self.axis.name in ctx.extra else "this machine has"
+            return f"{self.description} ({whose} {format_value(self._get(ctx))})"
         return f"{self.description} (call has {format_value(self._get(ctx))})"
 
     def axes(self) -> frozenset[str]:
@@ -157,6 +160,8 @@ class _Compare(_Atom):
         if op not in _OPS:
             raise ValueError(f"unknown comparison operator {op!r}; expected one of {list(_OPS)}")
         super().__init__(axis)
+        if axis.kind == "level" and isinstance(value, str):  # read back from plain data
+            value = axis.parse(value)
         self._set(op=op, value=value, _fn=_OPS[op])
 
     def matches(self, ctx: CallContext) -> bool:

@@ -84,10 +84,11 @@ def format_digest() -> str:
     formats (as their checked-in JSON Schemas state them), the expression language's
     axes (names, kinds, values) and predicates (what each stands for), and the artifact's
     own layout. An artifact made for anything else is not used."""
-    from astrai.dispatch.axes import AXES, PREDICATES
+    from astrai.dispatch.axes import EXPRESSION_AXES, PREDICATES
 
     digest = hashlib.sha256(json.dumps([
-        FORMAT, [[a.name, a.kind, list(a.values), a.nullable] for a in AXES.values()],
+        FORMAT, [[a.name, a.kind, list(a.values), a.nullable]
+                 for a in EXPRESSION_AXES.values()],
         sorted([name, *meaning] for name, meaning in PREDICATES.items()),
     ]).encode())
     for name in _FORMAT_SCHEMAS:

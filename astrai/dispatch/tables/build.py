@@ -396,7 +396,8 @@ def _build_overlay(parsed: ParsedFile, path: tuple[str, ...], family: str,
     return FamilyOverlay(family, ov["force"], tuple(ov["order"]), tuple(ov["disable"]),
                          tuple(ov["enable"]), MappingProxyType(conditions["when"]),
                          ov["fallback"], tuple(added),
-                         MappingProxyType(conditions["chain_when"]))
+                         MappingProxyType(conditions["chain_when"]),
+                         bool(ov.get("model_code", False)))
 
 
 def no_fallback(out: ParsedFile, fallback: str, names: list[str]) -> None:

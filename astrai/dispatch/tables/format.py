@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from astrai.dispatch.axes import AXES, FEATURE_AXES
+from astrai.dispatch.axes import AXES, FEATURE_AXES, MACHINE_AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 from astrai.dispatch.tables.artifact import schemas_dir
@@ -96,7 +96,9 @@ def _expression_help() -> str:
             "another), joined by and / or / not. Built-in axes: " + ", ".join(base) +
             "; shape and hardware axes, read off a call only when some table compares them, "
             "a length keyed by its interval between the constants it is compared with: "
-            + ", ".join(lazy) + "; plus the family's own axes (axes:)")
+            + ", ".join(lazy) + "; machine axes, read once per process: "
+            + ", ".join(f"{n} ({a.kind})" for n, a in MACHINE_AXES.items())
+            + "; plus the family's own axes (axes:)")
 
 
 Expression = Annotated[StrictStr, Field(min_length=1, description=_expression_help())]
@@ -236,6 +238,12 @@ class FamilyOverlayModel(FileModel):
                     "(astrai-ops tune writes its buckets here)")
     fallback: Name | None = None
     add: list[RowModel] = Field(default_factory=list, description="new rows, placed first")
+    model_code: StrictBool = Field(
+        default=False,
+        description="a model routed by dispatch_model while this profile is in force leaves "
+                    "this family to the model's own code (astrai.tune_model writes it where "
+                    "the model's code measured faster than the routed call beyond the noise; "
+                    "the figures are in provenance.model_code)")
 
 
 class MeasuredModel(FileModel):
@@ -268,6 +276,35 @@ class NoiseModel(FileModel):
         default=None, description="median relative width of the rows' 95% intervals")
 
 
+class CodeFiguresModel(FileModel):
+    """One family's calls timed two ways: the model's own code and the routed call,
+    microseconds per call (means over the recorded calls, weighted by their counts)."""
+
+    calls: StrictInt = Field(ge=0, description="the recorded calls the figures cover")
+    model_us: float = Field(description="the model's own code: median microseconds per call")
+    model_interval_us: list[float] = Field(
+        min_length=2, max_length=2, description="its 95% confidence interval [low, high]")
+    astrai_us: float = Field(description="the routed call: median microseconds per call")
+    astrai_interval_us: list[float] = Field(
+        min_length=2, max_length=2, description="its 95% confidence interval [low, high]")
+    samples: StrictInt = Field(default=0, ge=0, description="timed samples per call, at least")
+    busy: StrictBool = Field(default=False,
+                             description="other processes competed for the CPU meanwhile")
+
+
+class ModelCodeModel(CodeFiguresModel):
+    """A family's own-code candidate (``astrai.tune_model``): the figures of every model
+    tuned on the machine combined, the verdict, and each model's own figures."""
+
+    left_to_model: StrictBool = Field(
+        description="whether the family is left to the model's own code (model_code)")
+    verdict: StrictStr = Field(
+        description="faster: the model's code beats the routed call beyond the noise; "
+                    "shipped, tie, cannot tell, cannot tell (busy): the routed call stays")
+    models: dict[StrictStr, CodeFiguresModel] = Field(
+        default_factory=dict, description="each model's own figures, by model")
+
+
 class ProvenanceModel(FileModel):
     """Where a tuned profile's order comes from (``astrai-ops tune``)."""
 
@@ -286,6 +323,10 @@ class ProvenanceModel(FileModel):
                                      description="whether the machine was quiet meanwhile")
     measured: list[MeasuredModel] = Field(default_factory=list,
                                           description="row x bucket -> median microseconds")
+    model_code: dict[StrictStr, ModelCodeModel] = Field(
+        default_factory=dict,
+        description="per family routed in a model: its calls timed in the model's own code "
+                    "against the routed call (astrai.tune_model)")
 
 
 class ProfileFile(FileModel):

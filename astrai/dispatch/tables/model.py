@@ -242,6 +242,9 @@ class FamilyOverlay:
     #: Row -> where the implicit chain may try it (and-ed with its ``when``); selecting
     #: the row by name, or forcing it, is not narrowed (a tuned profile's buckets).
     chain_when: Mapping[str, Spec] = field(default_factory=lambda: MappingProxyType({}))
+    #: A model routed by ``dispatch_model`` while the profile is in force leaves the family
+    #: to the model's own code (a tuned profile's measured choice).
+    model_code: bool = False
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,11 @@ class DispatchReport:
     nouns: Mapping[str, str] = field(default_factory=dict)
     #: ``dispatch_model``'s mode: ``train``, or ``inference`` (every parameter frozen).
     mode: str = "train"
+    #: This machine's tuned profile (``astrai.tune_model``), in words: which, from which
+    #: file and when it was tuned, or why none is in force (empty: not looked for).
+    tuned: str = ""
+    #: ``(family, why)`` per family a profile in force leaves to the model's own code.
+    model_code: tuple[tuple[str, str], ...] = ()
     #: The counters when the report was made: ``calls()`` counts from them (``None``:
     #: from the start of the process).
     counted_from: Mark | None = field(default=None, repr=False, compare=False)
@@ -92,6 +97,8 @@ class DispatchReport:
             "matmul_flops": list(self.matmul_flops),
             "notes": list(self.notes),
             "mode": self.mode,
+            "tuned": self.tuned,
+            "model_code": dict(self.model_code),
             "calls": {f: {"rows": c.rows, "model": c.model,
                           "handed": [{"row": r, "to": to, "why": why, "calls": n}
                                      for (r, to, why), n in sorted(c.handed.items())]}
@@ -120,6 +127,8 @@ class DispatchReport:
                  f"({self.changed} module{'s' if self.changed != 1 else ''} changed)"]
         lines.append(f"  mode: {self.mode}" + (" (every parameter declared frozen)"
                                                if self.mode == "inference" else ""))
+        if self.tuned:
+            lines.append(f"  tuned profile: {self.tuned}")
         counts = self.counts()
         calls = self.calls()
         width = max([10, *map(len, counts)])
@@ -145,6 +154,9 @@ class DispatchReport:
         else:
             lines.append("  calls since the dispatch: none yet (report.calls() counts them, "
                          "computed by astrai's rows apart from those handed back to torch)")
+        if self.model_code:
+            lines.append("  left to the model's own code:")
+            lines += [f"    {family}: {why}" for family, why in self.model_code]
         if self.not_routed:
             lines.append("  not routed:")
             width = max([10, *(len(n.family) for n in self.not_routed)])

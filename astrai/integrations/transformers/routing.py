@@ -46,6 +46,7 @@ __all__ = ["FAMILIES", "MODES", "ROUTE_ATTR", "Route", "RoutingError", "dispatch
 
 import copy
 import inspect
+import os
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -387,7 +388,8 @@ MODES = ("train", "inference")
 
 
 def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
-                   mode: str = "train") -> DispatchReport:
+                   mode: str = "train", tuned: bool | str | os.PathLike[str] = True
+                   ) -> DispatchReport:
     """Route ``model``'s work of every family that recognises itself in a model (the
     built-in ones: attention and rotary call sites, RMS norms, linear layers), or only
     of ``families``, through astrai's facades; returns the report of what is routed and
@@ -397,14 +399,25 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
     (``astrai.backends.frozen.freeze``): changed only through the parameter itself or a
     new ``.data``, never by a write through ``.data`` or a NumPy view; rows may then keep
     copies derived from them (the linear row ``transposed``). ``mode="train"`` (the
-    default) withdraws that declaration for every parameter of the model."""
+    default) withdraws that declaration for every parameter of the model.
+
+    ``tuned`` (default ``True``; ``ASTR_TUNED=off`` says ``False`` for every call): put
+    this machine's tuned profile (``astrai.tune_model``, kept in the user's cache, or in
+    the cache folder ``tuned`` names) in force
+    process-wide (``astrai.tune.cache``), and leave to the model's own code every family a
+    profile in force says runs faster there (its ``model_code``; a family named in
+    ``families`` is routed all the same). The report says which profile, from which file,
+    and what it left to the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"dispatch_model takes a torch.nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"dispatch_model: unknown mode {mode!r}; modes: "
                          f"{', '.join(map(repr, MODES))}")
     known = model_families()
-    run = _Dispatch(model, known, _wanted(families, known))
+    wanted = _wanted(families, known)
+    found, left, notes = _tuned(tuned, wanted, families is not None)
+    run = _Dispatch(model, known, wanted - set(left))
+    run.notes += notes
     (freeze if mode == "inference" else thaw)(model.parameters())
     # Recognition runs each module's own code on small random CPU tensors: whatever
     # device the model lives on (meta included) or the caller made the default; the
@@ -412,7 +425,45 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
     with torch.device("cpu"), unobserved():
         for path, module in model.named_modules():
             run.module(path, module)
-    return replace(run.report(), mode=mode)
+    return replace(run.report(), mode=mode, tuned=found,
+                   model_code=tuple(sorted(left.items())))
+
+
+def _tuned(tuned: bool | str | os.PathLike[str], wanted: frozenset[str], named: bool
+           ) -> tuple[str, dict[str, str], list[str]]:
+    """The tuned profile (put in force where allowed), in words; the families of
+    ``wanted`` a profile in force leaves to the model's own code, with the reason; and
+    notes for the families ``named`` explicitly that a profile would have left."""
+    from astrai.dispatch.environment import env_now
+    from astrai.dispatch.provenance import left_to_model
+    from astrai.dispatch.registry import current
+    from astrai.dispatch.scopes import active_profiles, process_profiles
+    from astrai.tune.cache import tuned_setting, use_tuned
+
+    used = tuned is not False and tuned_setting()
+    if tuned is False:
+        found = "not used (dispatch_model(..., tuned=False))"
+    elif not used:
+        found = "not used (ASTR_TUNED=off)"
+    else:
+        found = use_tuned(None if tuned is True else tuned).describe()
+    state = current()
+    wide = () if used else process_profiles()
+    profiles = [p for p in active_profiles(state, env_now(state)) if p not in wide]
+    left: dict[str, str] = {}
+    notes: list[str] = []
+    for family in sorted(wanted):
+        for name in profiles:
+            prof = state.profiles[name]
+            if family in state.families and any(ov.model_code
+                                                for ov in prof.for_family(family)):
+                if named:
+                    notes.append(f"{family} is routed because families= names it; "
+                                 f"{left_to_model(name, prof.provenance, family)}")
+                else:
+                    left[family] = left_to_model(name, prof.provenance, family)
+                break
+    return found, left, notes
 
 
 def restore_model(model: nn.Module) -> int:
