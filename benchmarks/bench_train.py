@@ -20,14 +20,24 @@ Measured, side by side in one run:
 - **equal results**: the loss and every parameter's gradient, routed against plain
   (largest difference, relative to the gradient's largest value).
 
-    python benchmarks/bench_train.py [--threads N] [--rounds N] [--tokens N]
+The first line printed is the machine (as ``bench_linear_isa.py`` prints it: the CPU
+model, the machine axes, torch's version, the instruction-set restriction in force).
+``--emulate avx2`` then runs the bench again in a child process with its libraries held
+to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``,
+``MKL_ENABLE_INSTRUCTIONS=AVX2``), where this machine's ISA is above AVX2.
+
+    python benchmarks/bench_train.py [--threads N] [--rounds N] [--tokens N] [--emulate avx2]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -106,13 +116,47 @@ def gradient_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return gap
 
 
+def _isa_bench() -> Any:
+    """``bench_linear_isa.py``: the machine line and the emulated instruction sets."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("bench_linear_isa")
+
+
+def emulated(isa: str, args: argparse.Namespace) -> None:
+    """This bench again in a child process with its libraries held to ``isa``, its output
+    printed under a header (skipped, saying why, where this machine's ISA is not above
+    it)."""
+    from astrai.dispatch.hardware import machine_facts
+
+    held = _isa_bench().EMULATE[isa]
+    here = machine_facts().cpu_isa
+    print(f"\n==== the same bench, libraries held to {isa.upper()} ("
+          + ", ".join(f"{k}={v}" for k, v in held.items()) + ") ====")
+    if here is None or not here > isa:
+        print(f"skipped: this machine's ISA is {here or 'unknown'}, not above {isa} (there is "
+              "nothing to hold back)")
+        return
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads",
+                           str(args.threads), "--rounds", str(args.rounds), "--tokens",
+                           str(args.tokens)], capture_output=True, text=True,
+                          env={**os.environ, **held}, check=False)
+    print(done.stdout.rstrip())
+    if done.returncode != 0:
+        print(f"the emulated run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--emulate", choices=["avx2"], action="append", default=[],
+                        help="then the bench again with the libraries held to AVX2")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    print(_isa_bench().machine_line())
     from astrai import dispatch
     from astrai.integrations.transformers import dispatch_model
     plain = build()
@@ -152,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"{verdict}); A/A control {ratios['plain (A/A)']:.3f}"
           + ("" if quiet else " - the machine is not quiet: the time figure is not to be "
              "trusted"))
+    for isa in args.emulate:
+        emulated(isa, args)
     return {"memory": mem_ratio, "time": ratios["routed"], "grad_gap": grad_gap,
             "loss_gap": loss_gap}
 
