@@ -154,3 +154,17 @@ def test_without_the_extension_every_reading_is_planned() -> None:
         rows = d.stats().by_row()
         assert sum(sum(v.values()) for v in rows["rms_norm"].values()) == 3
         assert sum(sum(v.values()) for v in rows["linear"].values()) == 3
+
+
+def test_an_interval_is_written_as_bisect_right() -> None:
+    """The generated interval of a value between cut points is ``bisect_right``'s, for
+    any number of points (a chain of comparisons, halved past four)."""
+    from bisect import bisect_right
+
+    rng = random.Random(3)
+    for n in range(13):
+        for _ in range(10):
+            points = tuple(sorted(rng.sample(range(-8, 60), n)))
+            at = eval(f"lambda v: {python_hot._interval(points, 'v')}")  # our own source
+            assert [at(v) for v in range(-12, 66)] == [
+                bisect_right(points, v) for v in range(-12, 66)], points

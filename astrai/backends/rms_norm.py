@@ -71,6 +71,9 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e
     if weight is None:  # no scaling (the facade allows no form then)
         return torch.rms_norm(x, (x.shape[-1],), None, eps)
     if weight_offset or cast_before_weight:
+        if (not weight_offset and weight.dtype is x.dtype and x.dtype in _FULL):
+            # LlamaRMSNorm's form where both of its casts are no-ops: one kernel
+            return torch.rms_norm(x, weight.shape, weight, eps)
         return _torch_model_form(x, weight, eps, weight_offset, cast_before_weight)
     if weight.dtype is not x.dtype:
         weight = weight.to(x.dtype)
