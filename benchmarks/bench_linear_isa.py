@@ -37,6 +37,23 @@ POOL_BYTES = 96 << 20
 EMULATE = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
+def held_environment(isa: str) -> dict[str, str]:
+    """The environment of a child process whose libraries are held to ``isa``: its machine
+    axes read what the libraries then run (an ``ASTR_MACHINE`` statement is dropped), and
+    inductor keeps its code in a cache of its own. Inductor's cache does not tell
+    ``ATEN_CPU_CAPABILITY`` apart: code compiled in a process without it, loaded in one
+    with it, was seen to compute garbage here (an RMS norm 1e37 off, a Llama's logits
+    NaN, with torch 2.13)."""
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "ASTR_MACHINE"}
+    env.update(EMULATE[isa])
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                  f"torchinductor-held-{isa}-{user}")
+    return env
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -118,7 +135,7 @@ def main() -> None:
         print()
         sys.stdout.flush()
         subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--tokens",
-                        *map(str, args.tokens)], env={**os.environ, **EMULATE[isa]},
+                        *map(str, args.tokens)], env=held_environment(isa),
                        check=True)
 
 

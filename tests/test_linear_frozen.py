@@ -258,9 +258,13 @@ def test_with_no_weight_frozen_the_rows_are_unavailable_and_say_why(
         assert _served(row) == 1 and rows.weight_copies()[0] == 1
         restore_model(layer)
         assert not frozen.any_frozen()
-        dispatch_model(layer)
+        report = dispatch_model(layer)  # train mode: no copy to use, no row to gain by
         layer(x)
-        assert _served(row) == 1 and dispatch.stats().served("linear", "torch") == 2
+        # on the Intel CPU no other row can serve a call either: the family is left to
+        # the model's own code, and said so; on the AMD one onednn may serve others
+        left = "linear" in dict(report.model_code)
+        assert left == (vendor == "GenuineIntel")
+        assert _served(row) == 1 and dispatch.stats().served("linear", "torch") == 2 - left
 
 
 # -- inference mode: the copy, checked --------------------------------------------------

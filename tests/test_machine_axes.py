@@ -242,3 +242,59 @@ def test_lint_analyses_the_machine_axes_the_table_compares() -> None:
     assert "cpu_vendor" in header and "cpu_isa" in header and "cores" not in header
     assert any("amd" in t and "avx512" in t and t.rstrip().endswith("onednn")
                for t in text.splitlines())
+
+
+class TestNothingToGain:
+    """A family whose every row but the model's own computation is out of reach here is
+    left to the model's own code by ``dispatch_model``, said in its report."""
+
+    @pytest.fixture
+    def llama(self) -> torch.nn.Module:
+        from tests import _zoo
+
+        if not _zoo.available("llama"):
+            pytest.skip("transformers is not installed")
+        return _zoo.build("llama")
+
+    def test_linear_is_left_where_only_torch_can_serve(self, llama: torch.nn.Module) -> None:
+        from astrai.integrations.transformers import dispatch_model, restore_model
+        from tests import _zoo
+
+        feed = _zoo.inputs(llama)
+        plain = _zoo.greedy(llama, feed)
+        with dispatch.assume_machine(cpu_vendor="intel", cpu_isa="avx512"):
+            report = dispatch_model(llama, mode="inference")
+            try:
+                left = dict(report.model_code)
+                assert "row 'torch', which computes what the modules do" in left["linear"]
+                assert "onednn: its when is false on this machine" in left["linear"]
+                assert not any(r.family == "linear" for r in report.routed)
+                assert not any("q_proj" in n.path for n in report.not_routed)
+                assert "left to the model's own code:" in str(report)
+                assert torch.equal(_zoo.greedy(llama, feed), plain)
+                assert dispatch.stats().by_row().get("linear") is None
+            finally:
+                restore_model(llama)
+
+    @pytest.mark.parametrize("how", ["named", "machine", "profile"])
+    def test_it_is_routed_where_a_row_can_serve_or_it_is_asked_for(
+            self, llama: torch.nn.Module, how: str, tmp_path: Path) -> None:
+        from astrai.integrations.transformers import FAMILIES, dispatch_model, restore_model
+        from tests.conftest import TRANSPOSED_ON
+
+        machine = {"cpu_vendor": "amd" if how == "machine" else "intel", "cpu_isa": "avx512"}
+        with dispatch.assume_machine(**machine):
+            families = list(FAMILIES) if how == "named" else None
+            if how == "profile":  # a profile enabling a row that can serve here
+                (tmp_path / "transposed-on.yaml").write_text(TRANSPOSED_ON)
+                dispatch.load_tables(tmp_path / "transposed-on.yaml")
+                scope = dispatch.use_profile("transposed-on")
+            else:
+                scope = dispatch.use_profile()
+            with scope:
+                report = dispatch_model(llama, families, mode="inference")
+            try:
+                assert "linear" not in dict(report.model_code)
+                assert any(r.family == "linear" for r in report.routed)
+            finally:
+                restore_model(llama)

@@ -120,8 +120,8 @@ def test_the_next_dispatch_uses_it_without_being_asked(in_cache: tuple[Path, Any
 def test_a_profile_of_another_machine_is_ignored_with_one_warning(
         in_cache: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    from astrai.dispatch import tuned as tuned_cache_module
     from astrai.dispatch.machine import this_machine
-    from astrai.tune import cache as tuned_cache_module
 
     here = this_machine()
     elsewhere = replace(here, cpu="Another CPU", cores=here.cores + 64)

@@ -14,6 +14,7 @@ __all__ = [
     "LOCK_KEY",
     "LOCK_MODE_ENV",
     "LOCK_MODE_KEY",
+    "MACHINE_ENV",
     "NATIVE_DIR_ENV",
     "NATIVE_ENV",
     "OPS_ENV",
@@ -91,6 +92,9 @@ NATIVE_DIR_ENV = "ASTR_NATIVE_DIR"
 #: Whether ``dispatch_model`` puts this machine's tuned profile (``astrai.tune_model``,
 #: kept in the user's cache) in force: ``on`` (the default) or ``off``.
 TUNED_ENV = "ASTR_TUNED"
+#: The machine axes taken in place of this machine's, for the whole process:
+#: ``cpu_vendor=amd,cpu_isa=avx512`` (``astrai.dispatch.hardware``).
+MACHINE_ENV = "ASTR_MACHINE"
 #: The user's cache (the XDG base directory); astrai's lives in ``<it>/astrai``.
 CACHE_HOME_ENV = "XDG_CACHE_HOME"
 

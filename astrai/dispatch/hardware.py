@@ -6,7 +6,9 @@ cpu_vendor == amd``). They are read once per process (``machine_facts``; ``refre
 reads them again) and never enter a call's decision key: every call of a process runs on
 the same machine, so a decision taken once serves every later call. ``explain`` and
 ``lint`` may ask a table about another machine by giving a call context these values
-(``CallContext.extra``), which then take the place of the facts read here.
+(``CallContext.extra``), which then take the place of the facts read here;
+``ASTR_MACHINE=cpu_vendor=amd,cpu_isa=avx512`` states them for a whole process (and the
+processes it starts), ``astrai.dispatch.assume_machine`` within a block.
 
 ``cpu_isa`` is an ordered axis within one architecture: ``x86_64 < avx2 < avx512 <
 avx512_bf16 < amx`` on x86, ``neon < sve < sve2`` on Arm. A comparison between levels of
@@ -38,6 +40,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from astrai.dispatch.env import MACHINE_ENV
 
 #: The ``cpu_vendor`` axis's values.
 CPU_VENDORS: tuple[str, ...] = ("intel", "amd", "arm", "apple", "other")
@@ -204,8 +208,31 @@ def _cores() -> int:
 def _detected() -> MachineFacts:
     machine = platform.machine()
     vendor_id, flags = _cpu_flags()
-    return MachineFacts(_vendor(vendor_id, machine), _isa(machine, flags, _torch_capability()),
-                        _cores(), torch.get_num_threads(), _gpu_vendor())
+    facts = MachineFacts(_vendor(vendor_id, machine), _isa(machine, flags, _torch_capability()),
+                         _cores(), torch.get_num_threads(), _gpu_vendor())
+    stated = os.environ.get(MACHINE_ENV, "").strip()
+    return _stated(facts, stated) if stated else facts
+
+
+def _stated(facts: MachineFacts, text: str) -> MachineFacts:
+    """``facts`` with the values ``ASTR_MACHINE`` states (``name=value,...``); an entry
+    that names no machine axis or a value it cannot take is left out, with a warning."""
+    from dataclasses import replace
+
+    from astrai.dispatch.log import warn_once
+
+    values: dict[str, Any] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        value: Any = None if raw == "none" else int(raw) if raw.isdigit() else raw
+        try:
+            values.update(_checked({name: value}))
+        except ValueError as exc:
+            warn_once(f"astrai: {MACHINE_ENV}: {item!r} is left out: {exc}")
+    return replace(facts, **values)
 
 
 #: Facts assumed in place of this machine's (``assume``), innermost last.
@@ -230,8 +257,17 @@ def assume(facts: MachineFacts | None) -> None:
 def assumed(**values: Any) -> MachineFacts:
     """The facts in force with ``values`` in place of theirs (``cpu_isa`` by name);
     ``ValueError`` naming a fact that does not exist or a value it cannot take."""
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
+    return replace(machine_facts(), **_checked(values))
+
+
+def _checked(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as machine facts (``cpu_isa`` as a level); ``ValueError`` naming a fact
+    that does not exist or a value it cannot take."""
+    from dataclasses import fields
+
+    values = dict(values)
     names = [f.name for f in fields(MachineFacts)]
     for name, value in values.items():
         if name not in names:
@@ -245,7 +281,7 @@ def assumed(**values: Any) -> MachineFacts:
                              f"{', '.join(GPU_VENDORS)} or None")
         elif name in ("cores", "threads") and (not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return replace(machine_facts(), **values)
+    return values
 
 
 def forget() -> None:

@@ -42,6 +42,7 @@ from astrai.dispatch.axes import (
     asked_features,
     format_value,
 )
+from astrai.dispatch.expr.analysis import three_valued
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import ALWAYS_AVAILABLE, ImplRecord, View
@@ -255,25 +256,7 @@ def _combinations(sizes: list[int]) -> tuple[Iterator[tuple[int, ...]], int, boo
 
 def _tri(spec: Spec, ctx: CallContext) -> bool | None:
     """``spec`` on ``ctx`` in three-valued logic: ``None`` where an opaque part decides."""
-    kind = spec.kind
-    if kind in ("atom", "const"):
-        return spec.matches(ctx)
-    if kind == "named":
-        return _tri(spec.parts[0], ctx)
-    if kind == "not":
-        got = _tri(spec.parts[0], ctx)
-        return None if got is None else not got
-    if kind in ("and", "or"):
-        decisive = kind == "or"  # the value that settles the whole expression
-        result: bool | None = not decisive
-        for part in spec.parts:
-            got = _tri(part, ctx)
-            if got is decisive:
-                return decisive
-            if got is None:
-                result = None
-        return result
-    return None
+    return three_valued(spec, lambda part: part.matches(ctx))
 
 
 def _plain(spec: Spec, ctx: CallContext) -> bool | None:

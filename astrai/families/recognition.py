@@ -20,6 +20,10 @@ A family's ``ModelRecognition`` answers in two ways, either or both:
 after it) and why, reported when nothing at or under it was routed for the family.
 ``holds_weights`` says whether the parameters of the modules it routes reach astrai (for
 the report's shares); ``noun`` is what the report counts (``modules`` or ``call sites``).
+``plain_row`` names the row of the family's table that computes exactly what the modules'
+own code does (``nn.Linear``: torch's ``F.linear``): where every other row is out of reach
+on this machine, routing could only add its cost, and ``dispatch_model`` leaves the family
+to the model's own code, saying why.
 """
 
 from __future__ import annotations
@@ -95,3 +99,4 @@ class ModelRecognition:
     expected: Callable[[nn.Module], str | None] | None = None
     holds_weights: bool = False
     noun: str = "modules"
+    plain_row: str | None = None

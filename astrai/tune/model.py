@@ -10,7 +10,7 @@
    what the model's own code would have run for it.
 3. ``tune_workload`` measures every runnable row on the recorded calls, merged with the
    calls of every model tuned on this machine before (their workloads are kept beside
-   the profile), writes the profile into the user's cache (``astrai.tune.cache``), loads
+   the profile), writes the profile into the user's cache (``astrai.dispatch.tuned``), loads
    and verifies it.
 4. **The model's own code is a candidate.** Per routed family, each distinct captured
    call is run both ways - the model's own code (the module's class ``forward``, or the
@@ -54,6 +54,7 @@ from astrai.dispatch.machine import this_machine
 from astrai.dispatch.registry import load_tables
 from astrai.dispatch.scopes import set_process_profiles, use_profile
 from astrai.dispatch.stats import unobserved
+from astrai.dispatch.tuned import profile_path, tuned_setting, use_tuned, workloads_dir
 from astrai.integrations.transformers.report import DispatchReport
 from astrai.integrations.transformers.routing import (
     ROUTE_ATTR,
@@ -63,7 +64,6 @@ from astrai.integrations.transformers.routing import (
 )
 from astrai.record.recording import record
 from astrai.record.workload import RecordedCall, Workload
-from astrai.tune.cache import profile_path, tuned_setting, use_tuned, workloads_dir
 from astrai.tune.measure import MORE, Budget, Timing, outputs_agree, time_rows
 from astrai.tune.noise import NoiseMonitor
 from astrai.tune.profile import TuneError, verify, write_profile

@@ -6,11 +6,13 @@ decide calls alike by interval; lint and the table checks use the named parts.
 
 from __future__ import annotations
 
-__all__ = ["Comparisons", "comparisons", "cut_points", "named_parts"]
+__all__ = ["Comparisons", "comparisons", "cut_points", "named_parts", "on_this_machine",
+           "three_valued"]
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from astrai.dispatch.axes import CallContext
 from astrai.dispatch.expr.spec import Spec
 
 
@@ -81,3 +83,45 @@ def cut_points(specs: Iterable[Spec]) -> dict[str, tuple[int, ...]] | None:
     if found.opaque or found.pairs:
         return None
     return dict(found.points)
+
+
+def three_valued(spec: Spec, atom: Callable[[Spec], bool | None]) -> bool | None:
+    """``spec`` in three-valued logic, each atom and constant answered by ``atom``
+    (``None``: unknown), an opaque part unknown; ``and``/``or`` settle on a decisive
+    part whatever the unknown ones say."""
+    kind = spec.kind
+    if kind in ("atom", "const"):
+        return atom(spec)
+    if kind == "named":
+        return three_valued(spec.parts[0], atom)
+    if kind == "not":
+        got = three_valued(spec.parts[0], atom)
+        return None if got is None else not got
+    if kind in ("and", "or"):
+        decisive = kind == "or"  # the value that settles the whole expression
+        result: bool | None = not decisive
+        for part in spec.parts:
+            got = three_valued(part, atom)
+            if got is decisive:
+                return decisive
+            if got is None:
+                result = None
+        return result
+    return None
+
+
+def on_this_machine(spec: Spec, ctx: CallContext | None = None) -> bool | None:
+    """What ``spec`` says of every call on this machine, in three-valued logic: its tests
+    of machine axes answered (by ``ctx``'s stated values, else this machine's), every other
+    test unknown. ``False``: no call here satisfies it; ``True``: every call does;
+    ``None``: it depends on the call (or on Python, for an opaque part)."""
+    here = ctx if ctx is not None else CallContext("")
+
+    def machine(part: Spec) -> bool | None:
+        test = part.test
+        if part.kind == "const" or (test is not None and test.axis.machine and (
+                test.other is None or test.other.machine)):
+            return part.matches(here)
+        return None
+
+    return three_valued(spec, machine)

@@ -143,5 +143,7 @@ def _route(module: nn.Module) -> Installed | str:
     return Installed(forward, form.describe(), form)
 
 
-#: Linear layers: whole modules, whose parameters reach astrai.
-RECOGNITION = ModelRecognition(claims=is_linear_kind, module=_route, holds_weights=True)
+#: Linear layers: whole modules, whose parameters reach astrai; the ``torch`` row computes
+#: what the modules do (``F.linear``).
+RECOGNITION = ModelRecognition(claims=is_linear_kind, module=_route, holds_weights=True,
+                               plain_row="torch")

@@ -184,8 +184,11 @@ class _Dispatch:
     """One ``dispatch_model`` call: what it routed and what it could not."""
 
     def __init__(self, model: nn.Module, known: Mapping[str, ModelRecognition],
-                 wanted: frozenset[str]) -> None:
+                 wanted: frozenset[str], left: Iterable[str] = ()) -> None:
         self.model, self.known, self.wanted = model, known, wanted
+        # Families left to the model's own code, and the modules of each kept so.
+        self.left = frozenset(left)
+        self.kept: dict[str, list[str]] = {}
         self.changed = 0
         self.refused: list[NotRouted] = []
         # Modules a routed parent's forward covers (it no longer calls them), by id.
@@ -230,6 +233,9 @@ class _Dispatch:
         family serves)."""
         refusal: tuple[str, Any] | None = None
         for family, recognition in claimants:
+            if family in self.left:
+                self.kept.setdefault(family, []).append(path or "(the model)")
+                return
             if family not in self.wanted or recognition.module is None:
                 continue
             answer = recognition.module(module)
@@ -364,6 +370,7 @@ class _Dispatch:
                 refused.append(NotRouted(family, path or "(the model)",
                                          type(module).__name__, why))
         seen = {r.path for r in routed} | {n.path for n in refused}
+        seen.update(p for paths in self.kept.values() for p in paths)
         weights = {f for f, r in self.known.items() if r.holds_weights}
         reaching = {r.path for r in routed if r.family in weights}
         refused += unaccounted(self.model, seen, reaching)
@@ -404,7 +411,7 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
     ``tuned`` (default ``True``; ``ASTR_TUNED=off`` says ``False`` for every call): put
     this machine's tuned profile (``astrai.tune_model``, kept in the user's cache, or in
     the cache folder ``tuned`` names) in force
-    process-wide (``astrai.tune.cache``), and leave to the model's own code every family a
+    process-wide (``astrai.dispatch.tuned``), and leave to the model's own code every family a
     profile in force says runs faster there (its ``model_code``; a family named in
     ``families`` is routed all the same). The report says which profile, from which file,
     and what it left to the model."""
@@ -416,17 +423,21 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
     known = model_families()
     wanted = _wanted(families, known)
     found, left, notes = _tuned(tuned, wanted, families is not None)
-    run = _Dispatch(model, known, wanted - set(left))
-    run.notes += notes
     (freeze if mode == "inference" else thaw)(model.parameters())
+    if families is None:  # (after the freeze: rows copying frozen weights may serve)
+        left.update(_nothing_to_gain(known, wanted - set(left)))
+    run = _Dispatch(model, known, wanted - set(left), left)
+    run.notes += notes
     # Recognition runs each module's own code on small random CPU tensors: whatever
     # device the model lives on (meta included) or the caller made the default; the
     # facade calls it makes to compare leave no trace in stats() or a recording.
     with torch.device("cpu"), unobserved():
         for path, module in model.named_modules():
             run.module(path, module)
+    kept = {f: f"{len(p)} {known[f].noun} ({', '.join(p[:3])}{', ...' if len(p) > 3 else ''}); "
+            for f, p in run.kept.items()}
     return replace(run.report(), mode=mode, tuned=found,
-                   model_code=tuple(sorted(left.items())))
+                   model_code=tuple((f, kept.get(f, "") + why) for f, why in sorted(left.items())))
 
 
 def _tuned(tuned: bool | str | os.PathLike[str], wanted: frozenset[str], named: bool
@@ -438,7 +449,7 @@ def _tuned(tuned: bool | str | os.PathLike[str], wanted: frozenset[str], named: 
     from astrai.dispatch.provenance import left_to_model
     from astrai.dispatch.registry import current
     from astrai.dispatch.scopes import active_profiles, process_profiles
-    from astrai.tune.cache import tuned_setting, use_tuned
+    from astrai.dispatch.tuned import tuned_setting, use_tuned
 
     used = tuned is not False and tuned_setting()
     if tuned is False:
@@ -464,6 +475,54 @@ def _tuned(tuned: bool | str | os.PathLike[str], wanted: frozenset[str], named: 
                     left[family] = left_to_model(name, prof.provenance, family)
                 break
     return found, left, notes
+
+
+def _nothing_to_gain(known: Mapping[str, ModelRecognition], wanted: Iterable[str]
+                     ) -> dict[str, str]:
+    """The families of ``wanted`` whose every row but the one computing what the modules
+    do (``ModelRecognition.plain_row``) is out of reach on this machine - unavailable, out
+    of the implicit chain, or with a ``when`` that no call here satisfies (its machine
+    axes) - with nothing selecting a row for them (``ASTR_OPS``, a profile forcing one):
+    routing them could only add its cost. Family -> why."""
+    from astrai.dispatch.environment import env_now
+    from astrai.dispatch.expr.analysis import on_this_machine
+    from astrai.dispatch.hardware import machine_facts
+    from astrai.dispatch.registry import current
+    from astrai.dispatch.scopes import active_view
+
+    state = current()
+    env = env_now(state)
+    out: dict[str, str] = {}
+    for family in wanted:
+        plain = known[family].plain_row if family in known else None
+        if plain is None or family not in state.families or family in env.backends:
+            continue
+        view = active_view(state, family)
+        if view.forced is not None or view.row(plain) is None:
+            continue
+        why: list[str] = []
+        for rec in view.rows:
+            if rec.name == plain:
+                continue
+            chained = view.in_chain(rec)
+            ok, reason = state.availability(chained)
+            if rec.name in view.disabled:
+                why.append(f"{rec.name}: disabled")
+            elif not rec.implicit and rec.name not in view.enabled:
+                why.append(f"{rec.name}: explicit-only")
+            elif on_this_machine(chained.spec) is False:
+                why.append(f"{rec.name}: its when is false on this machine")
+            elif not ok:
+                why.append(f"{rec.name}: unavailable ({reason})")
+            else:
+                break
+        else:
+            facts = machine_facts()
+            out[family] = (f"on this machine ({facts.cpu_vendor}, {facts.cpu_isa}) every call "
+                           f"goes to row {plain!r}, which computes what the modules do "
+                           f"({'; '.join(why)}): routing would only add its cost; name the "
+                           f"family in dispatch_model(model, families=...) to route it")
+    return out
 
 
 def restore_model(model: nn.Module) -> int:
