@@ -653,28 +653,12 @@ def print_compiled(model: Any, configs: Configurations) -> tuple[bool, bool]:
 
 def emulated(isa: str, argv: list[str]) -> bool:
     """The whole bench again in a child process with its libraries held to ``isa``
-    (``bench_linear_isa.EMULATE``), its output printed under a header; whether its targets
-    were met (True where skipped: this machine's ISA is not above it)."""
-    from astrai.dispatch.hardware import machine_facts
-
-    held = _sibling("bench_linear_isa").EMULATE[isa]
-    here = machine_facts().cpu_isa
-    print(f"\n==== the same bench, libraries held to {isa.upper()} ("
-          + ", ".join(f"{k}={v}" for k, v in held.items()) + ") ====")
-    if here is None or not here > isa:
-        print(f"skipped: this machine's ISA is {here or 'unknown'}, not above {isa} (there is "
-              "nothing to hold back)")
-        return True
-    sys.stdout.flush()
+    (``bench_linear_isa.run_held``); whether its targets were met (True where skipped:
+    this machine's ISA is not above it)."""
     rest = [a for i, a in enumerate(argv) if a != "--emulate" and argv[i - 1:i] != ["--emulate"]
             and not a.startswith("--emulate=")]
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), *rest],
-                          capture_output=True, text=True,
-                          env=_sibling("bench_linear_isa").held_environment(isa), check=False)
-    print(done.stdout.rstrip())
-    if done.returncode not in (0, 1):
-        print(f"the emulated run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return done.returncode == 0
+    status = _sibling("bench_linear_isa").run_held(isa, __file__, rest, ok=(0, 1))
+    return status in (None, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,31 @@ def held_environment(isa: str) -> dict[str, str]:
     return env
 
 
+def run_held(isa: str, script: str, args: list[str], *, ok: tuple[int, ...] = (0,)
+             ) -> int | None:
+    """``script`` again, with ``args``, in a child process with its libraries held to
+    ``isa``, its output printed under a header; its exit status, or ``None`` where this
+    machine's ISA is not above ``isa`` (skipped, saying so). An exit status not in ``ok``
+    prints the end of the child's errors."""
+    from astrai.dispatch.hardware import machine_facts
+
+    here = machine_facts().cpu_isa
+    print(f"\n==== the same bench, libraries held to {isa.upper()} ("
+          + ", ".join(f"{k}={v}" for k, v in EMULATE[isa].items()) + ") ====")
+    if here is None or not here > isa:
+        print(f"skipped: this machine's ISA is {here or 'unknown'}, not above {isa} (there is "
+              "nothing to hold back)")
+        return None
+    sys.stdout.flush()
+    done = subprocess.run([sys.executable, os.path.abspath(script), *args],
+                          capture_output=True, text=True, env=held_environment(isa),
+                          check=False)
+    print(done.stdout.rstrip())
+    if done.returncode not in ok:
+        print(f"the emulated run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done.returncode
+
+
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

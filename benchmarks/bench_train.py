@@ -37,7 +37,6 @@ import importlib
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -129,26 +128,10 @@ def _isa_bench() -> Any:
 
 
 def emulated(isa: str, args: argparse.Namespace) -> None:
-    """This bench again in a child process with its libraries held to ``isa``, its output
-    printed under a header (skipped, saying why, where this machine's ISA is not above
-    it)."""
-    from astrai.dispatch.hardware import machine_facts
-
-    held = _isa_bench().EMULATE[isa]
-    here = machine_facts().cpu_isa
-    print(f"\n==== the same bench, libraries held to {isa.upper()} ("
-          + ", ".join(f"{k}={v}" for k, v in held.items()) + ") ====")
-    if here is None or not here > isa:
-        print(f"skipped: this machine's ISA is {here or 'unknown'}, not above {isa} (there is "
-              "nothing to hold back)")
-        return
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads",
-                           str(args.threads), "--rounds", str(args.rounds), "--tokens",
-                           str(args.tokens)], capture_output=True, text=True,
-                          env=_isa_bench().held_environment(isa), check=False)
-    print(done.stdout.rstrip())
-    if done.returncode != 0:
-        print(f"the emulated run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    """This bench again in a child process with its libraries held to ``isa``
+    (``bench_linear_isa.run_held``)."""
+    _isa_bench().run_held(isa, __file__, ["--threads", str(args.threads), "--rounds",
+                                          str(args.rounds), "--tokens", str(args.tokens)])
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -225,11 +225,9 @@ def _origins(state: Registry, profiles: tuple[str, ...]) -> dict[str, str]:
         prof = state.profiles.get(name)
         if prof is None or name not in process.process_profiles:
             continue
-        file = prof.source.rsplit(":", 1)[0] if prof.source.rsplit(":", 1)[-1].isdigit() \
-            else prof.source
         tuned = (prof.provenance or {}).get("tuned")
-        out[name] = f"in force process-wide, from {file}" + (f", tuned {tuned}" if tuned
-                                                             else "")
+        out[name] = f"in force process-wide, from {prof.file}" + (f", tuned {tuned}" if tuned
+                                                                  else "")
     return out
 
 

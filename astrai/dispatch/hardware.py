@@ -28,6 +28,7 @@ __all__ = [
     "MachineFacts",
     "assume",
     "assumed",
+    "cpuinfo",
     "forget",
     "isa_level",
     "machine_facts",
@@ -121,25 +122,17 @@ class MachineFacts:
         return " ".join(f"{k}={'none' if v is None else v}" for k, v in self.as_dict().items())
 
 
-def _cpu_flags() -> tuple[str, frozenset[str]]:
-    """The CPU's ``vendor_id`` and flags from ``/proc/cpuinfo`` (Linux; empty elsewhere)."""
-    vendor, flags = "", frozenset[str]()
+def cpuinfo(*keys: str) -> str | None:
+    """The first value ``/proc/cpuinfo`` (Linux) gives any of ``keys``, or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
-                key = key.strip()
-                if not sep:
-                    continue
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = frozenset(value.split())
-                if vendor and flags:
-                    break
+                if sep and key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return vendor, flags
+    return None
 
 
 def _vendor(vendor_id: str, machine: str) -> str:
@@ -207,7 +200,8 @@ def _cores() -> int:
 @functools.cache
 def _detected() -> MachineFacts:
     machine = platform.machine()
-    vendor_id, flags = _cpu_flags()
+    vendor_id = cpuinfo("vendor_id") or ""
+    flags = frozenset((cpuinfo("flags", "Features") or "").split())
     facts = MachineFacts(_vendor(vendor_id, machine), _isa(machine, flags, _torch_capability()),
                          _cores(), torch.get_num_threads(), _gpu_vendor())
     stated = os.environ.get(MACHINE_ENV, "").strip()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from astrai import __version__
+from astrai.dispatch.hardware import cpuinfo
 
 
 @dataclass(frozen=True)
@@ -63,22 +64,9 @@ class Machine:
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Machine))
 
 
-def _cpuinfo(*keys: str) -> str | None:
-    """The first value ``/proc/cpuinfo`` (Linux) gives any of ``keys``, or None."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() in keys:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
 def _cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
-    found = _cpuinfo("model name", "Model", "cpu model")
+    found = cpuinfo("model name", "Model", "cpu model")
     if found is not None:
         return found
     return platform.processor() or platform.machine() or "unknown"

@@ -268,18 +268,17 @@ def _check_name(name: str, state: Registry | None = None) -> None:
                         f"profile name (letters, digits, '_', '.', '-'; not starting with a "
                         f"digit)")
     shipped = (state or current()).profiles.get(name)
-    if shipped is not None and _is_shipped(shipped.source):
+    if shipped is not None and _is_shipped(shipped.file):
         raise TuneError(f"the profile is named after its file, and {name!r} is a profile "
                         f"astrai ships ({shipped.source}): loaded after it, the tuned one "
                         f"would replace it for everyone who asks for {name!r}; name the file "
                         f"otherwise (e.g. tuned-{name}.yaml)")
 
 
-def _is_shipped(source: str) -> bool:
-    """Whether a profile's ``source`` (``file:line``) is one of the shipped tables."""
+def _is_shipped(file: str) -> bool:
+    """Whether a profile's file is one of the shipped tables."""
     from astrai.dispatch.tables.artifact import shipped_tables_dir
 
-    file = source.rsplit(":", 1)[0] if ":" in source else source
     try:
         return Path(file).resolve().is_relative_to(shipped_tables_dir().resolve())
     except (OSError, ValueError):

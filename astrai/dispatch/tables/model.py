@@ -261,6 +261,12 @@ class Profile:
     provenance: Mapping[str, Any] | None = None
     provided_by: str = ""  # who provided the file (see ``ImplRecord.provided_by``)
 
+    @property
+    def file(self) -> str:
+        """The file the profile was read from: its ``source`` without the ``:line``."""
+        head, sep, line = self.source.rpartition(":")
+        return head if sep and line.isdigit() else self.source
+
     def for_family(self, family: str) -> list[FamilyOverlay]:
         """The overlays that apply to ``family``: ``"*"`` first, then its own."""
         return [o for key in (ALL, family) if (o := self.overlays.get(key)) is not None]
