@@ -584,7 +584,19 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny model, few rounds")
     parser.add_argument("--emulate", choices=["avx2"], action="append", default=[],
                         help="then the whole bench again with the libraries held to AVX2")
+    parser.add_argument("--hidden", type=int, default=CONFIG["hidden_size"],
+                        help="the model's hidden size (a multiple of 128; the MLP 2.75 times "
+                             "as wide, heads of 64 features, half as many key-value heads)")
     return parser.parse_args(argv)
+
+
+def sized(hidden: int) -> dict[str, Any]:
+    """The bench's model at ``hidden`` features (the default's proportions)."""
+    if hidden < 128 or hidden % 128:
+        raise SystemExit(f"--hidden must be a multiple of 128, got {hidden}")
+    heads = hidden // 64
+    return {**CONFIG, "hidden_size": hidden, "intermediate_size": hidden * 11 // 4,
+            "num_attention_heads": heads, "num_key_value_heads": heads // 2}
 
 
 def tuned_profile(model: Any, cache: str, skip: bool) -> tuple[Profile | None, str | None]:
@@ -666,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.quick:
         globals().update(QUICK)
+    elif args.hidden != CONFIG["hidden_size"]:
+        CONFIG.update(sized(args.hidden))
     torch.set_num_threads(1)
     print(_sibling("bench_linear_isa").machine_line())
     import astrai.dispatch as d

@@ -49,6 +49,11 @@ def _fake_code(call: Any, rounds: int, *args: Any) -> tuple[Timing, Timing, bool
     return Timing.of(_samples(own, 7)), Timing.of(_samples(routed, 7)), False
 
 
+def _no_runs(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """No family measured inside the model (tests/test_tune_in_model.py does)."""
+    return {}
+
+
 @pytest.fixture(scope="module")
 def tuned_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
     """A cache holding the profile ``tune_model`` wrote for the tiny Llama, the rows and
@@ -60,6 +65,7 @@ def tuned_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
         mp.setattr(measure, "time_rows", _fake_rows)
         mp.setattr(measure, "_warm", lambda fn, timer: 1)
         mp.setattr(tuning, "_time", _fake_code)
+        mp.setattr(tuning, "measure_in_model", _no_runs)
         mp.setenv("XDG_CACHE_HOME", str(cache))
         mp.delenv("ASTR_TUNED", raising=False)
         model = _zoo.build("llama")
@@ -192,6 +198,7 @@ def test_a_second_model_merges_its_calls(tuned_cache: tuple[Path, Any],
     monkeypatch.setattr(measure, "time_rows", _fake_rows)
     monkeypatch.setattr(measure, "_warm", lambda fn, timer: 1)
     monkeypatch.setattr(tuning, "_time", _fake_code)
+    monkeypatch.setattr(tuning, "measure_in_model", _no_runs)
     monkeypatch.setenv("XDG_CACHE_HOME", str(own))
     second = astrai.tune_model(_zoo.build("qwen2"), rounds=3, budget=0.0, prompt=5,
                                new_tokens=1, cache=own)

@@ -45,10 +45,20 @@ def left_to_model(name: str, provenance: Mapping[str, Any] | None, family: str) 
     low, high = got["model_interval_us"]
     a_low, a_high = got["astrai_interval_us"]
     models = ", ".join(got.get("models", {})) or "the tuned models"
-    return (f"profile {name} leaves {family} to the model's own code: measured "
+    said = (f"profile {name} leaves {family} to the model's own code: measured "
             f"{got['model_us']:.2f} us a call [{low:.2f}, {high:.2f}] against "
             f"{got['astrai_us']:.2f} us [{a_low:.2f}, {a_high:.2f}] routed, over "
-            f"{got['calls']} calls of {models} ({got['verdict']}; 95% intervals)")
+            f"{got['calls']} calls of {models} ({got['verdict']}; 95% intervals)"
+            if got["model_us"] == got["model_us"] else  # (NaN: not timed call by call)
+            f"profile {name} leaves {family} to the model's own code: its calls in "
+            f"{models} were not timed one by one")
+    run = got.get("in_model")
+    if not run:
+        return said
+    r_low, r_high = run["ratio_interval"]
+    return (f"{said}; inside the model ({run['run']}), a run routed took "
+            f"{run['ratio']:.3f}x [{r_low:.3f}, {r_high:.3f}] the time of one with {family} "
+            f"left to the model's code ({run['verdict']}, {run['rounds']} rounds)")
 
 
 def warn_if_elsewhere(name: str, source: str, provenance: Mapping[str, Any]) -> list[str]:

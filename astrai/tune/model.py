@@ -19,9 +19,13 @@
    (``measure.time_rows``, extra rounds where the figures cannot tell, within the
    budget, the machine watched by ``noise``). The family's figures are the calls' means
    weighted by their counts, combined with the figures of the other models tuned here.
-   Where the model's code is faster beyond the noise (``statistics.compare``, the routed
-   call standing where the shipped row stands for the rows), the profile sets the
-   family's ``model_code: true``, the figures go into ``provenance.model_code``, and
+   A call timed again and again stays warm in cache, which a call inside the model is
+   not; so the family is also measured **inside the model** (``astrai.tune.in_model``):
+   the prefill and decode run without gradients, timed with every family routed and with
+   all but that one, in interleaved rounds. Where the model's code is faster beyond the
+   noise, per call (``statistics.compare``, the routed call standing where the shipped
+   row stands for the rows) or inside the model, the profile sets the family's
+   ``model_code: true``, the figures go into ``provenance.model_code``, and
    ``dispatch_model`` leaves the family to the model's own code.
 5. The profile is put in force process-wide; a model ``tune_model`` routed itself is
    routed again under it (families left to the model's code unrouted).
@@ -42,7 +46,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,7 @@ from astrai.integrations.transformers.routing import (
 )
 from astrai.record.recording import record
 from astrai.record.workload import RecordedCall, Workload
+from astrai.tune.in_model import InModel, measure_in_model, routed_families
 from astrai.tune.measure import MORE, Budget, Timing, outputs_agree, time_rows
 from astrai.tune.noise import NoiseMonitor
 from astrai.tune.profile import TuneError, verify, write_profile
@@ -88,6 +93,7 @@ class CodeFigures:
     model: Timing
     astrai: Timing
     busy: bool = False
+    in_model: InModel | None = None  # the family measured inside the model (whole runs)
 
     def decision(self) -> tuple[str, Verdict, str]:
         """``statistics.compare`` with the routed call as the choice that stays unless
@@ -97,12 +103,16 @@ class CodeFigures:
 
     @property
     def left_to_model(self) -> bool:
-        """Whether the model's own code wins."""
-        return self.decision()[0] == "model"
+        """Whether the model's own code wins: per call, or inside the model."""
+        return self.decision()[0] == "model" or (self.in_model is not None
+                                                 and self.in_model.left_to_model)
 
     @property
     def verdict(self) -> str:
-        """The verdict in the profile's words."""
+        """The per-call verdict in the profile's words (the in-model one is its own);
+        ``not timed`` where the calls were not timed one by one."""
+        if math.isnan(self.model.median_us) or math.isnan(self.astrai.median_us):
+            return "not timed"
         return _WORDS[self.decision()[1]]
 
     def plain(self) -> dict[str, Any]:
@@ -113,7 +123,8 @@ class CodeFigures:
                 "astrai_us": round(self.astrai.median_us, 3),
                 "astrai_interval_us": [round(self.astrai.interval.low, 3),
                                        round(self.astrai.interval.high, 3)],
-                "samples": min(self.model.samples, self.astrai.samples), "busy": self.busy}
+                "samples": min(self.model.samples, self.astrai.samples), "busy": self.busy,
+                **({} if self.in_model is None else {"in_model": self.in_model.plain()})}
 
     @classmethod
     def from_plain(cls, data: Mapping[str, Any]) -> CodeFigures:
@@ -121,15 +132,26 @@ class CodeFigures:
         n = int(data.get("samples", 0))
         m_low, m_high = data["model_interval_us"]
         a_low, a_high = data["astrai_interval_us"]
+        in_model = data.get("in_model")
         return cls(int(data["calls"]), Timing(data["model_us"], 0.0, m_low, m_high, n),
                    Timing(data["astrai_us"], 0.0, a_low, a_high, n),
-                   bool(data.get("busy", False)))
+                   bool(data.get("busy", False)),
+                   None if not in_model else InModel.from_plain(in_model))
 
     @classmethod
-    def combine(cls, parts: Sequence[tuple[int, Timing, Timing, bool]]) -> CodeFigures:
+    def combine(cls, parts: Sequence[tuple[int, Timing, Timing, bool]],
+                in_model: Sequence[InModel] = ()) -> CodeFigures:
         """Figures over ``(count, model, astrai, busy)`` parts: the means weighted by the
-        counts (as a profile's bucket table weighs its calls)."""
+        counts (as a profile's bucket table weighs its calls); ``in_model``: the models'
+        in-model figures, combined (``InModel.combine``)."""
+        calls = sum(n for n, *_ in parts)
+        parts = [p for p in parts if p[0] > 0 and not math.isnan(p[1].median_us)
+                 and not math.isnan(p[2].median_us)]  # those timed one by one
         total = sum(n for n, *_ in parts)
+        if not parts:
+            unknown = Timing(math.nan, math.nan)
+            return cls(calls, unknown, unknown, False,
+                       InModel.combine(in_model) if in_model else None)
 
         def mean(timings: list[tuple[int, Timing]]) -> Timing:
             def avg(pick: Callable[[Timing], float]) -> float:
@@ -138,8 +160,9 @@ class CodeFigures:
                           avg(lambda t: t.interval.low), avg(lambda t: t.interval.high),
                           min(t.samples for _, t in timings))
 
-        return cls(total, mean([(n, m) for n, m, _, _ in parts]),
-                   mean([(n, a) for n, _, a, _ in parts]), any(b for *_, b in parts))
+        return cls(calls, mean([(n, m) for n, m, _, _ in parts]),
+                   mean([(n, a) for n, _, a, _ in parts]), any(b for *_, b in parts),
+                   InModel.combine(in_model) if in_model else None)
 
 
 # -- capturing what the routed code and the model's own code run ----------------------
@@ -413,6 +436,14 @@ def _time(call: _Call, rounds: int, budget: Budget, monitor: NoiseMonitor
     return Timing.of(samples["model"]), Timing.of(samples["astrai"]), monitor.busy_since(mark)
 
 
+def _untimed(capture: _Capture, family: str) -> CodeFigures:
+    """The figures of a family whose calls were not timed one by one (none captured, or
+    none replayable): its call count, the per-call figures unknown."""
+    unknown = Timing(math.nan, math.nan)
+    return CodeFigures(sum(c.count for c in capture.calls.values() if c.family == family),
+                       unknown, unknown)
+
+
 def _measure_code(capture: _Capture, rounds: int, budget: float, monitor: NoiseMonitor
                   ) -> tuple[dict[str, CodeFigures], dict[str, str]]:
     """Per family: its calls' figures, or why its own code was not compared."""
@@ -517,6 +548,15 @@ class TunedModel:
                          f"{'the model' if c.left_to_model else 'astrai'}")
         lines += [f"{family:<14} not compared for {self.model}: {why}"
                   for family, why in self.skipped.items()]
+        runs = {f: c.in_model for f, c in self.model_code.items() if c.in_model is not None}
+        if runs:
+            lines += ["", "inside the model: a run routed over the run with the family left "
+                          "to the model's code (median of the rounds' ratios, 95% interval; "
+                          f"{next(iter(runs.values())).run}):"]
+            lines += [f"{family:<14} {r.ratio.median_us:>7.3f}x "
+                      f"[{r.ratio.interval.low:.3f}, {r.ratio.interval.high:.3f}]  "
+                      f"{r.verdict:<18} {r.ratio.samples} rounds"
+                      for family, r in runs.items()]
         lines.append(f"profile {self.name}: {self.path} (workloads of "
                      f"{len(list(self.workloads.glob('*.yaml')))} model(s): "
                      f"{self.workloads})")
@@ -572,6 +612,20 @@ def tune_model(model: nn.Module, *, train: bool = False, prompt: int = 16,
         with _threads(threads), use_profile(tuned.name), unobserved():
             monitor.start()
             measured, skipped = _measure_code(capture, rounds, budget, monitor)
+            routed = routed_families(model)
+
+            def without(family: str) -> None:
+                if routed_here:  # as dispatch_model decides, that family left
+                    dispatch_model(model, mode=mode, tuned=False, leave=[family])
+                else:  # the caller's families, but that one
+                    dispatch_model(model, sorted(routed - {family}), mode=mode, tuned=False)
+
+            runs = measure_in_model(
+                model, lambda: _run(model, False, prompt, new_tokens),
+                f"a prefill of {prompt} tokens and {new_tokens} decode steps", without,
+                rounds, budget, monitor)
+        measured = {f: replace(measured.get(f) or _untimed(capture, f), in_model=runs.get(f))
+                    for f in sorted({*measured, *runs})}
         combined = _write_model_code(tuned, key, measured, earlier, path)
         done = True
     finally:
@@ -604,9 +658,10 @@ def _write_model_code(tuned: Tuned, key: str, measured: Mapping[str, CodeFigures
         if not by_model:
             continue
         parts = [CodeFigures.from_plain(v) for v in by_model.values()]
-        got = CodeFigures.combine([(c.calls, c.model, c.astrai, c.busy) for c in parts])
-        if got.calls == 0 or any(math.isnan(x) for x in (got.model.median_us,
-                                                          got.astrai.median_us)):
+        got = CodeFigures.combine([(c.calls, c.model, c.astrai, c.busy) for c in parts],
+                                  [c.in_model for c in parts if c.in_model is not None])
+        if got.in_model is None and (got.calls == 0 or any(
+                math.isnan(x) for x in (got.model.median_us, got.astrai.median_us))):
             continue
         combined[family] = got
         provenance[family] = {**got.plain(), "left_to_model": got.left_to_model,

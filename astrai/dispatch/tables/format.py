@@ -276,6 +276,31 @@ class NoiseModel(FileModel):
         default=None, description="median relative width of the rows' 95% intervals")
 
 
+class InModelModel(FileModel):
+    """A family measured inside the model: a representative run timed with the family left
+    to the model's own code and routed, in interleaved rounds (``astrai.tune.in_model``)."""
+
+    run: StrictStr = Field(description="what one run is, in words")
+    model_us: float = Field(description="the run with the family left to the model's own "
+                                        "code: median microseconds")
+    model_interval_us: list[float] = Field(
+        min_length=2, max_length=2, description="its 95% confidence interval [low, high]")
+    astrai_us: float = Field(description="the run with the family routed: median microseconds")
+    astrai_interval_us: list[float] = Field(
+        min_length=2, max_length=2, description="its 95% confidence interval [low, high]")
+    ratio: float = Field(description="median over rounds of the routed run's time over the "
+                                     "run's with the family left to the model")
+    ratio_interval: list[float] = Field(
+        min_length=2, max_length=2, description="the ratio's 95% confidence interval")
+    rounds: StrictInt = Field(default=0, ge=0, description="timed rounds")
+    busy: StrictBool = Field(default=False,
+                             description="other processes competed for the CPU meanwhile")
+    verdict: StrictStr = Field(
+        default="", description="faster: the model's code beats the routed run beyond the "
+                                "noise; routed, tie, cannot tell, cannot tell (busy): the "
+                                "family stays routed")
+
+
 class CodeFiguresModel(FileModel):
     """One family's calls timed two ways: the model's own code and the routed call,
     microseconds per call (means over the recorded calls, weighted by their counts)."""
@@ -290,6 +315,9 @@ class CodeFiguresModel(FileModel):
     samples: StrictInt = Field(default=0, ge=0, description="timed samples per call, at least")
     busy: StrictBool = Field(default=False,
                              description="other processes competed for the CPU meanwhile")
+    in_model: InModelModel | None = Field(
+        default=None, description="the family measured inside the model: whole runs with "
+                                  "it left to the model's own code and routed")
 
 
 class ModelCodeModel(CodeFiguresModel):

@@ -395,8 +395,8 @@ MODES = ("train", "inference")
 
 
 def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
-                   mode: str = "train", tuned: bool | str | os.PathLike[str] = True
-                   ) -> DispatchReport:
+                   mode: str = "train", tuned: bool | str | os.PathLike[str] = True,
+                   leave: Iterable[str] = ()) -> DispatchReport:
     """Route ``model``'s work of every family that recognises itself in a model (the
     built-in ones: attention and rotary call sites, RMS norms, linear layers), or only
     of ``families``, through astrai's facades; returns the report of what is routed and
@@ -414,7 +414,10 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
     process-wide (``astrai.dispatch.tuned``), and leave to the model's own code every family a
     profile in force says runs faster there (its ``model_code``; a family named in
     ``families`` is routed all the same). The report says which profile, from which file,
-    and what it left to the model."""
+    and what it left to the model.
+
+    ``leave``: families left to the model's own code all the same (said in the report),
+    the rest decided as without it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"dispatch_model takes a torch.nn.Module, got {type(model).__name__}")
     if mode not in MODES:
@@ -422,7 +425,9 @@ def dispatch_model(model: nn.Module, families: Iterable[str] | None = None, *,
                          f"{', '.join(map(repr, MODES))}")
     known = model_families()
     wanted = _wanted(families, known)
-    found, left, notes = _tuned(tuned, wanted, families is not None)
+    left_here = _wanted(leave, known) & wanted
+    found, left, notes = _tuned(tuned, wanted - left_here, families is not None)
+    left.update(dict.fromkeys(left_here, "dispatch_model(..., leave=...) names it"))
     (freeze if mode == "inference" else thaw)(model.parameters())
     if families is None:  # (after the freeze: rows copying frozen weights may serve)
         left.update(_nothing_to_gain(known, wanted - set(left)))
