@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["__version__", "tune_model"]
+from astrai.version import __version__
 
-__version__ = "0.1.0"
+__all__ = ["__version__", "tune_model"]
 
 
 def __getattr__(name: str) -> Any:

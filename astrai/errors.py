@@ -221,7 +221,7 @@ class UnknownFamilyError(AstraiError, KeyError):
         super().__init__(family)
 
     def __str__(self) -> str:
-        from astrai.dispatch._suggest import did_you_mean
+        from astrai.suggestions import did_you_mean
 
         return (
             f"Unknown family: {self.family!r}{did_you_mean(self.family, self.known)}; "

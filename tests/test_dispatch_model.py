@@ -685,7 +685,7 @@ class TestWrappedRotary:
                 return half_rotary_pos_emb(*args, **kwargs)
 
         from astrai.families.rotary.model import rotary_sites
-        from astrai.integrations.transformers.recognise import call_signature
+        from astrai.recognition.inspection import call_signature
         assert call_signature(Opaque()) is None
         owner = {"apply_rotary_pos_emb": Opaque()}
         code = compile("def forward(q, k, c, s):\n    return apply_rotary_pos_emb(q, k, c, s)\n",

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from astrai.families.activation.model import is_activation_kind
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
-from astrai.integrations.transformers.recognise import is_norm_kind
+from astrai.recognition.inspection import is_norm_kind
 from tests import _zoo
 
 NAMES = [n for n in _zoo.ZOO if _zoo.available(n)]

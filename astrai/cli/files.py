@@ -15,10 +15,10 @@ from pathlib import Path
 from astrai.cli.inspect import profile_names
 from astrai.cli.output import OK, PROBLEMS, UsageError
 from astrai.dispatch import registry
-from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.env import OPS_ENV, TABLES_ENV
 from astrai.dispatch.environment import ops_problems
 from astrai.dispatch.plugins import DISABLED, discover, plugin_problems
+from astrai.env import OPS_ENV, TABLES_ENV
+from astrai.suggestions import did_you_mean
 
 
 def _table_files(path: Path) -> list[Path]:

@@ -15,12 +15,12 @@ from typing import Any
 from astrai.cli.output import OK, PROBLEMS, UsageError
 from astrai.cli.parser import CALL_OPTIONS
 from astrai.dispatch import registry
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import AXES, MACHINE_AXES, Axis, CallContext
-from astrai.dispatch.env import OPS_ENV
 from astrai.dispatch.plugins import Plugin, plugin_problems
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.tables.model import FamilyTable, View
+from astrai.env import OPS_ENV
+from astrai.suggestions import did_you_mean
 
 # -- families as tables (list, and explain without a call) ---------------------
 

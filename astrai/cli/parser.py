@@ -7,10 +7,10 @@ __all__ = ["CALL_OPTIONS", "DESCRIPTION", "INIT_DIR", "MACHINE_OPTIONS", "add_ax
 
 import argparse
 
-from astrai import __version__
 from astrai.cli.output import help_text
 from astrai.dispatch.axes import AXES, MACHINE_AXES, TRACED_AXIS, Axis, format_value
-from astrai.dispatch.env import OPS_ENV, TABLES_ENV
+from astrai.env import OPS_ENV, TABLES_ENV
+from astrai.version import __version__
 
 #: Where ``init`` copies the shipped tables by default.
 INIT_DIR = "astrai-tables"

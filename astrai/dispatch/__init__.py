@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.env import OPS_ENV, TABLES_ENV
 from astrai.dispatch.environment import env_overrides, env_selection
 from astrai.dispatch.explain import explain, explain_plan
 from astrai.dispatch.expr.spec import Spec, parse_spec
@@ -41,6 +40,7 @@ from astrai.dispatch.scopes import (
 )
 from astrai.dispatch.stats import UsageStats, reset_stats, stats
 from astrai.dispatch.tables.model import FamilyTable, ImplRecord, Unavailable
+from astrai.env import OPS_ENV, TABLES_ENV
 from astrai.errors import (
     AstraiError,
     ExplicitSelectionError,

@@ -27,10 +27,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from astrai import __version__
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import EXPRESSION_AXES, PREDICATES
-from astrai.dispatch.env import TABLES_ENV
 from astrai.dispatch.expr.analysis import named_parts
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.joined import EMPTY as JOINED_NONE
@@ -49,7 +47,9 @@ from astrai.dispatch.tables.model import (
     table_revision,
 )
 from astrai.dispatch.tables.parsed import ParsedFile
+from astrai.env import TABLES_ENV
 from astrai.errors import TableError, TableProblem
+from astrai.version import __version__
 
 _YAML_SUFFIXES = (".yaml", ".yml")
 

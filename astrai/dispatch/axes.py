@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.hardware import (
     CPU_VENDORS,
     GPU_VENDORS,
@@ -63,6 +62,7 @@ from astrai.dispatch.hardware import (
     isa_level,
     machine_facts,
 )
+from astrai.suggestions import did_you_mean
 
 AxisKind = Literal["bool", "int", "enum", "dtype", "level"]
 

@@ -33,10 +33,10 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.env import OPS_ENV, OPS_KEY, decoded, encoded, environ_get, raw_get
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.registry import Registry, current
+from astrai.env import OPS_ENV, OPS_KEY, decoded, encoded, environ_get, raw_get
+from astrai.suggestions import did_you_mean
 
 PROFILE_KEY = "profile"
 

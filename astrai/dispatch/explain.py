@@ -22,7 +22,6 @@ from astrai.dispatch.axes import (
     format_value,
     unremarkable,
 )
-from astrai.dispatch.env import LOCK_ENV
 from astrai.dispatch.hardware import machine_facts
 from astrai.dispatch.keying import family_specs
 from astrai.dispatch.plugins import in_use
@@ -40,6 +39,7 @@ from astrai.dispatch.verdicts import (
     UNFAITHFUL,
     row_verdict,
 )
+from astrai.env import LOCK_ENV
 
 
 @dataclass(frozen=True)

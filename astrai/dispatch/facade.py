@@ -76,12 +76,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from astrai import native
+from astrai.dispatch import hot_native as native
 from astrai.dispatch import python_hot
 from astrai.dispatch import state as process
 from astrai.dispatch.autocasting import Autocast, autocasted
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.keying import key_plan
 from astrai.dispatch.reading import Case, Layout, Op, Reading, encode, unreadable
 from astrai.dispatch.registry import Registry, current
@@ -94,6 +93,7 @@ from astrai.dispatch.torch_compile import (
     representatives,
 )
 from astrai.dispatch.world import World, same_world, world_now
+from astrai.env import OPS_KEY, environ_get
 
 
 def shape_reader(readers: Mapping[str, Callable[..., Any]]) -> Callable[..., tuple[Any, ...]]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from astrai.dispatch.env import MACHINE_ENV
+from astrai.env import MACHINE_ENV
 
 #: The ``cpu_vendor`` axis's values.
 CPU_VENDORS: tuple[str, ...] = ("intel", "amd", "arm", "apple", "other")

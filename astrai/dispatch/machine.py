@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from astrai import __version__
 from astrai.dispatch.hardware import cpuinfo
+from astrai.version import __version__
 
 
 @dataclass(frozen=True)

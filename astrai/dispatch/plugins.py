@@ -41,14 +41,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from astrai.dispatch._suggest import did_you_mean
-from astrai.dispatch.env import PLUGINS_ENV
 from astrai.dispatch.log import logger, warn_once
 from astrai.dispatch.tables.artifact import ARTIFACT, Entry, read_entries
 from astrai.dispatch.tables.load import MAX_TABLE_BYTES, parse_bytes, read_table_bytes
 from astrai.dispatch.tables.model import FamilyTable
 from astrai.dispatch.tables.parsed import ParsedFile
+from astrai.env import PLUGINS_ENV
 from astrai.errors import TableProblem
+from astrai.suggestions import did_you_mean
 
 #: The entry point group a kernel package declares its tables under.
 GROUP = "astrai.tables"

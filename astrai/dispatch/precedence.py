@@ -30,7 +30,6 @@ __all__ = [
 from dataclasses import dataclass
 from typing import Any
 
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CallContext
 from astrai.dispatch.environment import EnvSettings
 from astrai.dispatch.log import warn_once
@@ -49,6 +48,7 @@ from astrai.dispatch.verdicts import (
     why_not,
 )
 from astrai.errors import ExplicitSelectionError
+from astrai.suggestions import did_you_mean
 
 
 class Ask:

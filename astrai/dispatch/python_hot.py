@@ -26,9 +26,9 @@ import torch
 
 from astrai.dispatch import state as process
 from astrai.dispatch.autocasting import autocasting
-from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.reading import GUARDS, ITEMS, VALUES
 from astrai.dispatch.scopes import current_scope
+from astrai.env import OPS_KEY, environ_get
 
 
 class _Case:

@@ -38,7 +38,6 @@ from typing import Any
 
 from astrai.dispatch import hardware
 from astrai.dispatch import state as process
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.assembly import (
     build_snapshot,
     env_table_paths,
@@ -58,6 +57,7 @@ from astrai.dispatch.tables.model import (
     table_revision,
 )
 from astrai.errors import TableError, TableProblem
+from astrai.suggestions import did_you_mean
 
 
 def _swap(new: Registry) -> None:

@@ -34,7 +34,6 @@ from typing import Any, Protocol
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.env import LOCK_KEY, OPS_KEY, environ_get
 from astrai.dispatch.environment import EnvSettings, env_for
 from astrai.dispatch.keying import PLAIN, identity_or_base, signature_key
 from astrai.dispatch.log import warn_once
@@ -51,6 +50,7 @@ from astrai.dispatch.stats import MISSES, QUIET, UNCACHED, counter
 from astrai.dispatch.tables.model import ImplRecord, View
 from astrai.dispatch.verdicts import Resolution, resolved, serve_problem
 from astrai.dispatch.world import World, world_now
+from astrai.env import LOCK_KEY, OPS_KEY, environ_get
 from astrai.errors import NoImplementationError
 
 # -- the lock's say: the one interface through which a workflow joins a decision -------
@@ -349,7 +349,7 @@ def _decide_hot_path() -> None:
     as well."""
     global _hot_path_decided
     _hot_path_decided = True
-    from astrai import native
+    from astrai.dispatch import hot_native as native
 
     if process.hot_planner is not None or native.pending():
         return

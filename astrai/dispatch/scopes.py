@@ -42,11 +42,11 @@ from types import MappingProxyType
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.environment import EnvSettings, env_now
 from astrai.dispatch.registry import Registry, current
 from astrai.dispatch.tables.model import View
 from astrai.errors import ScopeError
+from astrai.suggestions import did_you_mean
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astrai.dispatch import state as process
-from astrai.dispatch.env import encoded
 from astrai.dispatch.joined import EMPTY as JOINED_NONE
 from astrai.dispatch.joined import Joined
 from astrai.dispatch.plugins import Plugin
@@ -28,6 +27,7 @@ from astrai.dispatch.tables.model import (
     check,
     make_view,
 )
+from astrai.env import encoded
 from astrai.errors import UnknownFamilyError
 
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
-from astrai.dispatch.env import TUNED_ENV, cache_root
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import Machine, cuda_initialized, this_machine
 from astrai.dispatch.registry import current, load_tables
 from astrai.dispatch.scopes import process_profiles, set_process_profiles
+from astrai.env import TUNED_ENV, cache_root
 from astrai.errors import AstraiError
 
 _OFF = ("off", "0", "false", "no")

@@ -18,9 +18,9 @@ __all__ = ["World", "in_force", "same_world", "world_now"]
 from typing import Any, NamedTuple
 
 from astrai.dispatch import state as process
-from astrai.dispatch.env import OPS_KEY, environ_get
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.scopes import Scope, current_scope
+from astrai.env import OPS_KEY, environ_get
 
 
 class World(NamedTuple):

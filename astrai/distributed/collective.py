@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from astrai import __version__
 from astrai.distributed.comparison import PlanDifference
 from astrai.distributed.fingerprint import MAX_ERROR_TEXT, WIRE_FORMAT
 from astrai.errors import PlanMismatchError
+from astrai.version import __version__
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

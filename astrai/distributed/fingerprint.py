@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from astrai import __version__
 from astrai.dispatch.axes import CallContext, call_key
-from astrai.dispatch.env import LOCK_KEY, environ_get
 from astrai.dispatch.environment import env_settings
 from astrai.dispatch.plugins import in_use
 from astrai.dispatch.registry import current
@@ -32,6 +30,8 @@ from astrai.dispatch.resolution import evaluate, settle
 from astrai.dispatch.scopes import active_profiles
 from astrai.dispatch.tables.model import table_revision
 from astrai.dispatch.verdicts import MATCH, row_verdict
+from astrai.env import LOCK_KEY, environ_get
+from astrai.version import __version__
 
 if TYPE_CHECKING:
     pass

@@ -1,9 +1,6 @@
-"""The pieces every file format of astrai shares: the frozen, closed model base, names and
-counts, the machine fingerprint's model, and writing a file whole.
-
-A leaf: it imports pydantic and nothing of astrai's but the name rule and the errors, so
-the table formats of the core and the workflows' documents both build on it.
-"""
+"""What the workflows' files share: the model base, names, counts and the machine's model
+(``astrai.dispatch.tables.parts``, which the table formats build on too), storage sizes,
+and writing a file whole."""
 
 from __future__ import annotations
 
@@ -15,34 +12,9 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
-
-from astrai.dispatch.names import NAME_PATTERN
+from astrai.dispatch.tables.parts import Count, FileModel, MachineModel, Name, Positive
 from astrai.errors import OutputPathError
-
-
-class FileModel(BaseModel):
-    """A part of a file: unknown keys are errors, and values are never changed in place."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN, description="a row or profile name")]
-Count = Annotated[StrictInt, Field(ge=0)]
-Positive = Annotated[StrictInt, Field(ge=1)]
-
-
-class MachineModel(FileModel):
-    """A machine's fingerprint (``astrai.dispatch.machine.Machine``)."""
-
-    cpu: StrictStr
-    cores: Positive
-    gpu: StrictStr | None
-    sm: Count | None
-    torch: StrictStr
-    astrai: StrictStr
 
 
 def storage_elements(shape: tuple[int, ...] | list[int],

@@ -40,7 +40,6 @@ from typing import Any
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext, call_key
-from astrai.dispatch.env import LOCK_ENV, LOCK_KEY, LOCK_MODE_ENV, LOCK_MODE_KEY, environ_get
 from astrai.dispatch.environment import env_now
 from astrai.dispatch.keying import signature_key
 from astrai.dispatch.log import warn_once
@@ -48,6 +47,7 @@ from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import Registry
 from astrai.dispatch.scopes import active_profiles, current_scope
 from astrai.dispatch.tables.model import ImplRecord, table_revision
+from astrai.env import LOCK_ENV, LOCK_KEY, LOCK_MODE_ENV, LOCK_MODE_KEY, environ_get
 from astrai.errors import FileFormatError, LockDriftError
 from astrai.lock.model import Lock, LockedDecision
 from astrai.record.workload import ObjectArg, selection_of

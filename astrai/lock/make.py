@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from astrai.dispatch.axes import call_key, context_from_fields
-from astrai.dispatch.env import OPS_ENV, PLUGINS_ENV, TABLES_ENV
 from astrai.dispatch.environment import env_now
 from astrai.dispatch.machine import this_machine
 from astrai.dispatch.plugins import in_use
@@ -32,6 +31,7 @@ from astrai.dispatch.resolution import evaluate
 from astrai.dispatch.scopes import active_profiles, op_backend, use_profile
 from astrai.dispatch.tables.model import ImplRecord, table_revision
 from astrai.dispatch.verdicts import serve_problem
+from astrai.env import OPS_ENV, PLUGINS_ENV, TABLES_ENV
 from astrai.lock.enforce import drift_reason
 from astrai.lock.model import Lock, LockedDecision
 from astrai.record.workload import ObjectArg, RecordedCall, Workload, now_utc

@@ -27,21 +27,22 @@ same, and a failure is a warning; ``0`` / ``off``, never load or build it.
 
 from __future__ import annotations
 
-__all__ = ["NATIVE_DIR_ENV", "NATIVE_ENV", "NativeBuildError", "NativeStatus", "build", "load",
-           "load_from", "pending", "status"]
+__all__ = ["NATIVE_DIR_ENV", "NATIVE_ENV", "NativeBuildError", "NativeStatus", "add_setup", "build",
+           "load", "load_from", "pending", "status"]
 
 import importlib.util
 import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from astrai.dispatch.env import NATIVE_DIR_ENV, NATIVE_ENV
+from astrai.env import NATIVE_DIR_ENV, NATIVE_ENV
 from astrai.native.building import (
     PREBUILT_DIR,
     NativeBuildError,
@@ -95,7 +96,9 @@ def load_from(path: Path) -> ModuleType:
     """The compiled module at ``path`` (``build()``'s), imported and set up for this
     process, whatever ``ASTR_NATIVE`` says (the facades use ``load()``'s)."""
     module = _import(path)
-    _setup(module)
+    module.tensor_types(torch.Tensor, torch.nn.Parameter)  # the kernels' (setup binds them too)
+    for setup in _setups:
+        setup(module)
     return module
 
 
@@ -241,16 +244,15 @@ def status() -> NativeStatus:
     return _decided[0][0]
 
 
-def _setup(module: ModuleType) -> None:
-    from astrai.dispatch import state as process
-    from astrai.dispatch.env import ENVIRON_DATA, OPS_KEY
-    from astrai.dispatch.reading import GUARDS, ITEMS, VALUES
-    from astrai.dispatch.scopes import scope_variable
+def add_setup(setup: Callable[[ModuleType], None]) -> None:
+    """Run ``setup`` on every module loaded from now on, and on the one loaded already:
+    the engine hands the compiled hot path what it reads (``astrai.dispatch.hot_native``);
+    a setup raising ``ImportError`` on a module about to be loaded refuses it (the
+    pure-Python path serves)."""
+    _setups.append(setup)
+    if _decided and _decided[0][1] is not None:
+        setup(_decided[0][1])
 
-    if ENVIRON_DATA is None:  # pragma: no cover - platforms without os.environ._data
-        raise ImportError("this platform's os.environ has no raw dict to read")
-    if module.opcodes() != (GUARDS, VALUES, ITEMS):
-        raise ImportError("the built extension reads other opcodes than "
-                          "astrai.dispatch.reading names: rebuild it")
-    module.setup(vars(process), scope_variable(), ENVIRON_DATA, OPS_KEY, torch.Tensor,
-                 torch.nn.Parameter)
+
+#: What every loaded module is set up with (``add_setup``).
+_setups: list[Callable[[ModuleType], None]] = []

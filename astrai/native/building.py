@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from astrai.dispatch.env import NATIVE_DIR_ENV, cache_root
+from astrai.env import NATIVE_DIR_ENV, cache_root
 
 #: The extension's module name (its ``PyInit_`` symbol).
 NAME = "_astrai_hot"

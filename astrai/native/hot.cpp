@@ -49,6 +49,8 @@ struct Globals {
 Globals g;
 
 bool ready() { return g.process != nullptr; }
+// Whether the tensor types are bound (tensor_types or setup): all the kernels need.
+bool typed() { return g.tensor != nullptr && g.parameter != nullptr; }
 
 // The most arguments, base values and lazy slots a plan may have.
 constexpr int kMax = 16;
@@ -749,6 +751,25 @@ PyObject* setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+// tensor_types(tensor, parameter): what the native rows' kernels need of a process (the
+// types a plain tensor has); the hot path needs setup's too. astrai.native binds them at
+// load, the engine's setup (astrai.dispatch.hot_native) everything.
+PyObject* tensor_types(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensor_types(tensor, parameter): two types expected");
+    return nullptr;
+  }
+  if (g.tensor == nullptr) {
+    Py_INCREF(args[0]);
+    g.tensor = args[0];
+  }
+  if (g.parameter == nullptr) {
+    Py_INCREF(args[1]);
+    g.parameter = args[1];
+  }
+  Py_RETURN_NONE;
+}
+
 // The opcodes' names, in order, for astrai.dispatch.reading to check against its own.
 PyObject* opcodes(PyObject*, PyObject*) {
   return Py_BuildValue(
@@ -763,6 +784,7 @@ PyObject* opcodes(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     METHOD(setup, "Bind the process state, scope variable, environment and tensor types."),
+    METHOD(tensor_types, "Bind the tensor types the kernels read (setup binds them too)."),
     {"plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(make_plan)),
      METH_FASTCALL, "plan(arity, cases, consts, items, slots) -> capsule"},
     METHOD(lookup, "lookup(last, *args) -> Decision | None"),
@@ -780,11 +802,11 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_astrai_hot",
 
 // ``plain`` for the native rows' kernels (astrai/native/kernels.cpp): whether ``obj``
 // is a tensor this file reads as Python would.
-bool astrai_plain_tensor(PyObject* obj) { return ready() && plain(obj) != nullptr; }
+bool astrai_plain_tensor(PyObject* obj) { return typed() && plain(obj) != nullptr; }
 
-// Whether the module's setup ran; false with a RuntimeError set otherwise.
+// Whether the kernels' types are bound; false with a RuntimeError set otherwise.
 bool astrai_set_up() {
-  if (ready()) return true;
+  if (typed()) return true;
   PyErr_SetString(PyExc_RuntimeError,
                   "astrai's native extension was imported but never set up "
                   "(astrai.native.load_from sets it up)");

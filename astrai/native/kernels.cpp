@@ -36,7 +36,7 @@
 // hot.cpp's reading of a plain tensor: exactly a Tensor or Parameter, strided, not
 // nested, no Python dispatch, no symbolic sizes, no __torch_function__ mode in force.
 bool astrai_plain_tensor(PyObject* obj);
-// Whether the module's setup ran (hot.cpp); false with a RuntimeError set otherwise.
+// Whether the tensor types are bound (hot.cpp); false with a RuntimeError set otherwise.
 bool astrai_set_up();
 
 namespace {

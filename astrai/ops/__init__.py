@@ -25,7 +25,6 @@ import torch
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CallContext
-from astrai.dispatch.env import RECORD_ENV
 from astrai.dispatch.facade import (
     FIRST_TENSOR_READING,
     HOT,
@@ -42,6 +41,7 @@ from astrai.dispatch.registry import current
 from astrai.dispatch.resolution import decide, same_context
 from astrai.dispatch.torch_compile import compiling, decision_name, representatives
 from astrai.dispatch.world import in_force, world_now
+from astrai.env import RECORD_ENV
 from astrai.families import every_family, facade_for
 
 # The public facades of the built-in families (each declared in its own package).

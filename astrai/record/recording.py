@@ -49,12 +49,12 @@ import torch
 
 from astrai.dispatch import state as process
 from astrai.dispatch.axes import CORE_AXES, CallContext, context_fields
-from astrai.dispatch.env import RECORD_ENV, RECORD_OWNER_ENV
 from astrai.dispatch.log import warn_once
 from astrai.dispatch.machine import cuda_initialized, this_machine
 from astrai.dispatch.registry import current
 from astrai.dispatch.scopes import current_scope
 from astrai.dispatch.stats import UNOBSERVED
+from astrai.env import RECORD_ENV, RECORD_OWNER_ENV
 from astrai.record.workload import RecordedCall, Workload, describe_value, selection_of
 
 #: The most distinct calls a recording keeps (later new ones are counted as dropped).

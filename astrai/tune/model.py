@@ -312,7 +312,7 @@ class _Spy:
 @contextmanager
 def _capturing(model: nn.Module, capture: _Capture) -> Iterator[None]:
     """Within the block, every routed module's and call site's calls are noted."""
-    from astrai.integrations.transformers.rebind import rebind
+    from astrai.recognition.rebind import rebind
 
     handles: list[Any] = []
     swapped: list[tuple[Route, Any]] = []

@@ -33,9 +33,9 @@ from typing import Generic, NoReturn, Protocol, TypeVar, cast
 
 import torch
 
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import DTYPES, Axis, Vocabulary
 from astrai.dispatch.expr._tokenizer import Token, Tokenizer
+from astrai.suggestions import did_you_mean
 
 #: How deeply ``(`` and ``not`` may nest.
 MAX_DEPTH = 64

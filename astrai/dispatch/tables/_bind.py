@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from astrai.dispatch._suggest import closest, did_you_mean
+from astrai.suggestions import closest, did_you_mean
 
 
 class BindError(Exception):

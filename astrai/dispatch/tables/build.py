@@ -16,7 +16,6 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.joined import Joined
@@ -32,6 +31,7 @@ from astrai.dispatch.tables.model import (
 )
 from astrai.dispatch.tables.parsed import Data, ParsedFile, PathT, spec_problem
 from astrai.errors import SpecSyntaxError
+from astrai.suggestions import did_you_mean
 
 
 def compile_when(out: ParsedFile, path: PathT, text: str, vocabulary: Vocabulary) -> Spec | None:

@@ -46,7 +46,7 @@ from astrai.dispatch.axes import AXES, FEATURE_AXES, MACHINE_AXES
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.names import NAME_PATTERN, family_name_problem
 from astrai.dispatch.tables.artifact import schemas_dir
-from astrai.formats.common import FileModel, MachineModel
+from astrai.dispatch.tables.parts import FileModel, MachineModel
 
 SUPPORTED_VERSION = 1
 

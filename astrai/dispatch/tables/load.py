@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from astrai.dispatch._suggest import did_you_mean
 from astrai.dispatch.axes import Vocabulary
 from astrai.dispatch.tables import artifact
 from astrai.dispatch.tables.build import (
@@ -42,6 +41,7 @@ from astrai.dispatch.tables.build import (
 from astrai.dispatch.tables.model import FamilyTable
 from astrai.dispatch.tables.parsed import Data, ParsedFile, PathT, spec_problem
 from astrai.errors import SpecSyntaxError, TableError, TableProblem
+from astrai.suggestions import did_you_mean
 
 if TYPE_CHECKING:
     from pydantic import BaseModel, ValidationError

@@ -30,8 +30,8 @@ from torch import nn
 from astrai.families.attention.alibi import alibi_attention_forward, alibi_form
 from astrai.families.attention.transformers import astrai_attention_forward, watch_collector
 from astrai.families.recognition import Installed, ModelRecognition, Sites
-from astrai.integrations.transformers.rebind import global_names
-from astrai.integrations.transformers.recognise import stand_in
+from astrai.recognition.inspection import stand_in
+from astrai.recognition.rebind import global_names
 
 #: The global through which transformers' attention layers find their attention function.
 ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"

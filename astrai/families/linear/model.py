@@ -22,7 +22,7 @@ from torch import nn
 
 from astrai.families.linear import linear
 from astrai.families.recognition import Installed, ModelRecognition
-from astrai.integrations.transformers.recognise import EMBEDDINGS, is_norm_kind
+from astrai.recognition.inspection import EMBEDDINGS, is_norm_kind
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from torch import nn
 from astrai.families.activation.model import activation_child, child_activation
 from astrai.families.moe_experts import moe_experts
 from astrai.families.recognition import Installed, ModelRecognition
-from astrai.integrations.transformers.recognise import call_signature
+from astrai.recognition.inspection import call_signature
 
 _H, _I = 24, 8  # the probe's hidden and intermediate sizes (2 * _I != _H)
 

@@ -39,8 +39,8 @@ from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import count_model_own
 from astrai.families.recognition import ModelRecognition, Note, Sites
 from astrai.families.rotary import apply_rotary, apply_rotary_half
-from astrai.integrations.transformers.rebind import global_names
-from astrai.integrations.transformers.recognise import call_signature, label, stand_in
+from astrai.recognition.inspection import call_signature, label, stand_in
+from astrai.recognition.rebind import global_names
 
 #: The names of functions that apply a rotary embedding (apply_rotary_pos_emb,
 #: apply_rotary_emb, apply_multimodal_rotary_pos_emb, apply_rope, ...).

@@ -61,9 +61,9 @@ from astrai.dispatch.stats import MODEL_OWN, mark, stats, unobserved
 from astrai.families import every_family
 from astrai.families.recognition import Installed, ModelRecognition, Note, Refused, Sites
 from astrai.integrations.transformers.coverage import shares, unaccounted
-from astrai.integrations.transformers.rebind import rebind
-from astrai.integrations.transformers.recognise import is_norm_kind, own_forward
 from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
+from astrai.recognition.inspection import is_norm_kind, own_forward
+from astrai.recognition.rebind import rebind
 
 #: The attribute a routed module carries its ``Route`` in.
 ROUTE_ATTR = "_astrai_route"

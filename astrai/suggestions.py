@@ -1,4 +1,4 @@
-"""'Did you mean' suggestions for unknown names."""
+"""'Did you mean' suggestions for unknown names (every error message naming the valid ones)."""
 
 from __future__ import annotations
 
