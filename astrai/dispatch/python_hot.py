@@ -103,6 +103,10 @@ def _guard(op: tuple[Any, ...], case: _Case, settled: bool) -> str:
         return f"({a} is _c{int(op[2])})"
     if name == "float_ge0":
         return f"(type({a}) is float and {a} >= 0)"
+    if name == "float":
+        return f"(type({a}) is float)"
+    if name == "float_gt0":
+        return f"(type({a}) is float and {a} > 0)"
     if name == "int_eq":
         return f"(type({a}) is int and {a} == {int(op[2])})"
     if name == "bool":
@@ -139,8 +143,8 @@ def _guard(op: tuple[Any, ...], case: _Case, settled: bool) -> str:
     raise ValueError(f"unknown guard opcode {op[0]!r}")
 
 
-_NO_SHAPE = ("tensor", "tensor_or_none", "is", "float_ge0", "int_eq", "bool", "floating",
-             "dtype_eq")
+_NO_SHAPE = ("tensor", "tensor_or_none", "is", "float", "float_ge0", "float_gt0", "int_eq",
+             "bool", "floating", "dtype_eq")
 
 
 def _shapes_read(op: tuple[Any, ...]) -> set[int]:

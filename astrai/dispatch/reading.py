@@ -13,7 +13,8 @@ Operands are argument indexes (the facade's arguments after ``last``) and dimens
 indexes (negative from the end). A guard is ``(op, *operands)``:
 
 ``tensor i`` / ``tensor_or_none i`` / ``is i c`` (``args[i] is consts[c]``) /
-``float_ge0 i`` (an exact float >= 0) / ``int_eq i n`` (an exact int equal to ``n``) /
+``float i`` (an exact float) / ``float_ge0 i`` (an exact float >= 0) / ``float_gt0 i`` (an
+exact float > 0) / ``int_eq i n`` (an exact int equal to ``n``) /
 ``bool i`` (an exact bool) / ``ndim i n`` / ``ndim_ge i n`` / ``size_eq i a j b`` /
 ``size_is i a n`` / ``size_ge i a n`` / ``size_even i a`` / ``size_div i a j b``
 (``size(j, b) > 0`` divides ``size(i, a)``) / ``size_twice i a j b`` (``size(i, a)`` is
@@ -48,7 +49,7 @@ import torch
 #: Every guard, in the order of the compiled path's opcodes.
 GUARDS = ("tensor", "tensor_or_none", "is", "float_ge0", "int_eq", "bool", "ndim", "ndim_ge",
           "size_eq", "size_is", "size_ge", "size_even", "size_div", "size_twice", "shape_eq",
-          "dtype_eq", "floating", "any")
+          "dtype_eq", "floating", "any", "float", "float_gt0")
 #: Every value, in the order of the compiled path's opcodes.
 VALUES = ("dtype", "cuda", "ndim", "size", "grad", "const", "arg", "rows", "prod", "device",
           "sm")
@@ -145,6 +146,10 @@ def _guard(op: Op, args: tuple[Any, ...], consts: tuple[Any, ...]) -> bool:
         return x is consts[op[2]]
     if name == "float_ge0":
         return type(x) is float and x >= 0
+    if name == "float":
+        return type(x) is float
+    if name == "float_gt0":
+        return type(x) is float and x > 0
     if name == "int_eq":
         return type(x) is int and x == op[2]
     if name == "bool":

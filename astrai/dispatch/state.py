@@ -96,6 +96,10 @@ locks: dict[tuple[Any, Any], Any] = {}
 #: Per lock in force and table snapshot: its decisions by decision key (``astrai.lock.enforce``).
 lock_indexes: dict[tuple[int, int], Any] = {}
 
+#: Per family with a schema (``astrai.dispatch.schema``): why a row's function cannot take
+#: the facade's arguments (``None`` where it can); a table load refuses such a row.
+row_checks: dict[str, Callable[[Any], str | None]] = {}
+
 # -- torch.compile support (see ``torch_compile``) ---------------------------------
 #: Every object a decision taken at trace time may return, by ``impl_key``: dynamo
 #: reads this dict as it was when tracing started, so objects are published beforehand.

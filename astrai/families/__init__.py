@@ -84,6 +84,7 @@ def undeclare(name: str) -> Family | None:
     """Forget the family declared as ``name`` and its facades (a user's family whose
     module goes away; its table stays loaded, served through ``ops.call`` alone);
     returns what was declared."""
+    from astrai.dispatch import state
     from astrai.dispatch.facade import FACADES
 
     family = _DECLARED.pop(name, None)
@@ -91,6 +92,7 @@ def undeclare(name: str) -> Family | None:
         for f in family.facades:
             if FACADES.get(f.name) is f:
                 del FACADES[f.name]
+        state.row_checks.pop(name, None)
     return family
 
 

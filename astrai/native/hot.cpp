@@ -133,7 +133,7 @@ bool in_force(PyObject* world) {
 enum Guard {
   G_TENSOR, G_TENSOR_OR_NONE, G_IS, G_FLOAT_GE0, G_INT_EQ, G_BOOL, G_NDIM, G_NDIM_GE,
   G_SIZE_EQ, G_SIZE_IS, G_SIZE_GE, G_SIZE_EVEN, G_SIZE_DIV, G_SIZE_TWICE, G_SHAPE_EQ,
-  G_DTYPE_EQ, G_FLOATING, G_ANY, G_COUNT
+  G_DTYPE_EQ, G_FLOATING, G_ANY, G_FLOAT, G_FLOAT_GT0, G_COUNT
 };
 enum Value {
   V_DTYPE, V_CUDA, V_NDIM, V_SIZE, V_GRAD, V_CONST, V_ARG, V_ROWS, V_PROD, V_DEVICE,
@@ -367,6 +367,8 @@ bool guard(const Op& op, Call& c, const Plan& plan) {
     case G_TENSOR_OR_NONE: return x == Py_None || c.tensor(op.x[0]) != nullptr;
     case G_IS: return x == plan.consts[op.x[1]];
     case G_FLOAT_GE0: return PyFloat_CheckExact(x) && PyFloat_AS_DOUBLE(x) >= 0;
+    case G_FLOAT: return PyFloat_CheckExact(x);
+    case G_FLOAT_GT0: return PyFloat_CheckExact(x) && PyFloat_AS_DOUBLE(x) > 0;
     case G_INT_EQ: {
       if (!PyLong_CheckExact(x)) return false;
       int overflow = 0;
@@ -773,9 +775,10 @@ PyObject* tensor_types(PyObject*, PyObject* const* args, Py_ssize_t n) {
 // The opcodes' names, in order, for astrai.dispatch.reading to check against its own.
 PyObject* opcodes(PyObject*, PyObject*) {
   return Py_BuildValue(
-      "((ssssssssssssssssss)(sssssssssss)(sss))", "tensor", "tensor_or_none", "is", "float_ge0",
+      "((ssssssssssssssssssss)(sssssssssss)(sss))", "tensor", "tensor_or_none", "is", "float_ge0",
       "int_eq", "bool", "ndim", "ndim_ge", "size_eq", "size_is", "size_ge", "size_even",
-      "size_div", "size_twice", "shape_eq", "dtype_eq", "floating", "any", "dtype", "cuda", "ndim", "size",
+      "size_div", "size_twice", "shape_eq", "dtype_eq", "floating", "any", "float", "float_gt0",
+      "dtype", "cuda", "ndim", "size",
       "grad", "const", "arg", "rows", "prod", "device", "sm", "interval", "raw", "sign");
 }
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+from astrai.dispatch import state as process
 from astrai.dispatch.axes import CORE_VOCABULARY, Axis, Vocabulary
 from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.joined import Joined
@@ -67,6 +68,11 @@ def bind_row(out: ParsedFile, path: PathT, family: str, row: Data, spec: Spec,
         impl = bind(row["impl"], requires)
     except BindError as exc:
         out.problem((*path, "impl"), str(exc))
+        return None
+    check = process.row_checks.get(family)
+    wrong = None if check is None or impl.obj is None else check(impl.obj)
+    if wrong is not None:
+        out.problem((*path, "impl"), f"row {row['name']!r} ({row['impl']}): {wrong}")
         return None
     probe: Callable[[], Any] | None = None
     missing = impl.missing or missing_requirement(requires)
