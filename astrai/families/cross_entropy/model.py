@@ -42,6 +42,7 @@ from astrai.families.cross_entropy import cross_entropy
 from astrai.families.cross_entropy.deferred import DeferredLogits
 from astrai.families.linear_cross_entropy import linear_cross_entropy
 from astrai.families.recognition import Installed, ModelRecognition
+from astrai.recognition.probe import gap
 
 _MISSING = object()
 
@@ -130,10 +131,7 @@ def _plain_linear(head: nn.Module) -> bool:
             want = F.linear(x, weight, bias)
     except Exception:
         return False
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return False
-    scale = 1.0 + float(want.abs().max())
-    return float((got.float() - want.float()).abs().max()) <= 1e-3 * scale
+    return gap(got, want) <= 1e-3
 
 
 def _computes(fn: Any, shift: bool) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 __all__ = ["RECOGNITION", "GatedForm", "gated_form"]
 
-import copy
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch import nn
 from astrai.families.activation.model import activation_child, child_activation
 from astrai.families.gated_activation import gated_activation
 from astrai.families.recognition import Installed, ModelRecognition
+from astrai.recognition.probe import gap, probe_copy
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,7 @@ def _claims(module: nn.Module) -> bool:
 def _probe(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose layers hold random float32 weights on the CPU."""
     g = torch.Generator().manual_seed(23)
-    probe = copy.copy(module)
-    probe._modules = dict(module._modules)
-    probe._forward_hooks, probe._forward_pre_hooks = type(module._forward_hooks)(), type(
-        module._forward_pre_hooks)()
+    layers: dict[str, nn.Module | None] = {}
     for name in _layers(module):
         layer = nn.Linear(1, 1)  # replaced below: the child's shapes, random values
         child = module._modules[name]
@@ -103,8 +100,8 @@ def _probe(module: nn.Module) -> nn.Module:
         bias = None if b is None else nn.Parameter(torch.randn(tuple(b.shape), generator=g),
                                                    requires_grad=False)
         layer.register_parameter("bias", bias)
-        probe._modules[name] = layer
-    return probe
+        layers[name] = layer
+    return probe_copy(module, modules=layers)
 
 
 def _compute(probe: nn.Module, form: GatedForm, x: torch.Tensor) -> torch.Tensor:
@@ -140,10 +137,10 @@ def gated_form(module: nn.Module) -> GatedForm | str:
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             failures.append("its forward returns another shape")
             continue
-        gap = float((got - want).abs().max()) / (1.0 + float(want.abs().max()))
-        if gap <= 1e-5:
+        far = gap(got, want)
+        if far <= 1e-5:
             return form
-        failures.append(f"differs by {gap:.2g}")
+        failures.append(f"differs by {far:.2g}")
     return (f"its layers fit a gated MLP but its forward computes none of its forms "
             f"({'; '.join(dict.fromkeys(failures))})")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 __all__ = ["RECOGNITION", "LayerNormForm", "is_layer_norm_kind", "layer_norm_form"]
 
-import copy
 import math
 import re
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from astrai.backends.layer_norm import reference_layer_norm
 from astrai.families.layer_norm import layer_norm
 from astrai.families.recognition import Installed, ModelRecognition, Refused
 from astrai.families.rms_norm.model import is_rms_kind
+from astrai.recognition.probe import probe_copy
 
 #: The epsilon attributes layer norms carry, in the order they are tried.
 EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
@@ -115,13 +115,8 @@ def _compare(module: nn.Module, form: LayerNormForm, features: int) -> str | Non
     g = torch.Generator().manual_seed(features)
     weight = torch.randn(features, generator=g) if form.weight else None
     bias = torch.randn(features, generator=g) if form.bias else None
-    probe = copy.copy(module)
-    probe._parameters = dict(module._parameters)
-    for name, value in (("weight", weight), ("bias", bias)):
-        if value is not None:
-            probe._parameters[name] = nn.Parameter(value, requires_grad=False)
-    probe._forward_hooks, probe._forward_pre_hooks = type(probe._forward_hooks)(), type(
-        probe._forward_pre_hooks)()
+    probe = probe_copy(module, parameters={n: v for n, v in (("weight", weight), ("bias", bias))
+                                           if v is not None})
     ran = 0
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(4, features, generator=g)

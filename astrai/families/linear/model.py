@@ -13,7 +13,6 @@ from __future__ import annotations
 
 __all__ = ["RECOGNITION", "LinearForm", "is_linear_kind", "linear_form"]
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 from astrai.families.linear import linear
 from astrai.families.recognition import Installed, ModelRecognition
 from astrai.recognition.inspection import EMBEDDINGS, is_norm_kind
+from astrai.recognition.probe import gap, probe_copy
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,7 @@ def _linear_gap(module: nn.Module, transposed: bool) -> float | str:
                                                dtype=torch.float32)
     features = w.shape[0] if transposed else w.shape[1]
     x = torch.randn(2, 3, features, generator=g, device="cpu", dtype=torch.float32)
-    probe = copy.copy(module)
-    probe._parameters = dict(module._parameters)
-    probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
-    if bias is not None:
-        probe._parameters["bias"] = nn.Parameter(b, requires_grad=False)  # type: ignore[arg-type]
-    probe._forward_hooks, probe._forward_pre_hooks = type(probe._forward_hooks)(), type(
-        probe._forward_pre_hooks)()
+    probe = probe_copy(module, parameters={"weight": w, **({} if b is None else {"bias": b})})
     try:
         with torch.no_grad():
             got = type(module).forward(probe, x)
@@ -111,7 +105,7 @@ def _linear_gap(module: nn.Module, transposed: bool) -> float | str:
     want = torch.nn.functional.linear(x, w.t() if transposed else w, b)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return "it does not return one tensor of the linear's shape"
-    return float((got - want).abs().max().item()) / (1.0 + float(want.abs().max().item()))
+    return gap(got, want)
 
 
 def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 __all__ = ["RECOGNITION", "ExpertsForm", "experts_form"]
 
-import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from astrai.families.activation.model import activation_child, child_activation
 from astrai.families.moe_experts import moe_experts
 from astrai.families.recognition import Installed, ModelRecognition
 from astrai.recognition.inspection import call_signature
+from astrai.recognition.probe import gap, probe_copy
 
 _H, _I = 24, 8  # the probe's hidden and intermediate sizes (2 * _I != _H)
 
@@ -108,22 +108,15 @@ def _probe(module: nn.Module, gate_up: str, down: str, transposed: bool, h: int,
     """A copy of ``module`` holding random float32 weights of hidden size ``_H`` and
     intermediate size ``_I`` in its layout, with its int attributes equal to ``h`` (or
     ``i``, ``2 i``) set to those."""
-    probe = copy.copy(module)
-    probe.__dict__ = dict(module.__dict__)
-    probe._parameters = dict(module._parameters)
-    probe._forward_hooks, probe._forward_pre_hooks = type(module._forward_hooks)(), type(
-        module._forward_pre_hooks)()
     e = module._parameters[gate_up].shape[0]  # type: ignore[union-attr]
     gu_shape = (e, _H, 2 * _I) if transposed else (e, 2 * _I, _H)
     dn_shape = (e, _I, _H) if transposed else (e, _H, _I)
-    probe._parameters[gate_up] = nn.Parameter(torch.randn(gu_shape, generator=g) / _H ** 0.5,
-                                              requires_grad=False)
-    probe._parameters[down] = nn.Parameter(torch.randn(dn_shape, generator=g) / _I ** 0.5,
-                                           requires_grad=False)
-    for name, value in module.__dict__.items():
-        if type(value) is int and not name.startswith("_") and value in (h, i, 2 * i):
-            probe.__dict__[name] = _H if value == h else _I if value == i else 2 * _I
-    return probe
+    sizes = {name: _H if value == h else _I if value == i else 2 * _I
+             for name, value in module.__dict__.items()
+             if type(value) is int and not name.startswith("_") and value in (h, i, 2 * i)}
+    return probe_copy(module, parameters={
+        gate_up: torch.randn(gu_shape, generator=g) / _H ** 0.5,
+        down: torch.randn(dn_shape, generator=g) / _I ** 0.5}, attributes=sizes)
 
 
 def _inputs(form: str, experts: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -182,10 +175,10 @@ def experts_form(module: nn.Module) -> ExpertsForm | str:
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
                 failures.append("its forward returns another shape")
                 continue
-            gap = float((got - want).abs().max()) / (1.0 + float(want.abs().max()))
-            if gap <= 1e-5:
+            far = gap(got, want)
+            if far <= 1e-5:
                 return form
-            failures.append(f"differs by {gap:.2g}")
+            failures.append(f"differs by {far:.2g}")
     if not failures:
         return "its two 3-d weights fit no gated-expert layout ([E, 2I, H] and [E, H, I])"
     return (f"its weights fit a stack of gated experts but its forward computes none of "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 __all__ = ["RECOGNITION", "RouterForm", "router_form"]
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from torch import nn
 from astrai.families.linear import linear
 from astrai.families.moe_router import moe_router
 from astrai.families.recognition import Installed, ModelRecognition
+from astrai.recognition.probe import gap, probe_copy
 
 _TOP_K = ("top_k", "num_experts_per_tok")
 _GROUPS = ("n_group", "num_group")
@@ -109,21 +109,16 @@ def _claims(module: nn.Module) -> bool:
 
 def _probe(module: nn.Module, dtype: torch.dtype, g: torch.Generator) -> nn.Module:
     """A copy of ``module`` whose tensors are random, of its shapes, in ``dtype``."""
-    probe = copy.copy(module)
-    probe.__dict__ = dict(module.__dict__)
-    probe._parameters, probe._buffers = dict(module._parameters), dict(module._buffers)
-    probe._forward_hooks, probe._forward_pre_hooks = type(module._forward_hooks)(), type(
-        module._forward_pre_hooks)()
-    owners: tuple[dict[str, Any], ...] = (probe._parameters, probe._buffers)
-    for owner in owners:
+    def random(owner: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out = {}
         for name, t in owner.items():
             if isinstance(t, torch.Tensor):
                 value = torch.randn(tuple(t.shape), generator=g).to(dtype)
-                if name == "weight":
-                    value = value / t.shape[1] ** 0.5 * 4.0
-                owner[name] = nn.Parameter(value, requires_grad=False) if isinstance(
-                    t, nn.Parameter) else value
-    return probe
+                out[name] = value / t.shape[1] ** 0.5 * 4.0 if name == "weight" else value
+        return out
+
+    return probe_copy(module, parameters=random(module._parameters),
+                      buffers=random(module._buffers))
 
 
 def _served(form: RouterForm, module: nn.Module, x: torch.Tensor,
@@ -167,8 +162,7 @@ def _gap(answer: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
             return float("inf")
         got = (gl, gw.float().gather(1, go.indices))
         want = (wl, ww.float().gather(1, wo.indices))
-    return max(float((a.float() - b.float()).abs().max()) / (1.0 + float(b.float().abs().max()))
-               for a, b in zip(got, want, strict=True))
+    return max(gap(a, b) for a, b in zip(got, want, strict=True))
 
 
 def router_form(module: nn.Module) -> RouterForm | str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 __all__ = ["EPS_NAMES", "RECOGNITION", "NormForm", "is_rms_kind", "rms_norm_form"]
 
-import copy
 import math
 import re
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from torch import nn
 from astrai.backends.rms_norm import reference_rms_norm
 from astrai.families.recognition import Installed, ModelRecognition
 from astrai.families.rms_norm import rms_norm_form as rms_norm_call
+from astrai.recognition.probe import probe_copy
 
 #: The epsilon attributes RMS norms carry, in the order they are tried.
 EPS_NAMES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps", "norm_eps")
@@ -233,11 +233,8 @@ def _own_forward(module: nn.Module, weight: torch.Tensor | None, x: torch.Tensor
     if weight is None:
         with torch.no_grad():
             return type(module).forward(module, x)
-    probe = copy.copy(module)
-    probe._parameters = dict(module._parameters)
-    probe._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
     with torch.no_grad():
-        return type(module).forward(probe, x)
+        return type(module).forward(probe_copy(module, parameters={"weight": weight}), x)
 
 
 
