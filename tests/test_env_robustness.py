@@ -48,8 +48,8 @@ from astrai.dispatch import (
 )
 from astrai.errors import AstraiError
 
-SHIPPED = ("activation", "attention", "cross_entropy", "gated_activation", "layer_norm",
-           "linear", "linear_cross_entropy", "moe_experts", "moe_router", "rms_norm", "rotary")
+#: Every family astrai ships a table of (one file per family in tables/).
+SHIPPED = tuple(sorted(p.stem for p in shipped_tables_dir().glob("*.yaml")))
 EXAMPLES = 300
 CALLS = {
     "attention": CallContext("attention", dtype=torch.float32, ndim=4, head_dim=8),

@@ -12,8 +12,8 @@ per object.
 
 from __future__ import annotations
 
-__all__ = ["EMBEDDINGS", "call_signature", "is_norm_kind", "label", "own_forward",
-           "stand_in"]
+__all__ = ["EMBEDDINGS", "call_signature", "further_inputs", "is_norm_kind", "label",
+           "own_forward", "stand_in"]
 
 import inspect
 import re
@@ -58,6 +58,19 @@ def call_signature(fn: Any) -> inspect.Signature | None:
             return signature
     return None
 
+
+
+def further_inputs(module: nn.Module) -> list[str]:
+    """The parameters the class's ``forward`` of ``module`` takes besides ``self`` and its
+    input (``RMSNormGated.forward(self, hidden_states, gate=None)``: ``["gate"]``);
+    ``*args`` and ``**kwargs`` are not counted. A route serving ``module(x)`` alone must
+    refuse a module whose callers may pass more."""
+    signature = call_signature(type(module).forward)
+    if signature is None:
+        return []
+    named = [p.name for p in signature.parameters.values()
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return named[2:]
 
 
 def label(fn: Any, name: str) -> str:

@@ -22,6 +22,7 @@ __all__ = ["ATTENTION_INTERFACE", "EAGER_ATTENTION", "READABLE_MASKS", "RECOGNIT
            "AttentionSite", "attention_site"]
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,9 +131,43 @@ def _layer(module: nn.Module) -> Installed | str | None:
     return alibi or None
 
 
+#: The flags by which a transformers model says which attention kernels compute its
+#: attention (all ``False``: none but its own eager function).
+_KERNEL_FLAGS = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
+
+
+def _keywords(forward: Any) -> set[str]:
+    """The keyword names ``forward``'s code passes in its calls (the names of its calls'
+    keyword tuples: ``f(..., sinks=s)`` gives ``sinks``)."""
+    code = getattr(inspect.unwrap(forward), "__code__", None)
+    if code is None:
+        return set()
+    return {name for const in code.co_consts if isinstance(const, tuple)
+            for name in const if isinstance(name, str)}
+
+
+def eager_only(forward: Any, model: nn.Module) -> str | None:
+    """Why a layer's attention is its model's own computation, which astrai's adapter
+    does not make: the model says no attention kernel computes it (``_KERNEL_FLAGS`` all
+    false) and the layer passes its attention function ``sinks=``, which no transformers
+    attention function reads (theirs is ``s_aux``, one logit per head) - the model's own
+    eager function computes them (per token, in Inkling 2). ``None`` otherwise."""
+    cls = type(model)
+    if any(getattr(cls, flag, True) for flag in _KERNEL_FLAGS):
+        return None
+    if "sinks" not in _keywords(forward):
+        return None
+    return (f"{cls.__name__} computes attention with its own eager function alone (its "
+            f"{', '.join(_KERNEL_FLAGS)} are False) and the layer passes it sinks=, which "
+            f"only that function computes; astrai's adapter serves sinks as one logit per "
+            f"head (s_aux)")
+
+
 def _sites(module: nn.Module, forward: Any, model: nn.Module) -> tuple[Sites | None, list[str]]:
     found = attention_site(forward, _implementation(module, model),
                            getattr(module, "config", None) or getattr(model, "config", None))
+    if isinstance(found, AttentionSite):
+        found = eager_only(forward, model) or found
     if isinstance(found, str):
         return None, [found]
     watch_collector()

@@ -31,6 +31,7 @@ from astrai.backends.layer_norm import reference_layer_norm
 from astrai.families.layer_norm import layer_norm
 from astrai.families.recognition import Installed, ModelRecognition, Refused
 from astrai.families.rms_norm.model import is_rms_kind
+from astrai.recognition.inspection import further_inputs
 from astrai.recognition.probe import probe_copy
 
 #: The epsilon attributes layer norms carry, in the order they are tried.
@@ -78,6 +79,10 @@ def _eps_value(module: nn.Module, name: str) -> float | None:
 
 def layer_norm_form(module: nn.Module) -> LayerNormForm | str:
     """``module``'s ``LayerNormForm``, or why ``ops.layer_norm`` cannot serve it."""
+    more = further_inputs(module)
+    if more:
+        return (f"its forward takes {', '.join(more)} besides its input (called as "
+                f"norm(x, {more[0]})): astrai's layer_norm serves norm(x) alone")
     params = {n: p for n, p in module._parameters.items() if p is not None}
     extra = sorted(set(params) - {"weight", "bias"})
     extra += [n for n, b in module.named_buffers(recurse=False) if b is not None]

@@ -27,6 +27,7 @@ from torch import nn
 from astrai.backends.rms_norm import reference_rms_norm
 from astrai.families.recognition import Installed, ModelRecognition
 from astrai.families.rms_norm import rms_norm_form as rms_norm_call
+from astrai.recognition.inspection import further_inputs
 from astrai.recognition.probe import probe_copy
 
 #: The epsilon attributes RMS norms carry, in the order they are tried.
@@ -88,6 +89,10 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
     if not (isinstance(module, nn.RMSNorm) or _RMS_NAME.search(cls.__name__)):
         return ("not an RMS norm by its class name, so astrai does not try to serve it "
                 "(astrai has no family for other norms)")
+    more = further_inputs(module)
+    if more:
+        return (f"its forward takes {', '.join(more)} besides its input (a gated norm, "
+                f"called as norm(x, {more[0]})): astrai's rms_norm serves norm(x) alone")
     weight = module._parameters.get("weight")
     held = [n for n, _ in module.named_parameters(recurse=True)]
     held += [n for n, b in module.named_buffers(recurse=True) if b is not None]

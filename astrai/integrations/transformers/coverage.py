@@ -2,19 +2,20 @@
 serves, and the share of parameters and weight-matmul FLOPs that the routed ones hold.
 
 ``unaccounted(model, seen, routed)`` lists every module holding a parameter of its own
-(an embedding, a stack of MoE experts or a router no family recognised, anything else)
-that is neither routed nor already reported, with why no family serves it, so the report
-never leaves a weight out (a parameter tied to a routed module's reaches astrai with it).
+(an embedding, a convolution, a stack of MoE experts or a router no family recognised,
+anything else) that is neither routed nor already reported, with why no family serves it,
+so the report never leaves a weight out (a parameter tied to a routed module's reaches
+astrai with it).
 A quantised module (torch's ``torch.ao.nn.quantized`` modules, which keep their weights
 packed and no parameter; any module without children holding 2-d integer buffers, as
 GPTQ-style layers do) is listed too: no astrai row computes on packed weights.
 ``shares(model, routed)`` counts each parameter tensor once; a module's FLOPs per token
-are two per element of its 2-d weights, and for a 3-d stack of experts ``[experts,
-...]`` the share a token runs (the config's ``num_experts_per_tok`` of
-them; all of them when the config does not say). A torch quantised module's packed
-weight and bias count as its parameters (a linear one's weight as its matmul FLOPs),
-none of them reaching astrai; the packed buffers of other quantised layers are not
-counted (their reason says so).
+are two per element of its 2-d weights (a convolution's kernel multiplies no weight
+matrix: none), and for a 3-d stack of experts ``[experts, ...]`` the share a token runs
+(the config's ``num_experts_per_tok`` of them; all of them when the config does not say).
+A torch quantised module's packed weight and bias count as its parameters (a linear
+one's weight as its matmul FLOPs), none of them reaching astrai; the packed buffers of
+other quantised layers are not counted (their reason says so).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from torch import nn
 from astrai.integrations.transformers.report import NotRouted
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+#: torch's convolutions (their weights are kernels, not stacks of experts).
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                 nn.ConvTranspose3d)
 
 
 def _own(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -150,7 +154,7 @@ def _experts_per_token(model: nn.Module) -> int | None:
 
 
 def _flops(module: nn.Module, per_token: int | None) -> int:
-    if isinstance(module, _EMBEDDINGS):
+    if isinstance(module, _EMBEDDINGS + _CONVOLUTIONS):  # no weight matmul
         return 0
     total = 0
     for p in _own(module).values():
@@ -187,6 +191,13 @@ def unaccounted(model: nn.Module, seen: set[str], routed: Set[str] = frozenset()
         if isinstance(module, _EMBEDDINGS):
             yield NotRouted("embedding", name, kind, "an embedding lookup: it multiplies "
                             "nothing, and no astrai family serves it")
+        elif isinstance(module, _CONVOLUTIONS):
+            weight = params.get("weight")
+            size = "" if weight is None else f", {weight.shape[0]} output channels"
+            groups = getattr(module, "groups", 1)
+            yield NotRouted("convolution", name, kind, f"a convolution ({shapes}{size}"
+                            f"{f', groups {groups}' if groups != 1 else ''}), which no "
+                            f"astrai family serves")
         elif any(p.dim() == 3 for p in params.values()):
             experts = max(p.shape[0] for p in params.values() if p.dim() == 3)
             yield NotRouted("experts", name, kind, f"a stack of {experts} MoE experts "

@@ -1,0 +1,107 @@
+"""What ``dispatch_model`` cannot serve it refuses when it routes, never at the model's
+first forward: a norm its callers give more than the input (a gated norm called as
+``norm(x, gate)``), attention a model computes with its own eager function alone (Inkling
+2's per-token sinks); and it names a module for what it is (a convolution is no stack of
+experts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from astrai.integrations.transformers import dispatch_model, restore_model
+
+transformers = pytest.importorskip("transformers")
+
+_TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's gated norm: ``norm(x)`` is an RMS norm, ``norm(x, gate)`` another thing."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(features) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.norm = nn.Linear(8, 8), GatedRMSNorm(8)
+        self.conv = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        return self.norm(x, self.gate_proj(x))
+
+
+def test_a_norm_called_with_more_than_its_input_is_refused_when_routing() -> None:
+    torch.manual_seed(0)
+    model, x = Mixer(), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        want = model(x)
+        report = dispatch_model(model)
+        torch.testing.assert_close(model(x), want)
+    assert not report.paths("rms_norm")
+    (norm,) = [n for n in report.not_routed if n.path == "norm"]
+    assert norm.family == "rms_norm"
+    assert norm.reason == ("its forward takes gate besides its input (a gated norm, called as "
+                           "norm(x, gate)): astrai's rms_norm serves norm(x) alone")
+    (conv,) = [n for n in report.not_routed if n.path == "conv"]
+    assert conv.family == "convolution" and conv.kind == "Conv1d"
+    assert conv.reason == ("a convolution (weight [8, 1, 4], bias [8], 8 output channels, "
+                           "groups 8), which no astrai family serves")
+    restore_model(model)
+
+
+def _build(name: str, **extra: Any) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.for_model(name)
+    except (KeyError, ValueError):
+        pytest.skip(f"this transformers has no {name}")
+    for key, value in {**_TINY, **extra}.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(("name", "extra"), [
+    ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)),
+    ("inkling2_text", {}),
+])
+def test_models_routing_once_broke_run_and_agree(name: str, extra: dict[str, Any]) -> None:
+    """The plain model runs, so the routed one runs too and gives the same logits; what
+    astrai leaves to the model's own code is in the report with the reason."""
+    model = _build(name, **extra)
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        report = dispatch_model(model)
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    reasons = [n.reason for n in report.not_routed]
+    if name == "bamba":
+        assert any("a gated norm, called as norm(x, gate)" in r for r in reasons)
+        assert any(r.startswith("a convolution (weight [") for r in reasons)
+        assert not any("MoE experts" in r for r in reasons)
+    else:
+        assert any("computes attention with its own eager function alone" in r
+                   and "sinks=" in r for r in reasons)
+    restore_model(model)
