@@ -605,11 +605,38 @@ class TestRotarySites:
         warned = [r.getMessage() for r in caplog.records if "own function" in r.getMessage()]
         assert len(warned) == 1 and "cos covers 8 of head_dim 16" in warned[0]
 
-    def test_verify_model_names_an_idle_site(self) -> None:
-        toy = ToyBranchAttention(rotate=False)
+    def test_verify_model_names_a_site_the_layer_did_not_call_unreached(self) -> None:
+        toy = ToyBranchAttention(rotate=False)  # a layer applying no rotary (NoPE)
         assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
-        with pytest.raises(RoutingError, match=r"served no call: rotary \(\(the model\)"):
-            verify_model(toy, *self.toy_call())
+        got = verify_model(toy, *self.toy_call())
+        assert got == {"rotary": 0}
+        assert got.unreached == {
+            "rotary ((the model) ToyBranchAttention)":
+                "its forward did not call apply_partial_rotary_pos_emb, half_rotary_pos_emb "
+                "with these inputs"}
+
+    def test_verify_model_refuses_a_module_whose_every_call_ran_its_own_code(self) -> None:
+        from astrai.dispatch.stats import count_model_own
+        from astrai.integrations.transformers.routing import ROUTE_ATTR
+
+        model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8, eps=1e-6), nn.RMSNorm(8, eps=1e-6))
+        dispatch_model(model, ["rms_norm"])
+        norm, idle = model[1], model[2]
+        route = norm.__dict__[ROUTE_ATTR]
+
+        def handing_back(x: torch.Tensor) -> torch.Tensor:
+            count_model_own("rms_norm")
+            return type(norm).forward(norm, x)
+
+        norm.__dict__["forward"] = route.installed = handing_back
+        model.forward = lambda x: norm(model[0](x))  # type: ignore[method-assign]
+        with pytest.raises(RoutingError) as got:
+            verify_model(model, torch.randn(2, 8))
+        # the norm the model did not call is unreached, not an error
+        assert str(got.value) == ("routed but served no call: rms_norm (1 RMSNorm) (their "
+                                  "code changed under them, or every call ran the model's "
+                                  "own code)")
+        assert idle.__dict__[ROUTE_ATTR] is not None
 
     def test_verify_model_counts_either_branch_of_a_layer(self) -> None:
         for partial in (True, False):

@@ -31,7 +31,6 @@ from astrai.dispatch.keying import KeyPlan
 from astrai.dispatch.reading import encode, read
 from astrai.families import declared, every_family, undeclare
 from astrai.integrations.transformers import (
-    RoutingError,
     dispatch_model,
     restore_model,
     verify_model,
@@ -165,12 +164,15 @@ def test_dispatch_model_routes_it_in_a_model(family: ModuleType) -> None:
     assert "scale_shift" not in dispatch_model(model, ["linear"]).counts()
 
 
-def test_verify_model_names_a_routed_module_that_served_nothing(family: ModuleType) -> None:
+def test_verify_model_names_a_routed_module_the_model_did_not_call(family: ModuleType) -> None:
     model = Toy()
     dispatch_model(model, ["scale_shift"])
     model.forward = lambda x: model.proj(x)  # type: ignore[method-assign]
-    with pytest.raises(RoutingError, match=r"scale_shift \(first ScaleShift\)"):
-        verify_model(model, torch.randn(2, 8))
+    got = verify_model(model, torch.randn(2, 8))
+    assert got == {"scale_shift": 0}
+    assert got.unreached == {
+        f"scale_shift ({path} ScaleShift)": "the model did not call it with these inputs"
+        for path in ("first", "last")}
 
 
 def test_forgotten_family_leaves_its_table_to_ops_call(family: ModuleType) -> None:

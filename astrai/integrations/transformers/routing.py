@@ -552,42 +552,60 @@ def restore_model(model: nn.Module) -> int:
     return restored
 
 
-def _served_now(families: Iterable[str]) -> dict[str, int]:
-    """Calls of each of ``families`` served by a row so far (the model's own code not
-    counted)."""
+def _served_now(families: Iterable[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Calls of each of ``families`` so far: served by a row, and run by the model's own
+    code (handed back)."""
     calls = stats().calls
-    out = dict.fromkeys(families, 0)
+    rows, own = dict.fromkeys(families, 0), dict.fromkeys(families, 0)
     for (family, _row, origin), n in calls.items():
-        if family in out and origin != MODEL_OWN:
-            out[family] += n
-    return out
+        if family in rows:
+            (own if origin == MODEL_OWN else rows)[family] += n
+    return rows, own
 
 
-def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
+class Served(dict[str, int]):
+    """``verify_model``'s answer: calls served by a row per routed family, and in
+    ``unreached`` the routed modules and call sites these inputs did not reach, with why
+    (``"rotary (model.layers.1.self_attn Attention)"`` -> ``"its forward did not call
+    the rotary function with these inputs"``)."""
+
+    unreached: dict[str, str]
+
+
+def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> Served:
     """Run ``model(*args, **kwargs)`` without autograd and count the calls each routed
-    family served; ``RoutingError`` naming every routed module (for attention and rotary:
-    every call site) that served no call through a row - a routing that did not take
-    effect, or whose every call ran the model's own code."""
+    family served (a ``Served``: family -> calls). A routed module or call site these
+    inputs did not reach - a module the model did not call, one called with arguments
+    that do not reach its families (cross-attention without encoder states), a call site
+    its layer's forward did not call (a layer applying no rotary) - is named in
+    ``.unreached`` with why. ``RoutingError`` names every one that was reached and served
+    no call through a row: a routing that did not take effect, or whose every call ran
+    the model's own code."""
     routes = list(_live_routes(model))
-    tally: dict[tuple[int, str], int] = {}
-    taken: dict[int, list[dict[str, int]]] = {}
-    reached: set[int] = set()  # modules called with arguments that reach their families
+    tally: dict[tuple[int, str], tuple[int, int]] = {}
+    taken: dict[int, list[tuple[dict[str, int], dict[str, int]]]] = {}
+    called: set[int] = set()  # modules the model called
+    reached: set[int] = set()  # ... with arguments that reach their families
     handles = []
     for _path, module, route in routes:
         families = tuple(route.families)
 
         def before(m: nn.Module, args: Any, kwargs: Any, families: tuple[str, ...] = families,
                    serves: Any = route.serves) -> None:
+            called.add(id(m))
             if serves is None or serves(args, kwargs):
                 reached.add(id(m))
             taken.setdefault(id(m), []).append(_served_now(families))
 
         def after(m: nn.Module, _args: Any, _out: Any,
                   families: tuple[str, ...] = families) -> None:
-            then = taken[id(m)].pop()
-            for family, n in _served_now(families).items():
+            rows, own = taken[id(m)].pop()
+            rows_now, own_now = _served_now(families)
+            for family in families:
                 key = (id(m), family)
-                tally[key] = tally.get(key, 0) + n - then[family]
+                was = tally.get(key, (0, 0))
+                tally[key] = (was[0] + rows_now[family] - rows[family],
+                              was[1] + own_now[family] - own[family])
 
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after))
@@ -597,16 +615,30 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     finally:
         for handle in handles:
             handle.remove()
-    served: dict[str, int] = {}
+    served = Served()
+    served.unreached = {}
     idle: list[str] = []
     for path, module, route in routes:
         for family in sorted(route.families):
-            n = tally.get((id(module), family), 0)
+            n, own = tally.get((id(module), family), (0, 0))
             served[family] = served.get(family, 0) + n
-            if n <= 0 and (route.serves is None or id(module) in reached):
-                idle.append(f"{family} ({path or '(the model)'} {type(module).__name__})")
+            if n > 0:
+                continue
+            where = f"{family} ({path or '(the model)'} {type(module).__name__})"
+            site = route.sites.get(family)
+            if id(module) not in called:
+                served.unreached[where] = "the model did not call it with these inputs"
+            elif id(module) not in reached:
+                served.unreached[where] = ("called with arguments that do not reach "
+                                           f"{family} (cross-attention without encoder "
+                                           "states, a tower without its input)")
+            elif site is not None and own == 0:
+                names = ", ".join(site.replacements)
+                served.unreached[where] = (f"its forward did not call {names} with these "
+                                           f"inputs")
+            else:
+                idle.append(where)
     if idle:
-        raise RoutingError(f"routed but served no call: {'; '.join(idle)} (the model does "
-                           f"not reach these modules, their code changed under them, or "
-                           f"every call ran the model's own code)")
+        raise RoutingError(f"routed but served no call: {'; '.join(idle)} (their code "
+                           f"changed under them, or every call ran the model's own code)")
     return served
