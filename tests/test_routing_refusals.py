@@ -105,3 +105,20 @@ def test_models_routing_once_broke_run_and_agree(name: str, extra: dict[str, Any
         assert any("computes attention with its own eager function alone" in r
                    and "sinks=" in r for r in reasons)
     restore_model(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_rms_norm_with_its_default_epsilon_is_served(dtype: torch.dtype) -> None:
+    """``torch.nn.RMSNorm(features)`` (``eps=None``): torch's own epsilon for the dtype,
+    whichever rule this torch follows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8)).to(dtype)
+    x = torch.randn(3, 8).to(dtype)
+    x[0] *= 3e-4  # a row whose mean square is about float32's epsilon
+    with torch.no_grad():
+        want = model(x)
+        report = dispatch_model(model, ["rms_norm"])
+        got = model(x)
+    assert report.paths("rms_norm") == ["1"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    restore_model(model)

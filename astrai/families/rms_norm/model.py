@@ -44,7 +44,7 @@ class NormForm:
     eps_attr: str  # the attribute holding epsilon, read on every call
     weight_offset: float  # 0.0, or 1.0 for Gemma's (1 + weight)
     cast_before_weight: bool  # LlamaRMSNorm: weight * normed.to(input dtype)
-    eps_from_dtype: bool = False  # torch.nn.RMSNorm with eps=None: finfo(x.dtype).eps
+    eps_from_dtype: bool = False  # torch.nn.RMSNorm with eps=None: torch's default_eps
     weightless: bool = False  # no weight at all (Llama 4's QK norm): no scaling
 
     def describe(self) -> str:
@@ -54,7 +54,7 @@ class NormForm:
                  else "weight in float32"]
         if self.weight_offset:
             parts.append(f"{self.weight_offset:g} + weight")
-        parts.append("eps = finfo(dtype).eps" if self.eps_from_dtype
+        parts.append("eps as torch's rms_norm takes eps=None" if self.eps_from_dtype
                      else f"eps from .{self.eps_attr}")
         return ", ".join(parts)
 
@@ -149,6 +149,32 @@ def _weightless_form(module: nn.Module) -> NormForm | str:
 
 
 _NO_EPS: Any = object()
+_DEFAULT_EPS: dict[torch.dtype, float] = {}
+
+
+def default_eps(dtype: torch.dtype) -> float:
+    """The epsilon torch's ``rms_norm`` takes for ``eps=None`` on ``dtype`` inputs,
+    measured once per dtype (the machine epsilon of the input's dtype in some torch
+    versions, of the float type it computes in - float32 for the half types - in
+    others)."""
+    got = _DEFAULT_EPS.get(dtype)
+    if got is None:
+        got = _DEFAULT_EPS[dtype] = _measured_eps(dtype)
+    return got
+
+
+def _measured_eps(dtype: torch.dtype) -> float:
+    candidates = dict.fromkeys(torch.finfo(d).eps for d in (dtype, torch.float32,
+                                                           torch.float64))
+    for eps in candidates:  # a row whose mean square is eps tells them apart
+        x = torch.full((2, 16), math.sqrt(eps), dtype=torch.float64)
+        x[1] = 1.0
+        x = x.to(dtype)
+        with torch.no_grad():
+            plain = torch.nn.functional.rms_norm(x, (16,), None, None)
+            if torch.equal(plain, torch.nn.functional.rms_norm(x, (16,), None, eps)):
+                return eps
+    return torch.finfo(dtype).eps
 
 
 def _eps_value(module: nn.Module, name: str) -> Any:
@@ -189,7 +215,7 @@ def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool,
     random_weight = torch.randn(hidden, generator=g, device=device)
     probes: list[_Probe] = []
     for x_dtype, w_dtype in _PROBE_DTYPES:
-        eps = torch.finfo(x_dtype).eps if eps_from_dtype else float(getattr(module, eps_attr))
+        eps = default_eps(x_dtype) if eps_from_dtype else float(getattr(module, eps_attr))
         x = _probe_inputs(hidden, eps, x_dtype, device)
         w = None if weightless else random_weight.to(w_dtype)
         try:
@@ -259,7 +285,7 @@ def _rms_norm_forward(form: NormForm) -> Callable[..., Any]:
                 weight = self._parameters["weight"]
             except KeyError:  # parametrized since: its weight is a property
                 weight = self.weight
-        eps = (torch.finfo(hidden_states.dtype).eps if from_dtype
+        eps = (default_eps(hidden_states.dtype) if from_dtype
                else self.__dict__[eps_attr])
         return call(hidden_states, weight, eps)
 
