@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from astrai.integrations.transformers import dispatch_model, restore_model
+from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,4 +121,20 @@ def test_torch_rms_norm_with_its_default_epsilon_is_served(dtype: torch.dtype) -
         got = model(x)
     assert report.paths("rms_norm") == ["1"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    restore_model(model)
+
+
+def test_verify_model_names_the_loss_unreached_without_labels() -> None:
+    from tests import _zoo
+
+    model = _zoo.build("llama")
+    dispatch_model(model)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(2))
+    got = verify_model(model, ids)
+    assert got["rms_norm"] > 0 and got["cross_entropy"] == 0
+    assert got.unreached == {"cross_entropy ((the model) LlamaForCausalLM)":
+                             "called with arguments that do not reach cross_entropy (only a "
+                             "call with labels reaches it: the model computes its loss then)"}
+    labelled = verify_model(model, ids, labels=ids)
+    assert labelled["cross_entropy"] == 1 and not labelled.unreached
     restore_model(model)

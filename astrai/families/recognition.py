@@ -51,6 +51,7 @@ class Installed:
     covers: tuple[str, ...] = ()
     #: ``serves(args, kwargs)``: whether a call of the module with these arguments
     #: reaches the family (a model's loss: only with labels); ``None``: every call does.
+    #: Its docstring's first line says which calls do (``verify_model`` quotes it).
     serves: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
 
 

@@ -212,7 +212,7 @@ def _loss_forward(form: LossForm) -> Callable[..., Any]:
 
 
 def _serves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call of the model computes its loss (labels given)."""
+    """Only a call with labels reaches it: the model computes its loss then."""
     return kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
 
 

@@ -576,8 +576,8 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> Served:
     """Run ``model(*args, **kwargs)`` without autograd and count the calls each routed
     family served (a ``Served``: family -> calls). A routed module or call site these
     inputs did not reach - a module the model did not call, one called with arguments
-    that do not reach its families (cross-attention without encoder states), a call site
-    its layer's forward did not call (a layer applying no rotary) - is named in
+    that do not reach its families (a causal LM's loss called without labels), a call
+    site its layer's forward did not call (a layer applying no rotary) - is named in
     ``.unreached`` with why. ``RoutingError`` names every one that was reached and served
     no call through a row: a routing that did not take effect, or whose every call ran
     the model's own code."""
@@ -629,9 +629,10 @@ def verify_model(model: nn.Module, *args: Any, **kwargs: Any) -> Served:
             if id(module) not in called:
                 served.unreached[where] = "the model did not call it with these inputs"
             elif id(module) not in reached:
-                served.unreached[where] = ("called with arguments that do not reach "
-                                           f"{family} (cross-attention without encoder "
-                                           "states, a tower without its input)")
+                when = (getattr(route.serves, "__doc__", None) or "").strip().rstrip(".")
+                served.unreached[where] = (f"called with arguments that do not reach "
+                                           f"{family}" + (f" ({when[0].lower()}{when[1:]})"
+                                                          if when else ""))
             elif site is not None and own == 0:
                 names = ", ".join(site.replacements)
                 served.unreached[where] = (f"its forward did not call {names} with these "
