@@ -47,9 +47,10 @@ def test_the_fused_row_is_the_reference() -> None:
 
 
 @pytest.mark.parametrize("args, error, match", [
-    ((torch.randn(2, 8), torch.randn(2, 7), "silu"), ValueError, "of one shape and dtype"),
+    ((torch.randn(2, 8), torch.randn(2, 7), "silu"), ValueError,
+     r"gated_activation: up must have gate's shape \(2, 8\), got \(2, 7\)"),
     ((torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64), "silu"), ValueError,
-     "of one shape and dtype"),
+     r"gated_activation: up must have gate's dtype \(torch.float32\), got torch.float64"),
     ((torch.randn(2, 8), torch.randn(2, 8), "swish"), ValueError, "unknown act 'swish'"),
     ((torch.randn(2, 8), [0.0], "silu"), TypeError, "up must be a torch.Tensor"),
 ])

@@ -309,3 +309,13 @@ def test_a_schema_that_says_nothing_clear_is_refused() -> None:
     with pytest.raises(ValueError, match="eps has no default but follows"):
         Schema("s", {"x": Tensor("f"), "b": Tensor("f", optional=True),
                      "eps": Scalar("float")})
+
+
+def test_a_schema_facade_compiles_into_one_graph(tables: Path) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    softcap = _fn(SOFTCAP)
+    x = torch.randn(4, 8)
+    compiled = torch.compile(lambda t: softcap(t, 2.0), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), 2.0 * torch.tanh(x / 2.0))

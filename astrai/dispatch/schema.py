@@ -26,7 +26,7 @@ From the schema, with nothing written twice:
 
 from __future__ import annotations
 
-__all__ = ["Scalar", "Schema", "Tensor"]
+__all__ = ["Choice", "Scalar", "Schema", "Tensor"]
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping
@@ -59,12 +59,14 @@ class Tensor:
     every dimension of that name, in any parameter, has one size) or a size; a leading
     ``...`` allows any number of leading dimensions (``"..., f"``; ``""`` is a scalar
     tensor). ``optional``: ``None`` may be given (and is the default). ``floating``: a
-    floating-point dtype. ``dtype``: the dtype of the parameter it names."""
+    floating-point dtype. ``dtype``: the dtype of the parameter it names; ``like``: the
+    very shape of the parameter it names."""
 
     shape: str
     optional: bool = False
     floating: bool = False
     dtype: str | None = None
+    like: str | None = None
 
     def dims(self) -> tuple[bool, tuple[str | int, ...]]:
         """``(leading ..., the named dimensions)``."""
@@ -140,7 +142,23 @@ class Scalar:
         return None
 
 
-Param = Tensor | Scalar
+@dataclass(frozen=True)
+class Choice:
+    """One of ``values`` (strings; the compiled path reads the very objects of ``values``
+    and leaves any other equal string to the Python route). ``axis``: the family's axis
+    of that name takes the value (a base axis: in the decision key). ``noun``: what the
+    message calls the values (``activations``)."""
+
+    values: tuple[str, ...]
+    axis: str | None = None
+    noun: str | None = None
+    default: Any = inspect.Parameter.empty
+
+    def written(self) -> str:
+        return "one of " + ", ".join(self.values)
+
+
+Param = Tensor | Scalar | Choice
 
 
 @dataclass(frozen=True)
@@ -177,9 +195,10 @@ class Schema:
         for name, p in self.params.items():
             if isinstance(p, Tensor):
                 p.dims()  # a malformed shape raises here
-                if p.dtype is not None and p.dtype not in tensors:
-                    raise ValueError(f"schema {self.family!r}: {name}'s dtype names "
-                                     f"{p.dtype!r}, which is no tensor parameter")
+                for what, other in (("dtype", p.dtype), ("like", p.like)):
+                    if other is not None and other not in tensors:
+                        raise ValueError(f"schema {self.family!r}: {name}'s {what} names "
+                                         f"{other!r}, which is no tensor parameter")
             has_default = self.default(name) is not inspect.Parameter.empty
             if seen_default and not has_default:
                 raise ValueError(f"schema {self.family!r}: {name} has no default but "
@@ -224,6 +243,10 @@ class Schema:
                 got = p.problem(value)
                 if got is not None:
                     raise got[0](f"{fam}: {name} must be a {got[1]}, got {value!r}")
+            elif isinstance(p, Choice):
+                if not isinstance(value, str) or value not in p.values:
+                    raise ValueError(f"{fam}: unknown {name} {value!r}; "
+                                     f"{p.noun or name + ' values'}: {', '.join(p.values)}")
             elif value is None:
                 if not p.optional:
                     raise TypeError(f"{fam}: {name} must be a torch.Tensor, got None")
@@ -250,6 +273,9 @@ class Schema:
             if p.dtype is not None and p.dtype in tensors and t.dtype != tensors[p.dtype].dtype:
                 raise ValueError(f"{fam}: {name} must have {p.dtype}'s dtype "
                                  f"({tensors[p.dtype].dtype}), got {t.dtype}")
+            if p.like is not None and p.like in tensors and t.shape != tensors[p.like].shape:
+                raise ValueError(f"{fam}: {name} must have {p.like}'s shape "
+                                 f"{tuple(tensors[p.like].shape)}, got {tuple(t.shape)}")
         bound: dict[str, tuple[str, int, int]] = {}
         for name, _i, d, a in self._symbols():
             if name not in tensors:
@@ -267,7 +293,19 @@ class Schema:
             else:
                 bound[d] = (name, a, size)
         m = tensors[self.main]  # type: ignore[index]
-        return (m.dtype, m.is_cuda, m.dim(), torch.is_grad_enabled())
+        return (m.dtype, m.is_cuda, m.dim(), torch.is_grad_enabled(),
+                *(args[i] for i in self._axes()))
+
+    def _axes(self) -> tuple[int, ...]:
+        """The indexes of the parameters whose values are axes, in order."""
+        return tuple(i for i, p in enumerate(self.params.values())
+                     if isinstance(p, Choice) and p.axis is not None)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The base axes ``describe`` returns, in order."""
+        axes = [self.params[self._order[i]] for i in self._axes()]
+        return (*READS, *(p.axis for p in axes if isinstance(p, Choice) and p.axis))
 
     def _lead(self) -> int | None:
         """How many named dimensions follow the main tensor's ``...`` (``None``: none)."""
@@ -296,12 +334,22 @@ class Schema:
         k = self._lead()
         if k is not None:
             lazy["tokens"] = ("rows", m, k)
-        base: tuple[Op, ...] = (("dtype", m), ("cuda", m), ("ndim", m), ("grad",))
+        base: tuple[Op, ...] = (("dtype", m), ("cuda", m), ("ndim", m), ("grad",),
+                                *(("arg", i) for i in self._axes()))
         cases = []
         for given in product((True, False), repeat=len(optional)):
             absent = {n for n, g in zip(optional, given, strict=True) if not g}
             cases.append(Case(self._guards(absent), base, lazy))
-        return Reading(len(self._order), tuple(cases))
+        return Reading(len(self._order), tuple(cases), self._consts())
+
+    def _consts(self) -> tuple[Any, ...]:
+        """The reading's constants: ``None``, ``True``, ``False``, then every choice's
+        values."""
+        out: list[Any] = [None, True, False]
+        for p in self.params.values():
+            if isinstance(p, Choice):
+                out.extend(p.values)
+        return tuple(out)
 
     def _guards(self, absent: set[str]) -> tuple[Op, ...]:
         out: list[Op] = []
@@ -311,6 +359,10 @@ class Schema:
                 g = p.guard(i)
                 assert g is not None  # unreadable() said so first
                 out.append(g)
+                continue
+            if isinstance(p, Choice):
+                at = self._consts().index(p.values[0])
+                out.append(("any", *((("is", i, at + k),) for k in range(len(p.values)))))
                 continue
             if name in absent:
                 out.append(("is", i, _NONE))
@@ -322,6 +374,8 @@ class Schema:
                 out.append(("floating", i))
             if p.dtype is not None and p.dtype not in absent:
                 out.append(("dtype_eq", i, self._index(p.dtype)))
+            if p.like is not None and p.like not in absent:
+                out.append(("shape_eq", i, self._index(p.like)))
         first: dict[str, tuple[int, int]] = {}
         for name, i, d, a in self._symbols():
             if name in absent:
@@ -349,7 +403,7 @@ class Schema:
         ``backend=None``), registered (``astrai.dispatch.facade.facade``)."""
         made: list[Facade] = []
         function = _function(self, made)
-        call = FamilyCall.of(function, self.describe, READS, self.readers(),
+        call = FamilyCall.of(function, self.describe, self.reads, self.readers(),
                              positional=len(self._order), reading=self.reading(),
                              family=self.family)
         self._check_loaded()  # a refused declaration registers nothing
@@ -414,10 +468,21 @@ def _function(schema: Schema, made: list[Facade]) -> Callable[..., Any]:
             f"            next(d.counter)\n"
             f"            return d.call({args})\n"
             f"    return f.route(backend, ({args},))({args})\n")
-    space: dict[str, Any] = {"_made": made, "_compiling": compiling, **defaults,
-                             "__name__": schema.module or __name__}
+    space: dict[str, Any] = {"_made": made, "_compiling": compiling, **defaults}
     exec(compile(text, f"<astrai facade {schema.family}>", "exec"), space)
     fn: Callable[..., Any] = space[schema.family]
+    fn.__annotations__ = {n: _annotation(p) for n, p in schema.params.items()}
+    # (said on the function alone: its globals are its own, which torch.compile reads)
+    fn.__module__ = schema.module or __name__
     fn.__doc__ = schema.doc or f"``{schema.signature()}`` through the {schema.family} table."
     fn.__qualname__ = schema.family
     return fn
+
+
+def _annotation(p: Param) -> Any:
+    """What a parameter is, as a facade function's annotation says it."""
+    if isinstance(p, Tensor):
+        return torch.Tensor | None if p.optional else torch.Tensor
+    if isinstance(p, Choice):
+        return str
+    return {"float": float, "int": int, "bool": bool}[p.kind]
