@@ -51,14 +51,21 @@ def test_half_type_x_takes_float32_parameters() -> None:
 
 
 @pytest.mark.parametrize("args, error, match", [
-    ((torch.randn(2, 8), torch.randn(7), None, 1e-5), ValueError, r"weight \[features\] = \[8\]"),
+    ((torch.randn(2, 8), torch.randn(7), None, 1e-5), ValueError,
+     r"layer_norm: weight.shape\[0\] must equal f = x.shape\[-1\] = 8, got 7"),
     ((torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16), None, 1e-5), ValueError,
-     "or float32 with a float16/bfloat16 x"),
-    ((torch.randn(2, 8), None, torch.randn(2, 8), 1e-5), ValueError, "bias"),
-    ((torch.randn(2, 8), None, None, -1.0), ValueError, "eps must be a number >= 0"),
-    ((torch.randn(2, 8), None, None, True), ValueError, "eps must be a number"),
-    ((torch.tensor(1.0), None, None, 1e-5), ValueError, "floating x"),
-    ((torch.ones(2, 8, dtype=torch.int64), None, None, 1e-5), ValueError, "floating x"),
+     r"weight must have x's dtype \(torch.float32\), or float32 with a float16 or bfloat16 "
+     r"x, got torch.bfloat16"),
+    ((torch.randn(2, 8), None, torch.randn(2, 8), 1e-5), ValueError,
+     r"layer_norm: bias must be \[f\] \(1 dimension\)"),
+    ((torch.randn(2, 8), None, None, -1.0), ValueError,
+     "layer_norm: eps must be a float >= 0, got -1.0"),
+    ((torch.randn(2, 8), None, None, True), TypeError,
+     "layer_norm: eps must be a float >= 0, got True"),
+    ((torch.tensor(1.0), None, None, 1e-5), ValueError,
+     r"layer_norm: x must be \[\.\.\., f\] \(at least 1 dimension\)"),
+    ((torch.ones(2, 8, dtype=torch.int64), None, None, 1e-5), ValueError,
+     "layer_norm: x must be floating point, got torch.int64"),
     (([1.0], None, None, 1e-5), TypeError, "x must be a torch.Tensor"),
     ((torch.randn(2, 8), "w", None, 1e-5), TypeError, "weight must be a torch.Tensor"),
 ])

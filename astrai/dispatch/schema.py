@@ -48,6 +48,7 @@ from astrai.dispatch.reading import Case, Op, Reading
 from astrai.dispatch.torch_compile import compiling
 from astrai.errors import TableError, TableProblem
 
+_HALF = (torch.float16, torch.bfloat16)
 #: The base axes every schema's call fills, in order.
 READS = ("dtype", "device_cuda", "ndim", "grad_enabled")
 _NONE = 0  # the index of ``None`` in a reading's constants
@@ -59,14 +60,17 @@ class Tensor:
     every dimension of that name, in any parameter, has one size) or a size; a leading
     ``...`` allows any number of leading dimensions (``"..., f"``; ``""`` is a scalar
     tensor). ``optional``: ``None`` may be given (and is the default). ``floating``: a
-    floating-point dtype. ``dtype``: the dtype of the parameter it names; ``like``: the
-    very shape of the parameter it names."""
+    floating-point dtype. ``dtype``: the dtype of the parameter it names (``float32_too``:
+    or float32, where that one is float16 or bfloat16; the compiled path reads the
+    same dtype alone, and leaves float32 to the Python route); ``like``: the very shape
+    of the parameter it names."""
 
     shape: str
     optional: bool = False
     floating: bool = False
     dtype: str | None = None
     like: str | None = None
+    float32_too: bool = False
 
     def dims(self) -> tuple[bool, tuple[str | int, ...]]:
         """``(leading ..., the named dimensions)``."""
@@ -271,8 +275,12 @@ class Schema:
             if p.floating and not t.dtype.is_floating_point:
                 raise ValueError(f"{fam}: {name} must be floating point, got {t.dtype}")
             if p.dtype is not None and p.dtype in tensors and t.dtype != tensors[p.dtype].dtype:
-                raise ValueError(f"{fam}: {name} must have {p.dtype}'s dtype "
-                                 f"({tensors[p.dtype].dtype}), got {t.dtype}")
+                other = tensors[p.dtype].dtype
+                if not (p.float32_too and t.dtype == torch.float32 and other in _HALF):
+                    too = (", or float32 with a float16 or bfloat16 " + p.dtype
+                           if p.float32_too else "")
+                    raise ValueError(f"{fam}: {name} must have {p.dtype}'s dtype ({other})"
+                                     f"{too}, got {t.dtype}")
             if p.like is not None and p.like in tensors and t.shape != tensors[p.like].shape:
                 raise ValueError(f"{fam}: {name} must have {p.like}'s shape "
                                  f"{tuple(tensors[p.like].shape)}, got {tuple(t.shape)}")
