@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = ["describe", "left_to_model", "machine_of", "warn_if_elsewhere"]
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +50,7 @@ def left_to_model(name: str, provenance: Mapping[str, Any] | None, family: str) 
             f"{got['model_us']:.2f} us a call [{low:.2f}, {high:.2f}] against "
             f"{got['astrai_us']:.2f} us [{a_low:.2f}, {a_high:.2f}] routed, over "
             f"{got['calls']} calls of {models} ({got['verdict']}; 95% intervals)"
-            if got["model_us"] == got["model_us"] else  # (NaN: not timed call by call)
+            if not math.isnan(got["model_us"]) else
             f"profile {name} leaves {family} to the model's own code: its calls in "
             f"{models} were not timed one by one")
     run = got.get("in_model")

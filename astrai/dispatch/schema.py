@@ -29,7 +29,7 @@ from __future__ import annotations
 __all__ = ["Choice", "Scalar", "Schema", "Tensor"]
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Literal
@@ -45,6 +45,7 @@ from astrai.dispatch.facade import (
     leading_rows,
 )
 from astrai.dispatch.reading import Case, Op, Reading
+from astrai.dispatch.tables.model import source_place
 from astrai.dispatch.torch_compile import compiling
 from astrai.errors import TableError, TableProblem
 
@@ -168,17 +169,22 @@ Param = Tensor | Scalar | Choice
 @dataclass(frozen=True)
 class Schema:
     """A family's facade stated once (module docstring): ``family``, its parameters in
-    order, the main tensor (default: the first ``Tensor``), the ``reference`` it computes
-    (documentation and the rows' model), and where the facade function is said to live
-    (``module``, for its ``__module__``)."""
+    order, the main tensor (default: the first ``Tensor``), and where the facade function
+    is said to live (``module``, for its ``__module__``)."""
 
     family: str
     params: Mapping[str, Param]
     main: str | None = None
-    reference: Callable[..., Any] | None = None
     doc: str = ""
     module: str | None = None
+    # What the parameters say, read once: their order, each tensor's shape (``dims``),
+    # every named dimension (``_symbols``), and the reading's constants.
     _order: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _dims: dict[str, tuple[bool, tuple[str | int, ...]]] = field(
+        init=False, repr=False, compare=False)
+    _named: tuple[tuple[str, int, str | int, int], ...] = field(
+        init=False, repr=False, compare=False)
+    _consts: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = tuple(self.params)
@@ -195,10 +201,19 @@ class Schema:
             raise ValueError(f"schema {self.family!r}: the main tensor must be a required "
                              f"Tensor parameter (tensors: {', '.join(tensors) or 'none'})")
         object.__setattr__(self, "main", main)
+        dims = {n: p.dims() for n, p in self.params.items() if isinstance(p, Tensor)}
+        object.__setattr__(self, "_dims", dims)  # (a malformed shape raises here)
+        object.__setattr__(self, "_named", tuple(
+            (name, names.index(name), d, k - len(ds) if lead else k)
+            for name, (lead, ds) in dims.items() for k, d in enumerate(ds)))
+        consts: list[Any] = [None, True, False]
+        for p in self.params.values():
+            if isinstance(p, Choice):
+                consts.extend(p.values)
+        object.__setattr__(self, "_consts", tuple(consts))
         seen_default = False
         for name, p in self.params.items():
             if isinstance(p, Tensor):
-                p.dims()  # a malformed shape raises here
                 for what, other in (("dtype", p.dtype), ("like", p.like)):
                     if other is not None and other not in tensors:
                         raise ValueError(f"schema {self.family!r}: {name}'s {what} names "
@@ -229,15 +244,6 @@ class Schema:
     def _index(self, name: str) -> int:
         return self._order.index(name)
 
-    def _symbols(self) -> Iterator[tuple[str, int, str | int, int]]:
-        """``(parameter, its index, the dimension's symbol or size, the dimension's index)``
-        for every named dimension, in order."""
-        for name, p in self.params.items():
-            if isinstance(p, Tensor):
-                lead, dims = p.dims()
-                for k, d in enumerate(dims):
-                    yield name, self._index(name), d, (k - len(dims) if lead else k)
-
     def describe(self, *args: Any) -> tuple[Any, ...]:
         """The base axes' values of the call ``args`` (the facade's full argument tuple),
         after checking every constraint (a located ``TypeError`` or ``ValueError``)."""
@@ -267,7 +273,7 @@ class Schema:
         for name, t in tensors.items():
             p = self.params[name]
             assert isinstance(p, Tensor)
-            lead, dims = p.dims()
+            lead, dims = self._dims[name]
             if (t.dim() < len(dims)) if lead else (t.dim() != len(dims)):
                 least = "at least " if lead else ""
                 raise ValueError(f"{fam}: {name} must be {p.written()} ({least}{len(dims)} "
@@ -285,7 +291,7 @@ class Schema:
                 raise ValueError(f"{fam}: {name} must have {p.like}'s shape "
                                  f"{tuple(tensors[p.like].shape)}, got {tuple(t.shape)}")
         bound: dict[str, tuple[str, int, int]] = {}
-        for name, _i, d, a in self._symbols():
+        for name, _i, d, a in self._named:
             if name not in tensors:
                 continue
             size = tensors[name].shape[a]
@@ -317,7 +323,7 @@ class Schema:
 
     def _lead(self) -> int | None:
         """How many named dimensions follow the main tensor's ``...`` (``None``: none)."""
-        lead, dims = self.params[self.main].dims()  # type: ignore[index, union-attr]
+        lead, dims = self._dims[self.main]  # type: ignore[index]
         return len(dims) if lead else None
 
     def readers(self) -> dict[str, Callable[..., Any]]:
@@ -348,16 +354,7 @@ class Schema:
         for given in product((True, False), repeat=len(optional)):
             absent = {n for n, g in zip(optional, given, strict=True) if not g}
             cases.append(Case(self._guards(absent), base, lazy))
-        return Reading(len(self._order), tuple(cases), self._consts())
-
-    def _consts(self) -> tuple[Any, ...]:
-        """The reading's constants: ``None``, ``True``, ``False``, then every choice's
-        values."""
-        out: list[Any] = [None, True, False]
-        for p in self.params.values():
-            if isinstance(p, Choice):
-                out.extend(p.values)
-        return tuple(out)
+        return Reading(len(self._order), tuple(cases), self._consts)
 
     def _guards(self, absent: set[str]) -> tuple[Op, ...]:
         out: list[Op] = []
@@ -369,13 +366,13 @@ class Schema:
                 out.append(g)
                 continue
             if isinstance(p, Choice):
-                at = self._consts().index(p.values[0])
+                at = self._choice_at(name)
                 out.append(("any", *((("is", i, at + k),) for k in range(len(p.values)))))
                 continue
             if name in absent:
                 out.append(("is", i, _NONE))
                 continue
-            lead, dims = p.dims()
+            lead, dims = self._dims[name]
             out.append(("tensor", i))
             out.append(("ndim_ge", i, len(dims)) if lead else ("ndim", i, len(dims)))
             if p.floating:
@@ -385,7 +382,7 @@ class Schema:
             if p.like is not None and p.like not in absent:
                 out.append(("shape_eq", i, self._index(p.like)))
         first: dict[str, tuple[int, int]] = {}
-        for name, i, d, a in self._symbols():
+        for name, i, d, a in self._named:
             if name in absent:
                 continue
             if isinstance(d, int):
@@ -395,6 +392,17 @@ class Schema:
             else:
                 first[d] = (i, a)
         return tuple(out)
+
+    def _choice_at(self, name: str) -> int:
+        """Where choice parameter ``name``'s values start among the reading's constants:
+        ``None``, ``True``, ``False``, then every choice's values in order."""
+        at = 3
+        for other, p in self.params.items():
+            if other == name:
+                return at
+            if isinstance(p, Choice):
+                at += len(p.values)
+        raise KeyError(name)
 
     def unreadable(self) -> str | None:
         """Why the compiled path reads none of the family's calls (a constraint its
@@ -432,10 +440,8 @@ class Schema:
             wrong = self.row_problem(row.obj)
             if wrong is None:
                 continue
-            file, _, line = row.source.rpartition(":")
-            where = (file, int(line)) if line.isdigit() else (row.source or "?", 0)
-            problems.append(TableProblem(where[0], where[1], 0,
-                                         f"row {row.name!r}: {wrong}"))
+            file, line = source_place(row.source or "?")
+            problems.append(TableProblem(file, line, 0, f"row {row.name!r}: {wrong}"))
         if problems:
             raise TableError(problems)
 

@@ -33,7 +33,6 @@ from astrai.backends.frozen import freeze, is_frozen, thaw
 from astrai.integrations.transformers.routing import ROUTE_ATTR, Route, restore_model
 from astrai.tune.measure import MORE, Budget, Timing
 from astrai.tune.noise import NoiseMonitor
-from astrai.tune.statistics import median_interval
 
 #: How much slower (over a whole run) routing a family must make the run to leave it.
 MARGIN = 0.005
@@ -105,11 +104,7 @@ class InModel:
         """Several models' figures as one: the means of their figures (each model's run
         counts once)."""
         def mean(pick: Callable[[InModel], Timing]) -> Timing:
-            got = [pick(p) for p in parts]
-            return Timing(sum(t.median_us for t in got) / len(got), 0.0,
-                          sum(t.interval.low for t in got) / len(got),
-                          sum(t.interval.high for t in got) / len(got),
-                          min(t.samples for t in got))
+            return Timing.mean([(1, pick(p)) for p in parts])
 
         runs = sorted({p.run for p in parts})
         return cls("; ".join(runs), mean(lambda p: p.model), mean(lambda p: p.astrai),
@@ -219,6 +214,4 @@ def measure_in_model(model: nn.Module, run: Callable[[], object], what: str,
 def _figures(what: str, took: Mapping[str, list[float]], family: str, busy: bool) -> InModel:
     routed, own = took[_ALL], took[family]
     ratios = [a / b for a, b in zip(routed, own, strict=True)]
-    got = median_interval(ratios)
-    return InModel(what, Timing.of(own), Timing.of(routed),
-                   Timing(got.median, 0.0, got.low, got.high, got.samples), busy)
+    return InModel(what, Timing.of(own), Timing.of(routed), Timing.of(ratios), busy)

@@ -96,6 +96,18 @@ class Timing:
         got = median_interval(samples)
         return cls(got.median, _iqr(samples), got.low, got.high, got.samples)
 
+    @classmethod
+    def mean(cls, weighted: Sequence[tuple[float, Timing]]) -> Timing:
+        """The means of several timings' figures, weighted (the fewest samples kept)."""
+        total = sum(w for w, _ in weighted)
+
+        def avg(pick: Callable[[Timing], float]) -> float:
+            return sum(w * pick(t) for w, t in weighted) / total
+
+        return cls(avg(lambda t: t.median_us), avg(lambda t: t.spread_us),
+                   avg(lambda t: t.interval.low), avg(lambda t: t.interval.high),
+                   min(t.samples for _, t in weighted))
+
     @property
     def interval(self) -> Interval:
         """The median and its interval (an unknown interval: the median alone)."""

@@ -264,8 +264,7 @@ class Profile:
     @property
     def file(self) -> str:
         """The file the profile was read from: its ``source`` without the ``:line``."""
-        head, sep, line = self.source.rpartition(":")
-        return head if sep and line.isdigit() else self.source
+        return source_place(self.source)[0]
 
     def for_family(self, family: str) -> list[FamilyOverlay]:
         """The overlays that apply to ``family``: ``"*"`` first, then its own."""
@@ -381,3 +380,10 @@ def make_view(table: FamilyTable, profiles: tuple[Profile, ...]) -> View:
         notes=tuple(notes),
         narrowed=MappingProxyType(narrowed),
     )
+
+
+def source_place(source: str) -> tuple[str, int]:
+    """``(file, line)`` of a row's or profile's ``source`` (``file:line``; line 0 where
+    it names none, as ``register_family`` does)."""
+    head, sep, line = source.rpartition(":")
+    return (head, int(line)) if sep and line.isdigit() else (source, 0)

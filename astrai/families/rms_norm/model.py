@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = ["EPS_NAMES", "RECOGNITION", "NormForm", "is_rms_kind", "rms_norm_form"]
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -149,21 +150,14 @@ def _weightless_form(module: nn.Module) -> NormForm | str:
 
 
 _NO_EPS: Any = object()
-_DEFAULT_EPS: dict[torch.dtype, float] = {}
 
 
+@functools.cache
 def default_eps(dtype: torch.dtype) -> float:
     """The epsilon torch's ``rms_norm`` takes for ``eps=None`` on ``dtype`` inputs,
     measured once per dtype (the machine epsilon of the input's dtype in some torch
     versions, of the float type it computes in - float32 for the half types - in
     others)."""
-    got = _DEFAULT_EPS.get(dtype)
-    if got is None:
-        got = _DEFAULT_EPS[dtype] = _measured_eps(dtype)
-    return got
-
-
-def _measured_eps(dtype: torch.dtype) -> float:
     candidates = dict.fromkeys(torch.finfo(d).eps for d in (dtype, torch.float32,
                                                            torch.float64))
     for eps in candidates:  # a row whose mean square is eps tells them apart

@@ -510,17 +510,17 @@ def _nothing_to_gain(known: Mapping[str, ModelRecognition], wanted: Iterable[str
             if rec.name == plain:
                 continue
             chained = view.in_chain(rec)
-            ok, reason = state.availability(chained)
             if rec.name in view.disabled:
                 why.append(f"{rec.name}: disabled")
             elif not rec.implicit and rec.name not in view.enabled:
                 why.append(f"{rec.name}: explicit-only")
             elif on_this_machine(chained.spec) is False:
                 why.append(f"{rec.name}: its when is false on this machine")
-            elif not ok:
+            else:  # its probe asked only where nothing else rules the row out
+                ok, reason = state.availability(chained)
+                if ok:
+                    break
                 why.append(f"{rec.name}: unavailable ({reason})")
-            else:
-                break
         else:
             facts = machine_facts()
             out[family] = (f"on this machine ({facts.cpu_vendor}, {facts.cpu_isa}) every call "
