@@ -184,3 +184,34 @@ def test_tune_model_leaves_a_family_slower_inside_the_model(
         set_process_profiles()
         state.snapshot = saved
         state.reset()
+
+
+def test_tune_model_keeps_no_reference_to_the_model(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture of the model's calls (its spies stood in rebound namespaces) goes with
+    the tuning: a model tuned and dropped is freed, its weights no longer declared
+    frozen."""
+    import gc
+    import weakref
+
+    from astrai.backends import frozen
+
+    monkeypatch.setattr(measure, "time_rows", lambda calls, rounds, *a, **k: {
+        n: [1.0 + 0.001 * i for i in range(rounds)] for n in calls})
+    monkeypatch.setattr(measure, "_warm", lambda fn, timer: 1)
+    monkeypatch.setattr(tuning, "_time", _no_calls)
+    monkeypatch.setattr(tuning, "measure_in_model", lambda *a, **k: {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    saved = state.snapshot
+    try:
+        model = _zoo.build("llama")
+        alive = weakref.ref(model)
+        astrai.tune_model(model, rounds=3, budget=0.0, prompt=4, new_tokens=1, cache=tmp_path)
+        del model
+        gc.collect()
+        assert alive() is None
+        assert not frozen.any_frozen()
+    finally:
+        set_process_profiles()
+        state.snapshot = saved
+        state.reset()

@@ -17,7 +17,7 @@ rebinding anything.
 
 from __future__ import annotations
 
-__all__ = ["global_names", "home", "rebind"]
+__all__ = ["REBOUND", "global_names", "home", "rebind"]
 
 import sys
 import types
@@ -87,11 +87,15 @@ def rebind(fn: Callable[..., Any], owner: dict[str, Any],
     return _copy(fn, owner, home(owner, replacements), {})
 
 
+#: How the names of the namespaces ``home`` registers in ``sys.modules`` start.
+REBOUND = "astrai_rebound__"
+
+
 def home(owner: dict[str, Any], replacements: Mapping[str, Any]) -> dict[str, Any]:
     """The namespace of the module copies of ``owner``'s functions with ``replacements``
     live in (made once, registered in ``sys.modules``; refreshed from ``owner`` here)."""
     tag = "_".join(f"{k}{id(v):x}" for k, v in sorted(replacements.items()))
-    name = f"astrai_rebound__{str(owner.get('__name__', 'module')).replace('.', '_')}__{tag}"
+    name = f"{REBOUND}{str(owner.get('__name__', 'module')).replace('.', '_')}__{tag}"
     module = sys.modules.get(name)
     if module is None:
         module = sys.modules.setdefault(name, types.ModuleType(name))

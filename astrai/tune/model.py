@@ -44,6 +44,7 @@ import inspect
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -83,6 +84,9 @@ _WORDS: dict[str, str] = {"faster": "faster", "shipped": "routed", "tie": "tie",
 
 
 # -- figures -----------------------------------------------------------------------
+
+#: A call's figure where its calls were not timed one by one.
+_UNKNOWN = Timing(math.nan, math.nan)
 
 @dataclass(frozen=True)
 class CodeFigures:
@@ -147,22 +151,12 @@ class CodeFigures:
         calls = sum(n for n, *_ in parts)
         parts = [p for p in parts if p[0] > 0 and not math.isnan(p[1].median_us)
                  and not math.isnan(p[2].median_us)]  # those timed one by one
-        total = sum(n for n, *_ in parts)
+        runs = InModel.combine(in_model) if in_model else None
         if not parts:
-            unknown = Timing(math.nan, math.nan)
-            return cls(calls, unknown, unknown, False,
-                       InModel.combine(in_model) if in_model else None)
-
-        def mean(timings: list[tuple[int, Timing]]) -> Timing:
-            def avg(pick: Callable[[Timing], float]) -> float:
-                return sum(n * pick(t) for n, t in timings) / total
-            return Timing(avg(lambda t: t.median_us), avg(lambda t: t.spread_us),
-                          avg(lambda t: t.interval.low), avg(lambda t: t.interval.high),
-                          min(t.samples for _, t in timings))
-
-        return cls(calls, mean([(n, m) for n, m, _, _ in parts]),
-                   mean([(n, a) for n, _, a, _ in parts]), any(b for *_, b in parts),
-                   InModel.combine(in_model) if in_model else None)
+            return cls(calls, _UNKNOWN, _UNKNOWN, False, runs)
+        return cls(calls, Timing.mean([(n, m) for n, m, _, _ in parts]),
+                   Timing.mean([(n, a) for n, _, a, _ in parts]), any(b for *_, b in parts),
+                   runs)
 
 
 # -- capturing what the routed code and the model's own code run ----------------------
@@ -312,10 +306,11 @@ class _Spy:
 @contextmanager
 def _capturing(model: nn.Module, capture: _Capture) -> Iterator[None]:
     """Within the block, every routed module's and call site's calls are noted."""
-    from astrai.recognition.rebind import rebind
+    from astrai.recognition.rebind import REBOUND, rebind
 
     handles: list[Any] = []
     swapped: list[tuple[Route, Any]] = []
+    placed: set[int] = set()  # the spies standing in rebound namespaces
     for module in model.modules():
         route: Route | None = module.__dict__.get(ROUTE_ATTR)
         if route is None or module.__dict__.get("forward") is not route.installed:
@@ -340,6 +335,7 @@ def _capturing(model: nn.Module, capture: _Capture) -> Iterator[None]:
         spied = rebind(type(module).forward, owner, spies)
         if spied is not None:
             swapped.append((route, route.forward))
+            placed.update(map(id, spies.values()))
             route.forward = spied
     try:
         yield
@@ -348,6 +344,12 @@ def _capturing(model: nn.Module, capture: _Capture) -> Iterator[None]:
             handle.remove()
         for route, forward in swapped:
             route.forward = forward
+        # The namespaces rebind registered for the spies hold the capture, and with it the
+        # model: gone with the capture.
+        for name, home in list(sys.modules.items()):
+            if name.startswith(REBOUND) and any(id(v) in placed
+                                                for v in vars(home).values()):
+                del sys.modules[name]
 
 
 # -- the representative run ------------------------------------------------------------
@@ -439,9 +441,8 @@ def _time(call: _Call, rounds: int, budget: Budget, monitor: NoiseMonitor
 def _untimed(capture: _Capture, family: str) -> CodeFigures:
     """The figures of a family whose calls were not timed one by one (none captured, or
     none replayable): its call count, the per-call figures unknown."""
-    unknown = Timing(math.nan, math.nan)
     return CodeFigures(sum(c.count for c in capture.calls.values() if c.family == family),
-                       unknown, unknown)
+                       _UNKNOWN, _UNKNOWN)
 
 
 def _measure_code(capture: _Capture, rounds: int, budget: float, monitor: NoiseMonitor
