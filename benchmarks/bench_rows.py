@@ -238,7 +238,8 @@ def _own_gelu_new(x: torch.Tensor) -> torch.Tensor:
 _OWN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
     "gelu_tanh": _own_gelu_new, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": torch.nn.functional.relu}
+    "relu": torch.nn.functional.relu,
+    "relu2": lambda x: torch.square(torch.nn.functional.relu(x))}
 
 
 def _own_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:

@@ -25,6 +25,7 @@ FORMULAS = {
                                                       * (x + 0.044715 * x ** 3))),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": lambda x: torch.clamp_min(x, 0),
+    "relu2": lambda x: torch.clamp_min(x, 0) ** 2,
 }
 
 
@@ -120,6 +121,8 @@ def test_transformers_act2fn() -> None:
     activations = pytest.importorskip("transformers.activations")
     want = {"silu": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
             "gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "relu": "relu"}
+    if "relu2" in activations.ACT2FN:
+        want["relu2"] = "relu2"
     for name, act in want.items():
         assert activation_of(activations.ACT2FN[name]) == act, name
     assert activation_of(activations.ACT2FN["mish"]).startswith("refused: ")

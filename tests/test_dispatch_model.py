@@ -467,6 +467,48 @@ def half_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return turn(q), turn(k)
 
 
+def optional_k_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor | None = None,
+                              cos: torch.Tensor | None = None,
+                              sin: torch.Tensor | None = None, unsqueeze_dim: int = 1
+                              ) -> Any:
+    """Qwen4-Exp's rotary: the half layout, on the queries alone when no keys are given."""
+    assert cos is not None and sin is not None
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., h:], x[..., :h]), -1) * s
+    return turn(q) if k is None else (turn(q), turn(k))
+
+
+def single_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          unsqueeze_dim: int = 1) -> torch.Tensor:
+    """Gemma 4's rotary: one tensor a call, the half layout over the whole head."""
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    h = x.shape[-1] // 2
+    return x * c + torch.cat((-x[..., h:], x[..., :h]), -1) * s
+
+
+class ToySingleAttention(nn.Module):
+    """Turns its queries and its keys in two calls, heads second or third."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (single_rotary_pos_emb(q, cos, sin),
+                single_rotary_pos_emb(k.transpose(1, 2), cos, sin, unsqueeze_dim=2))
+
+
+class ToyIndexerAttention(nn.Module):
+    """Rotates queries and keys, and queries alone by keyword (an indexer's)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q2, k2 = optional_k_rotary_pos_emb(q, k, cos, sin)
+        alone = optional_k_rotary_pos_emb(q.transpose(1, 2), cos=cos, sin=sin,
+                                          unsqueeze_dim=2)
+        return q2, k2, alone
+
+
 class ToyAttention(nn.Module):
     """Calls a rotary function by its global name, as transformers' layers do: a
     partial one (half of head_dim turns)."""
@@ -590,6 +632,40 @@ class TestRotarySites:
         assert sum(served()["rotary"].values()) == 1
         assert not [r for r in caplog.records if "own function" in r.getMessage()]
         assert verify_model(toy, *args) == {"rotary": 1}
+
+    def test_queries_alone_are_served_where_the_function_rotates_them_alone(
+            self, caplog: pytest.LogCaptureFixture) -> None:
+        toy = ToyIndexerAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
+        assert (site.layout, site.alone) == ("half", True)
+        args = self.toy_call()
+        want = type(toy).forward(toy, *args)
+        dispatch.reset_stats()
+        with caplog.at_level(logging.WARNING, logger="astrai"):
+            got = toy(*args)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert sum(served()["rotary"].values()) == 2
+        assert dispatch.stats().served("rotary", origin="model") == 0
+        assert not [r for r in caplog.records if "own function" in r.getMessage()]
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_a_function_of_one_tensor_is_served(self, dtype: torch.dtype) -> None:
+        toy = ToySingleAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
+        assert (site.single, site.layout, site.upcast) == (True, "half", False)
+        args = tuple(t.to(dtype) for t in self.toy_call())
+        want = type(toy).forward(toy, *args)
+        dispatch.reset_stats()
+        got = toy(*args)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+        assert sum(served()["rotary"].values()) == 2
+        assert dispatch.stats().served("rotary", origin="model") == 0
 
     def test_a_call_its_layout_cannot_take_runs_its_own_and_is_counted(
             self, caplog: pytest.LogCaptureFixture) -> None:

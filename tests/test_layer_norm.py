@@ -116,6 +116,13 @@ class CohereLayerNorm(nn.Module):
         return (self.weight.to(torch.float32) * h).to(x.dtype)
 
 
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's: scales by 1 + weight (its weight starts at zero)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
 class ShiftedLayerNorm(nn.LayerNorm):
     """Named a layer norm, computes something else."""
 
@@ -144,15 +151,16 @@ class Model(nn.Module):
         self.plain = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
         self.olmo, self.cohere = OlmoLayerNorm(hidden), CohereLayerNorm(hidden)
         self.shifted, self.t5 = ShiftedLayerNorm(hidden), T5LayerNorm(hidden)
+        self.one_p = LayerNorm1P(hidden)
         self.group = nn.GroupNorm(4, hidden)
-        for m in (self.full, self.no_bias):
+        for m in (self.full, self.no_bias, self.one_p):
             with torch.no_grad():
                 for p in m.parameters():
                     p.normal_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for m in (self.full, self.no_bias, self.plain, self.olmo, self.cohere, self.shifted,
-                  self.t5):
+                  self.t5, self.one_p):
             x = m(x)
         return x
 
@@ -165,18 +173,20 @@ def test_dispatch_model_routes_the_layer_norms_by_what_they_compute(dtype: torch
     model = copy.deepcopy(plain)
     x = torch.randn(2, 3, 32, dtype=dtype)
     report = dispatch_model(model)
-    assert sorted(report.paths("layer_norm")) == ["cohere", "full", "no_bias", "olmo", "plain"]
+    assert sorted(report.paths("layer_norm")) == ["cohere", "full", "no_bias", "olmo",
+                                                  "one_p", "plain"]
     assert report.paths("rms_norm") == ["t5"]
     details = {r.path: r.detail for r in report.routed}
     assert details["olmo"] == "no weight, eps 1e-05 (fixed)"
     assert details["plain"] == "no weight, eps from .eps"
+    assert details["one_p"] == "1 + weight and bias, eps from .eps"
     reasons = {(n.family, n.path): n.reason for n in report.not_routed}
     assert "for no epsilon" in reasons[("layer_norm", "shifted")]
     assert "no astrai family claims" in reasons[("norm", "group")]
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)
-    assert verify_model(model, x)["layer_norm"] == 5
-    assert restore_model(model) == 6
+    assert verify_model(model, x)["layer_norm"] == 6
+    assert restore_model(model) == 7
     assert torch.equal(model(x), plain(x))
 
 

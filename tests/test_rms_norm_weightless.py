@@ -96,6 +96,35 @@ class ScaledL2Norm(Llama4TextL2Norm):
         return 2 * super().forward(x)
 
 
+class UnusedBufferRMSNorm(Llama4TextL2Norm):
+    """Falcon-Mamba's: holds a buffer of ones its forward never reads."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.weight = nn.Buffer(torch.ones(hidden), persistent=False)
+
+
+class BufferWeightRMSNorm(UnusedBufferRMSNorm):
+    """Scales by its buffer: a weight astrai would not read."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.weight
+
+
+def test_a_buffer_the_norm_never_reads_leaves_it_weightless() -> None:
+    plain = nn.Sequential(UnusedBufferRMSNorm(), BufferWeightRMSNorm())
+    with torch.no_grad():
+        plain[1].weight.normal_()
+    model = copy.deepcopy(plain)
+    report = dispatch_model(model)
+    assert report.paths("rms_norm") == ["0"]
+    assert [(n.family, n.path) for n in report.not_routed] == [("rms_norm", "1")]
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-6, rtol=1e-6)
+    assert verify_model(model, x)["rms_norm"] == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dispatch_model_routes_a_weightless_rms_norm(dtype: torch.dtype) -> None:
     plain = nn.Sequential(Llama4TextL2Norm(), ScaledL2Norm())

@@ -8,7 +8,8 @@ shape and dtype:
 - ``gelu_tanh``: ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (GPT-2's "new" GELU,
   Gemma's ``gelu_pytorch_tanh``);
 - ``quick_gelu``: ``x * sigmoid(1.702 x)`` (CLIP's);
-- ``relu``: ``max(x, 0)``.
+- ``relu``: ``max(x, 0)``;
+- ``relu2``: ``max(x, 0)^2`` (squared ReLU: Nemotron, Persimmon, Arcee, BitNet).
 
 The reference writes each formula in float32 (float64 for float64 ``x``) and casts once;
 the torch row calls torch's kernels, which compute half types in float32 too.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 #: The activations the family computes, by the name its ``act`` axis gives them.
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "relu2")
 _TANH_SCALE = math.sqrt(2.0 / math.pi)
 
 
@@ -41,6 +42,8 @@ def reference_activation(x: torch.Tensor, act: str) -> torch.Tensor:
         out = h * torch.sigmoid(1.702 * h)
     elif act == "relu":
         out = torch.clamp_min(h, 0.0)
+    elif act == "relu2":
+        out = torch.square(torch.clamp_min(h, 0.0))
     else:
         raise ValueError(f"unknown activation {act!r}; activations: {', '.join(ACTIVATIONS)}")
     return out.to(x.dtype)
@@ -58,4 +61,6 @@ def torch_activation(x: torch.Tensor, act: str) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
     if act == "relu":
         return F.relu(x)
+    if act == "relu2":
+        return torch.square(F.relu(x))
     raise ValueError(f"unknown activation {act!r}; activations: {', '.join(ACTIVATIONS)}")

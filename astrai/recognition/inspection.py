@@ -34,8 +34,12 @@ def own_forward(module: nn.Module) -> Any:
 
 def is_norm_kind(module: nn.Module) -> bool:
     """Whether the report must account for ``module`` as a norm: ``torch.nn.RMSNorm``, or
-    any class named ``...Norm...``."""
-    return isinstance(module, nn.RMSNorm) or bool(_NORM_NAME.search(type(module).__name__))
+    a module of no submodules whose class is named ``...Norm...`` (a layer named after
+    its model, as RoBERTa-PreLayerNorm's are, holds modules and is no norm)."""
+    if isinstance(module, nn.RMSNorm):
+        return True
+    return (bool(_NORM_NAME.search(type(module).__name__))
+            and next(module.children(), None) is None)
 
 
 def call_signature(fn: Any) -> inspect.Signature | None:

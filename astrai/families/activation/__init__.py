@@ -1,5 +1,5 @@
 """The ``activation`` family: an elementwise activation (silu, gelu, gelu_tanh,
-quick_gelu, relu).
+quick_gelu, relu, relu2).
 
 Its declaration is its schema: the facade ``activation(x, act, backend=None)``, its
 checks, its axes (``dtype``, ``device_cuda``, ``ndim``, ``grad_enabled`` and the table's

@@ -11,7 +11,8 @@ weight and bias. Epsilon is read from the module's attribute (``eps``,
 into its forward (OLMo's), found among the usual values by the same comparison. It is
 served when it matches within float32 tolerance in float32 and one rounding in bfloat16:
 ``nn.LayerNorm`` in any dtype, the float32-upcast forms (OLMo's weightless norm,
-Cohere's norm without a bias).
+Cohere's norm without a bias), and a norm scaling by ``1 + weight`` (Nemotron's
+``LayerNorm1P``), whose forward adds the one on every call as the model's does.
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ class LayerNormForm:
     eps: float  # the epsilon its forward writes
     weight: bool  # it holds a weight (read on every call)
     bias: bool  # it holds a bias
+    offset: float = 0.0  # it scales by ``offset + weight`` (Nemotron's LayerNorm1P: 1)
 
     def describe(self) -> str:
         """The form in words, for the report."""
-        held = [n for n, has in (("weight", self.weight), ("bias", self.bias)) if has]
+        scale = f"{self.offset:g} + weight" if self.offset else "weight"
+        held = [n for n, has in ((scale, self.weight), ("bias", self.bias)) if has]
         eps = f"eps from .{self.eps_attr}" if self.eps_attr else f"eps {self.eps:g} (fixed)"
         return f"{' and '.join(held) or 'no weight'}, {eps}"
 
@@ -105,12 +108,14 @@ def layer_norm_form(module: nn.Module) -> LayerNormForm | str:
         (n, v) for n in EPS_NAMES if (v := _eps_value(module, n)) is not None]
     candidates = candidates or [(None, e) for e in _USUAL_EPS]
     failures: list[str] = []
+    offsets = (0.0, 1.0) if "weight" in params else (0.0,)
     for attr, eps in candidates:
-        form = LayerNormForm(attr, eps, "weight" in params, "bias" in params)
-        got = _compare(module, form, features)
-        if got is None:
-            return form
-        failures.append(got)
+        for offset in offsets:
+            form = LayerNormForm(attr, eps, "weight" in params, "bias" in params, offset)
+            got = _compare(module, form, features)
+            if got is None:
+                return form
+            failures.append(got)
     return (f"its output matches layer_norm of its weight and bias for no epsilon "
             f"({min(failures, key=len)})")
 
@@ -138,8 +143,9 @@ def _compare(module: nn.Module, form: LayerNormForm, features: int) -> str | Non
                 return f"its forward raised {type(exc).__name__} on a float32 input"
             continue
         w, b = probe._parameters.get("weight"), probe._parameters.get("bias")
-        want = reference_layer_norm(x, w if form.weight else None, b if form.bias else None,
-                                    form.eps)
+        scale = None if not form.weight or w is None else (w + form.offset if form.offset
+                                                            else w)
+        want = reference_layer_norm(x, scale, b if form.bias else None, form.eps)
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or (
                 got.dtype != want.dtype):
             return f"with a {dtype} input it does not return a {dtype} tensor of x's shape"
@@ -156,6 +162,7 @@ def _layer_norm_forward(form: LayerNormForm) -> Callable[..., Any]:
     from its parameters, epsilon from its attribute (or the one its forward writes), on
     every call. Holds no module (a copy of the model binds it to the copy)."""
     attr, fixed, has_weight, has_bias = form.eps_attr, form.eps, form.weight, form.bias
+    offset = form.offset
 
     def layer_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         params = self._parameters
@@ -168,6 +175,8 @@ def _layer_norm_forward(form: LayerNormForm) -> Callable[..., Any]:
             weight = self.weight if has_weight else None
             bias = self.bias if has_bias else None
         eps = self.__dict__[attr] if attr is not None else fixed
+        if offset and weight is not None:
+            weight = weight + offset
         return layer_norm(hidden_states, weight, bias, eps)
 
     return layer_norm_forward

@@ -96,9 +96,12 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
                 f"called as norm(x, {more[0]})): astrai's rms_norm serves norm(x) alone")
     weight = module._parameters.get("weight")
     held = [n for n, _ in module.named_parameters(recurse=True)]
-    held += [n for n, b in module.named_buffers(recurse=True) if b is not None]
-    if weight is None and not held:
+    buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None]
+    if weight is None and not held and not module._modules:
+        # buffers it holds (Falcon-Mamba's unused ones) are filled with noise in the
+        # probes: a norm that reads them does not match
         return _weightless_form(module)
+    held += buffers
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return "it has no weight vector (astrai's rms_norm scales by a weight of [features])"
     extra = [n for n, p in module.named_parameters(recurse=True) if n != "weight"]
@@ -256,8 +259,13 @@ def _own_forward(module: nn.Module, weight: torch.Tensor | None, x: torch.Tensor
     """The class's ``forward`` of a shallow copy of ``module`` holding ``weight`` (of the
     module itself when it holds none)."""
     if weight is None:
+        g = torch.Generator().manual_seed(3)
+        noise = {n: torch.randn(b.shape, generator=g).to(b.dtype)
+                 for n, b in module._buffers.items()
+                 if b is not None and b.is_floating_point() and b.device.type != "meta"}
         with torch.no_grad():
-            return type(module).forward(module, x)
+            return type(module).forward(probe_copy(module, buffers=noise) if noise
+                                        else module, x)
     with torch.no_grad():
         return type(module).forward(probe_copy(module, parameters={"weight": weight}), x)
 

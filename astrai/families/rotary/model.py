@@ -26,6 +26,7 @@ __all__ = ["RECOGNITION", "ROTARY_LAYOUTS", "RotarySite", "deinterleave", "inter
 
 import functools
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,8 @@ class RotarySite:
     layout: str = "half"  # one of ROTARY_LAYOUTS
     upcast: bool = False  # it computes in float32 and casts back to q's dtype
     partial: bool = False  # seen to rotate part of a head when cos covers part of it
+    alone: bool = False  # called without k, it returns q alone rotated (k defaults to None)
+    single: bool = False  # it takes one tensor: (x, cos, sin[, unsqueeze_dim])
 
     @property
     def label(self) -> str:
@@ -208,8 +211,15 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    if len(required) == 3 and len(positional) == 3:
-        return _three_argument_site(name, owner, fn, signature)
+    if len(required) == 3 and (len(positional) == 3 or positional[3].name == "unsqueeze_dim"):
+        site = _three_argument_site(name, owner, fn, signature) if len(positional) == 3 \
+            else None
+        if isinstance(site, RotarySite):
+            return site
+        single = _single_tensor_site(name, owner, fn, signature)
+        if isinstance(single, RotarySite) or site is None:
+            return single
+        return f"{site}; {single}"
     if len(positional) < 4:
         return "it does not take (q, k, cos, sin), (q, k, freqs_cis) or (x, sin, cos)"
     rest = params[4:] if params[:4] == positional[:4] else []
@@ -235,9 +245,72 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
                 partial = _rotary_gap(fn, layout, dim, 4)
                 part = isinstance(partial, float) and partial <= 1e-5
             return RotarySite(name, owner, fn, dim, signature, layout,
-                              _upcasts(fn, layout, dim), part)
+                              _upcasts(fn, layout, dim), part,
+                              _rotates_alone(fn, signature, layout, dim))
     return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
             f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
+
+
+def _single_tensor_site(name: str, owner: dict[str, Any], fn: Any,
+                        signature: inspect.Signature) -> RotarySite | str:
+    """A rotary function of one tensor, ``(x, cos, sin[, unsqueeze_dim])`` (Gemma 4 turns
+    its queries and keys in two calls), computing the half layout over the whole head or,
+    as ``cos`` says, over part of it."""
+    dim_param = signature.parameters.get("unsqueeze_dim")
+    dim = 1 if dim_param is None else dim_param.default
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return f"its unsqueeze_dim default is {dim!r}"
+    gaps = []
+    for layout, rot in (("half", 8), ("partial", 4)):
+        q, k, cos, sin = _rotary_probe(dim, rot)
+        try:
+            with torch.no_grad():
+                got = fn(q, cos, sin)
+        except Exception as exc:
+            if layout == "partial":  # it rotates whole heads only
+                gaps.append(math.inf)
+                break
+            return f"called as (x, cos, sin) it raised {type(exc).__name__}: {exc}"
+        want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half,
+                                reference_rotary)[0]
+        if not (isinstance(got, torch.Tensor) and got.shape == want.shape):
+            if layout == "partial":
+                gaps.append(math.inf)
+                break
+            return "called as (x, cos, sin) it does not return x rotated"
+        gaps.append(float((got - want).abs().max()))
+    if gaps[0] > 1e-5:
+        return (f"called as (x, cos, sin) it computes none of the rotary layouts astrai "
+                f"serves (differs from the half split by {gaps[0]:.2g} on random inputs)")
+    partial = gaps[1] <= 1e-5
+    layout = "partial" if partial else "half"
+    q, k, cos, sin = (t.to(torch.bfloat16) for t in _rotary_probe(dim, 8))
+    with torch.no_grad():
+        got = fn(q, cos, sin).float()
+    native, wide = (rotary_in_layout(layout, q.to(dtype), k.to(dtype), cos.to(dtype),
+                                     sin.to(dtype), dim, reference_rotary_half,
+                                     reference_rotary)[0].to(torch.bfloat16).float()
+                    for dtype in (torch.bfloat16, torch.float32))
+    upcast = float((got - wide).abs().max()) < float((got - native).abs().max())
+    return RotarySite(name, owner, fn, dim, signature, layout, upcast, partial, single=True)
+
+
+def _rotates_alone(fn: Any, signature: inspect.Signature, layout: str, dim: int) -> bool:
+    """Whether ``fn``, whose ``k`` defaults to ``None``, called with ``q``, ``cos`` and
+    ``sin`` only returns ``q`` alone rotated in ``layout``."""
+    names = list(signature.parameters)[:4]
+    if signature.parameters[names[1]].default is not None:
+        return False
+    q, k, cos, sin = _rotary_probe(dim, 8)
+    try:
+        with torch.no_grad():
+            got = fn(q, **{names[2]: cos, names[3]: sin})
+    except Exception:
+        return False
+    want = rotary_in_layout(layout, q, k, cos, sin, dim, reference_rotary_half,
+                            reference_rotary)[0]
+    return (isinstance(got, torch.Tensor) and got.shape == want.shape
+            and float((got - want).abs().max()) <= 1e-5)
 
 
 def _upcasts(fn: Any, layout: str, dim: int) -> bool:
@@ -303,41 +376,54 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     in the site's layout, or the function itself (warning once, counted under the origin
     ``model``) for a call the layout cannot express."""
     original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
-    layout, upcast, partial = site.layout, site.upcast, site.partial
+    layout, upcast, partial, alone = site.layout, site.upcast, site.partial, site.alone
+    single = site.single
+    names = list(signature.parameters)[:3 if single else 4]
 
-    def own(q: Any, k: Any, cos: Any, sin: Any, args: tuple[Any, ...],
-            kwargs: dict[str, Any], why: str) -> Any:
+    def own(args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
         warn_once(f"astrai: a rotary call to {site.label} runs the model's own function: "
                   f"{why}")
         count_model_own("rotary")
-        return original(q, k, cos, sin, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    def routed_rotary(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
+    def routed_rotary(*args: Any, **kwargs: Any) -> Any:
         dim = default_dim
-        if args or kwargs:
-            bound = signature.bind(q, k, cos, sin, *args, **kwargs)
-            extra = {n: v for n, v in list(bound.arguments.items())[4:]}
+        if len(args) == 4 and not kwargs and not single:
+            q, k, cos, sin = args
+        else:
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError as exc:
+                return own(args, kwargs, f"its arguments do not bind: {exc}")
+            taken = [given.get(n, signature.parameters[n].default) for n in names]
+            q, k, cos, sin = (taken[0], None, *taken[1:]) if single else taken
+            extra = {n: v for n, v in given.items() if n not in names}
             dim = extra.pop("unsqueeze_dim", default_dim)
             if any(v is not None and v is not signature.parameters[n].default
                    for n, v in extra.items()):
-                return own(q, k, cos, sin, args, kwargs,
-                           f"it was called with {', '.join(extra)}, which its layout "
-                           f"({layout}) does not take")
+                return own(args, kwargs, f"it was called with {', '.join(extra)}, which "
+                                         f"its layout ({layout}) does not take")
+        alone_q = k is None and (alone or single) and isinstance(q, torch.Tensor)
+        if alone_q and isinstance(dim, int) and -q.dim() <= dim < q.dim():
+            k = q.narrow(dim, 0, 0)  # no heads: the queries alone are turned
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
                 and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
-            return own(q, k, cos, sin, args, kwargs, "q, k, cos or sin is not a tensor")
+            return own(args, kwargs, "q, k, cos or sin is not a tensor")
         if not partial and cos.shape[-1] != q.shape[-1]:
-            return own(q, k, cos, sin, args, kwargs,
+            return own(args, kwargs,
                        f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and the "
                        f"function was not seen to rotate part of a head")
         if layout == "half" and not upcast:
-            return apply_rotary_half(q, k, cos, sin, dim)
-        if upcast and q.dtype not in _WIDE:
+            out = apply_rotary_half(q, k, cos, sin, dim)
+        elif upcast and q.dtype not in _WIDE:
             dtype = q.dtype
             q_out, k_out = rotary_in_layout(layout, q.float(), k.float(), cos.float(),
                                             sin.float(), dim, apply_rotary_half, apply_rotary)
-            return q_out.to(dtype), k_out.to(dtype)
-        return rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half, apply_rotary)
+            out = q_out.to(dtype), k_out.to(dtype)
+        else:
+            out = rotary_in_layout(layout, q, k, cos, sin, dim, apply_rotary_half,
+                                   apply_rotary)
+        return out[0] if alone_q else out
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
     if layout == "complex":

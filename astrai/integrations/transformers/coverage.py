@@ -20,6 +20,8 @@ other quantised layers are not counted (their reason says so).
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["shares", "unaccounted"]
 
 from collections.abc import Iterator, Set
@@ -170,8 +172,10 @@ def unaccounted(model: nn.Module, seen: set[str], routed: Set[str] = frozenset()
                 ) -> Iterator[NotRouted]:
     """A ``NotRouted`` for every module of ``model`` holding parameters of its own whose
     path is not in ``seen`` (routed or reported already), unless each of them is a
-    parameter of a module in ``routed`` too (tied: BERT's head holds its decoder's bias)
-    and the module is no embedding (whose lookup no family serves, tied or not)."""
+    parameter of a module in ``routed`` too (tied: BERT's head holds its decoder's bias;
+    ``routed`` also holds the modules a family decision left to their own code, whose
+    tied parameters that decision covers) and the module is no embedding (whose lookup
+    no family serves, tied or not)."""
     reached = {id(p) for path, module in model.named_modules()
                if (path or "(the model)") in routed for p in _own(module).values()}
     quantised = _quantised(model)
@@ -198,13 +202,27 @@ def unaccounted(model: nn.Module, seen: set[str], routed: Set[str] = frozenset()
             yield NotRouted("convolution", name, kind, f"a convolution ({shapes}{size}"
                             f"{f', groups {groups}' if groups != 1 else ''}), which no "
                             f"astrai family serves")
-        elif any(p.dim() == 3 for p in params.values()):
+        elif _expert_stack(module, params):
             experts = max(p.shape[0] for p in params.values() if p.dim() == 3)
             yield NotRouted("experts", name, kind, f"a stack of {experts} MoE experts "
                             f"({shapes}), which no astrai family serves")
         else:
             yield NotRouted("other", name, kind, f"holds {shapes} and computes what no "
                             f"astrai family recognises")
+
+
+#: the names of an expert stack's projections
+_EXPERT_WEIGHTS = frozenset({"gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2",
+                             "w3"})
+
+
+def _expert_stack(module: nn.Module, params: dict[str, Any]) -> bool:
+    """Whether ``module``'s 3-d parameters are a stack of MoE experts: its class says
+    experts, or they are named as an expert's projections (other 3-d parameters, a
+    recurrence's block-diagonal gates or a learned mask, are not called experts)."""
+    stacked = [n for n, p in params.items() if p.dim() == 3 and p.shape[0] > 0]
+    return bool(stacked) and (bool(re.search(r"expert|moe", type(module).__name__, re.I))
+                              or any(n in _EXPERT_WEIGHTS for n in stacked))
 
 
 def shares(model: nn.Module, routed: set[str]) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -370,10 +370,11 @@ class _Dispatch:
                 refused.append(NotRouted(family, path or "(the model)",
                                          type(module).__name__, why))
         seen = {r.path for r in routed} | {n.path for n in refused}
-        seen.update(p for paths in self.kept.values() for p in paths)
+        kept = {p for paths in self.kept.values() for p in paths}
+        seen.update(kept)
         weights = {f for f, r in self.known.items() if r.holds_weights}
         reaching = {r.path for r in routed if r.family in weights}
-        refused += unaccounted(self.model, seen, reaching)
+        refused += unaccounted(self.model, seen, reaching | kept)
         params, flops = shares(self.model, reaching)
         notes = list(self.notes)
         if getattr(self.model, "use_kernels", False) is True:
