@@ -498,6 +498,20 @@ class ToySingleAttention(nn.Module):
                 single_rotary_pos_emb(k.transpose(1, 2), cos, sin, unsqueeze_dim=2))
 
 
+class ToyGuardedAttention(nn.Module):
+    """Cohere 2's: rotary in sliding-window layers only, by its own attribute."""
+
+    def __init__(self, sliding_window: int | None) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.sliding_window is not None:
+            q, k = half_rotary_pos_emb(q, k, cos, sin)
+        return q, k
+
+
 class ToyIndexerAttention(nn.Module):
     """Rotates queries and keys, and queries alone by keyword (an indexer's)."""
 
@@ -666,6 +680,19 @@ class TestRotarySites:
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         assert sum(served()["rotary"].values()) == 2
         assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_a_layer_whose_attributes_rule_its_rotary_out_has_no_rotary_site(self) -> None:
+        model = nn.ModuleList([ToyGuardedAttention(4), ToyGuardedAttention(None)])
+        report = dispatch_model(model, ["rotary"])
+        assert report.paths("rotary") == ["0"]
+        (note,) = [n for n in report.notes if "applies no rotary" in str(n)]
+        assert "only where self.sliding_window is not None" in str(note)
+        args = self.toy_call()
+        for layer in model:
+            want = type(layer).forward(layer, *args)
+            assert all(torch.allclose(a, b, atol=1e-6)
+                       for a, b in zip(layer(*args), want, strict=True))
+        assert verify_model(model[0], *args) == {"rotary": 1}
 
     def test_a_call_its_layout_cannot_take_runs_its_own_and_is_counted(
             self, caplog: pytest.LogCaptureFixture) -> None:

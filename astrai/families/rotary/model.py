@@ -40,6 +40,7 @@ from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import count_model_own
 from astrai.families.recognition import ModelRecognition, Note, Sites
 from astrai.families.rotary import apply_rotary, apply_rotary_half
+from astrai.recognition.guards import ruled_out
 from astrai.recognition.inspection import call_signature, label, stand_in
 from astrai.recognition.rebind import global_names
 
@@ -493,6 +494,13 @@ def _sites(module: nn.Module, forward: Any, model: nn.Module
         reasons.append(Note("the layer applies no rotary (its use_rope is off: a NoPE "
                             "layer); its rotary functions, never called, are left as they "
                             "are"))
+        found = []
+    guard = ruled_out(forward, {s.name for s in found}, module) if found else None
+    if guard is not None:
+        reasons.append(Note(f"the layer applies no rotary: its forward calls "
+                            f"{', '.join(sorted({s.name for s in found}))} only where "
+                            f"{guard}, which this layer's attributes rule out; left as "
+                            f"they are"))
         found = []
     if not found:
         return None, reasons
