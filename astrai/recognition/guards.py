@@ -60,10 +60,10 @@ def _calls(node: ast.AST, names: set[str], path: list[tuple[ast.If, bool]]
         out.append(list(path))
     if isinstance(node, ast.If):
         out += _calls(node.test, names, path)
-        for child in node.body:
-            out += _calls(child, names, [*path, (node, True)])
-        for child in node.orelse:
-            out += _calls(child, names, [*path, (node, False)])
+        for statement in node.body:
+            out += _calls(statement, names, [*path, (node, True)])
+        for statement in node.orelse:
+            out += _calls(statement, names, [*path, (node, False)])
         return out
     for child in ast.iter_child_nodes(node):
         out += _calls(child, names, path)
