@@ -203,6 +203,15 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                     for act in ("silu", "gelu_tanh"):
                         out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
                                           (g, u, act), own=partial(_own_gated, g, u, act)))
+            elif family == "depthwise_conv1d":
+                for c in hidden or (2048, 8192):  # Mamba's expand * hidden channels
+                    x = _rand(1, c, n, dtype=dtype, seed=n)
+                    w = _rand(c, 1, 4, dtype=dtype, seed=c)
+                    b = _rand(c, dtype=dtype, seed=c + 1)
+                    conv = torch.nn.Conv1d(c, c, 4, groups=c, padding=3).to(dtype)
+                    conv.weight.data, conv.bias.data = w, b  # type: ignore[union-attr]
+                    out.append(Bucket(family, f"tokens{n:<5} channels{c:<5} 4 taps {dt}",
+                                      (x, w, b, 3), own=partial(conv, x)))
             elif family == "moe_experts":
                 out += _experts_buckets(n, dt, dtype, hidden)
             elif family == "moe_router":
@@ -483,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+",
                         help="token counts of the rms_norm, rotary and linear buckets")
     parser.add_argument("--hidden", type=int, nargs="+",
-                        help="feature sizes of the rms_norm buckets")
+                        help="feature sizes of the rms_norm buckets (channels of the "
+                             "depthwise_conv1d ones)")
     parser.add_argument("--any-when", action="store_true",
                         help="time every available row, whatever its table when says")
     args = parser.parse_args(argv)
@@ -491,8 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
-                               "activation", "gated_activation", "moe_experts", "moe_router",
-                               "cross_entropy", "linear_cross_entropy"]
+                               "activation", "gated_activation", "depthwise_conv1d",
+                               "moe_experts", "moe_router", "cross_entropy",
+                               "linear_cross_entropy"]
     reg = dispatch.current()
     wall = args.wall or args.threads > 1  # other threads' work is no CPU time of this one
     timer: Callable[[], float] = time.perf_counter if wall else time.thread_time

@@ -6,6 +6,8 @@ route instead of being skipped."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import random
 import traceback
@@ -27,9 +29,9 @@ from astrai.dispatch.expr.spec import Spec
 from astrai.dispatch.facade import FACADES
 from astrai.dispatch.keying import KeyPlan
 from astrai.dispatch.reading import encode, read
-from astrai.dispatch.schema import Scalar, Schema, Tensor
+from astrai.dispatch.schema import Choice, Scalar, Schema, Tensor
 from astrai.errors import TableError
-from astrai.families import Family, declare, undeclare
+from astrai.families import Family, declare, every_family, undeclare
 from tests.conftest import adopted
 
 #: The families declared here: each with the table its rows are in.
@@ -44,6 +46,11 @@ MIXED = Schema("mixed", {"q": Tensor("..., h, 2"), "k": Tensor("h, 2", dtype="q"
                          "eps": Scalar("float", ge=0, default=1e-6)})
 #: A bound the compiled path cannot check: the Python route serves every call.
 CLAMPED = Schema("clamped", {"x": Tensor("..., f"), "p": Scalar("float", ge=0, le=1)})
+#: Every built-in family declared by a schema (its package's ``SCHEMA``).
+BUILT_IN = tuple(importlib.import_module(f"astrai.families.{name}").SCHEMA
+                 for name in sorted(every_family())
+                 if importlib.util.find_spec(f"astrai.families.{name}") is not None
+                 and hasattr(importlib.import_module(f"astrai.families.{name}"), "SCHEMA"))
 SCHEMAS = (SOFTCAP, SCALE_SHIFT, MIXED, CLAMPED)
 
 ROWS = '''
@@ -152,7 +159,7 @@ def test_checks_name_the_parameter_and_what_was_expected(tables: Path) -> None:
         mixed(torch.randn(2, 4, 3), torch.randn(4, 2))
     with pytest.raises(TypeError, match=r"mixed: flag must be a bool, got 1"):
         mixed(torch.randn(2, 4, 2), torch.randn(4, 2), None, 1)
-    with pytest.raises(ValueError, match=r"mixed: groups must be a int == 1, got 2"):
+    with pytest.raises(ValueError, match=r"mixed: groups must be an int == 1, got 2"):
         mixed(torch.randn(2, 4, 2), torch.randn(4, 2), groups=2)
 
 
@@ -197,6 +204,8 @@ def _tensor(rng: random.Random, shape: tuple[int, ...]) -> Any:
 def _value(rng: random.Random, p: Any, sizes: dict[str, int]) -> Any:
     """A value for ``p``: well-formed most of the time, else of a wrong kind, shape,
     size or bound."""
+    if isinstance(p, Choice):
+        return rng.choice([*p.values, *p.values, "".join(p.values[0]), "nope", None, 1])
     if isinstance(p, Scalar):
         pool: list[Any] = {"float": [1e-6, 0.5, 1.0, 30.0, 0.0, -1.0, 2.0, float("nan"),
                                      float("inf"), 1, True, None, "x"],
@@ -243,7 +252,8 @@ def _python(schema: Schema, plan: KeyPlan, args: tuple[Any, ...]) -> Any:
 def test_both_paths_give_every_call_the_same_verdict(tables: Path, built: ModuleType,
                                                      points: list[int], device: bool,
                                                      seed: int, grad: bool) -> None:
-    """Random calls, well-formed and not, under random tables: where the compiled path
+    """Random calls, well-formed and not, under random tables, for the families declared
+    here and every built-in family declared by a schema: where the compiled path
     answers, its key is the reading's meaning and the Python route's own key (the route
     never refuses it); where the Python route refuses a call, the compiled path declines
     it; every well-formed call of a readable schema is answered."""
@@ -251,7 +261,7 @@ def test_both_paths_give_every_call_the_same_verdict(tables: Path, built: Module
     texts = [f"tokens >= {p}" for p in points] + (["device == cpu"] if device else [])
     answered = 0
     with torch.set_grad_enabled(grad):
-        for schema in SCHEMAS:
+        for schema in (*SCHEMAS, *BUILT_IN):
             fc = FACADES[schema.family].call
             plan = KeyPlan(schema.family, comparisons([Spec.parse(t) for t in texts]))
             shape = plan.layout(fc.reads, fc.lazy)

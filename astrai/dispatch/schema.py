@@ -252,7 +252,8 @@ class Schema:
             if isinstance(p, Scalar):
                 got = p.problem(value)
                 if got is not None:
-                    raise got[0](f"{fam}: {name} must be a {got[1]}, got {value!r}")
+                    article = "an" if got[1][:1] in "aeiou" else "a"
+                    raise got[0](f"{fam}: {name} must be {article} {got[1]}, got {value!r}")
             elif isinstance(p, Choice):
                 if not isinstance(value, str) or value not in p.values:
                     raise ValueError(f"{fam}: unknown {name} {value!r}; "

@@ -8,7 +8,8 @@ time under ``torch.compile``, else cached), the usage count - is the one hot pat
 took for the call in the world in force; on ``None`` the route serves the call.
 ``backend=`` is the explicit selection of contract §3 (a row name or an implementation
 object): strict, it raises rather than fall back. ``call`` reaches any family - a
-declared one through its facade, any other through its table alone.
+declared one through its facade, any other through its table alone. A built-in family
+declared by its package alone is reached as ``ops.<its facade>`` all the same.
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ def _python_call_hot(last: list[LastWorld], t: Any) -> Any:
     if world is None or not in_force(world) or not isinstance(t, torch.Tensor):
         return None
     return decisions.get((t.dtype, t.is_cuda, t.dim(), torch.is_grad_enabled()))
+
+
+def __getattr__(name: str) -> Any:
+    """A built-in family's facade that no line above imports (a family declared by its
+    package alone: ``ops.depthwise_conv1d``)."""
+    from astrai.dispatch.facade import FACADES
+    found = FACADES.get(name)
+    if found is not None and getattr(found.function, "__module__", "").startswith(
+            "astrai.families."):
+        return found.function
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 call_lookup_python(_python_call_hot)

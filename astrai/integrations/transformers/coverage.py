@@ -217,11 +217,13 @@ _EXPERT_WEIGHTS = frozenset({"gate_up_proj", "down_proj", "gate_proj", "up_proj"
 
 
 def _expert_stack(module: nn.Module, params: dict[str, Any]) -> bool:
-    """Whether ``module``'s 3-d parameters are a stack of MoE experts: its class says
-    experts, or they are named as an expert's projections (other 3-d parameters, a
-    recurrence's block-diagonal gates or a learned mask, are not called experts)."""
+    """Whether ``module``'s 3-d parameters are a stack of MoE experts: its class or the
+    parameters say experts, or they are named as an expert's projections (other 3-d
+    parameters, a recurrence's block-diagonal gates or a learned mask, are not called
+    experts)."""
     stacked = [n for n, p in params.items() if p.dim() == 3 and p.shape[0] > 0]
-    return bool(stacked) and (bool(re.search(r"expert|moe", type(module).__name__, re.I))
+    named = [type(module).__name__, *stacked]
+    return bool(stacked) and (any(re.search(r"expert|moe", n, re.I) for n in named)
                               or any(n in _EXPERT_WEIGHTS for n in stacked))
 
 
