@@ -203,6 +203,16 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                     for act in ("silu", "gelu_tanh"):
                         out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {act}",
                                           (g, u, act), own=partial(_own_gated, g, u, act)))
+            elif family == "gated_rms_norm":
+                for f in hidden or (128, 4096):  # a head's (Qwen3-Next), a mixer's (Mamba-2)
+                    x = _rand(n, 1, f, dtype=dtype, seed=n)
+                    z = _rand(n, 1, f, dtype=dtype, seed=n + 1)
+                    w = torch.rand(1, f).to(dtype) + 0.5
+                    for first in (False, True):
+                        form = "gate-first" if first else "norm-first"
+                        out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt} {form}",
+                                          (x, w, z, 1e-6, first),
+                                          own=partial(_own_gated_norm, x, w[0], z, first)))
             elif family == "depthwise_conv1d":
                 for c in hidden or (2048, 8192):  # Mamba's expand * hidden channels
                     x = _rand(1, c, n, dtype=dtype, seed=n)
@@ -249,6 +259,21 @@ _OWN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": _own_gelu_new, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": torch.nn.functional.relu,
     "relu2": lambda x: torch.square(torch.nn.functional.relu(x))}
+
+
+def _own_gated_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, gate_first: bool
+                    ) -> torch.Tensor:
+    """transformers' RMSNormGated forwards: Mamba-2's (gate, norm, weight in x's dtype) or
+    Qwen3-Next's (norm, weight in x's dtype, gate in float32, cast)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    if gate_first:
+        h = h * torch.nn.functional.silu(z.to(torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    h = w * h.to(dtype)
+    if gate_first:
+        return h
+    return (h * torch.nn.functional.silu(z.to(torch.float32))).to(dtype)
 
 
 def _own_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -501,7 +526,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
-                               "activation", "gated_activation", "depthwise_conv1d",
+                               "activation", "gated_activation", "gated_rms_norm",
+                               "depthwise_conv1d",
                                "moe_experts", "moe_router", "cross_entropy",
                                "linear_cross_entropy"]
     reg = dispatch.current()

@@ -143,8 +143,8 @@ def coverage_row(name: str, report: Any) -> str:
 
 
 #: The families the table has a column for, in order.
-COLUMNS = ("attention", "rotary", "rms_norm", "layer_norm", "linear", "activation",
-           "gated_activation", "depthwise_conv1d", "moe_experts", "moe_router",
+COLUMNS = ("attention", "rotary", "rms_norm", "gated_rms_norm", "layer_norm", "linear",
+           "activation", "gated_activation", "depthwise_conv1d", "moe_experts", "moe_router",
            "cross_entropy")
 TABLE_HEAD = ("| model type | " + " | ".join(COLUMNS) + " | matmul FLOPs | parameters | "
               "not routed |\n|" + "---|" * (len(COLUMNS) + 4))

@@ -505,6 +505,24 @@ def routed_counts(report: Any) -> dict[str, int]:
     return {f: n for f, n in counts.items() if n}
 
 
+def reversed_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, unsqueeze_dim: int = 1
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NanoChat's rotary: its rotate_half turns the other way, cat(x2, -x1)."""
+    c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * c + torch.cat((x[..., h:], -x[..., :h]), -1) * s
+    return turn(q), turn(k)
+
+
+class ToyReversedAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return reversed_rotary_pos_emb(q, k, cos, sin)
+
+
 class ToyGuardedAttention(nn.Module):
     """Cohere 2's: rotary in sliding-window layers only, by its own attribute."""
 
@@ -687,6 +705,19 @@ class TestRotarySites:
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         assert sum(served()["rotary"].values()) == 2
         assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_the_reversed_half_layout_is_served(self) -> None:
+        toy = ToyReversedAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
+        assert site.layout == "reversed"
+        args = self.toy_call()
+        want = type(toy).forward(toy, *args)
+        dispatch.reset_stats()
+        for a, b in zip(toy(*args), want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert dispatch.stats().served("rotary", origin="model") == 0
+        assert sum(served()["rotary"].values()) == 1
 
     def test_a_layer_whose_attributes_rule_its_rotary_out_has_no_rotary_site(self) -> None:
         model = nn.ModuleList([ToyGuardedAttention(4), ToyGuardedAttention(None)])

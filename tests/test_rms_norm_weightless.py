@@ -111,6 +111,17 @@ class BufferWeightRMSNorm(UnusedBufferRMSNorm):
         return super().forward(x) * self.weight
 
 
+def test_torchs_rms_norm_without_affine_of_its_own_size_is_served() -> None:
+    plain = nn.Sequential(nn.RMSNorm(32, eps=1e-5, elementwise_affine=False))
+    model = copy.deepcopy(plain)
+    report = dispatch_model(model)
+    assert report.paths("rms_norm") == ["0"] and not report.not_routed
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-6, rtol=1e-6)
+    assert verify_model(model, x)["rms_norm"] == 1
+
+
 def test_a_buffer_the_norm_never_reads_leaves_it_weightless() -> None:
     plain = nn.Sequential(UnusedBufferRMSNorm(), BufferWeightRMSNorm())
     with torch.no_grad():

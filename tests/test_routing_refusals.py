@@ -1,8 +1,8 @@
 """What ``dispatch_model`` cannot serve it refuses when it routes, never at the model's
-first forward: a norm its callers give more than the input (a gated norm called as
-``norm(x, gate)``), attention a model computes with its own eager function alone (Inkling
-2's per-token sinks); and it names a module for what it is (a convolution is no stack of
-experts)."""
+first forward: a norm its callers give more than the input and a gate (``norm(x,
+residual)``; ``norm(x, gate)`` is the gated_rms_norm family's), attention a model
+computes with its own eager function alone (Inkling 2's per-token sinks); and it names a
+module for what it is (a convolution is no stack of experts)."""
 
 from __future__ import annotations
 
@@ -38,33 +38,49 @@ class GatedRMSNorm(nn.Module):
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+class ResidualRMSNorm(GatedRMSNorm):
+    """Takes a residual besides its input: no family serves ``norm(x, residual)``."""
+
+    def forward(self, hidden_states: torch.Tensor,  # type: ignore[override]
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            hidden_states = hidden_states + residual
+        return super().forward(hidden_states)
+
+
 class Mixer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.gate_proj, self.norm = nn.Linear(8, 8), GatedRMSNorm(8)
+        self.add_norm = ResidualRMSNorm(8)
         self.conv = nn.Conv1d(8, 8, 4, groups=8, padding=3)
+        self.mix = nn.Conv1d(8, 8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
-        return self.norm(x, self.gate_proj(x))
+        x = self.conv(x.transpose(1, 2))[..., :x.shape[1]]
+        x = self.mix(x).transpose(1, 2)
+        return self.add_norm(self.norm(x, self.gate_proj(x)), x)
 
 
-def test_a_norm_called_with_more_than_its_input_is_refused_when_routing() -> None:
+def test_a_norm_called_with_more_than_its_input_is_served_or_refused_when_routing() -> None:
+    """``norm(x, gate)`` is the gated_rms_norm family's; ``norm(x, residual)`` no family's,
+    refused at dispatch rather than failing at the first forward."""
     torch.manual_seed(0)
     model, x = Mixer(), torch.randn(2, 5, 8)
     with torch.no_grad():
         want = model(x)
         report = dispatch_model(model)
         torch.testing.assert_close(model(x), want)
-    assert not report.paths("rms_norm")
-    (norm,) = [n for n in report.not_routed if n.path == "norm"]
+    assert report.paths("gated_rms_norm") == ["norm"]
+    assert report.paths("depthwise_conv1d") == ["conv"]
+    (norm,) = [n for n in report.not_routed if n.path == "add_norm"]
     assert norm.family == "rms_norm"
-    assert norm.reason == ("its forward takes gate besides its input (a gated norm, called as "
-                           "norm(x, gate)): astrai's rms_norm serves norm(x) alone")
-    (conv,) = [n for n in report.not_routed if n.path == "conv"]
+    assert norm.reason == ("its forward takes residual besides its input (called as "
+                           "norm(x, residual)): astrai's rms_norm serves norm(x) alone")
+    (conv,) = [n for n in report.not_routed if n.path == "mix"]
     assert conv.family == "convolution" and conv.kind == "Conv1d"
-    assert conv.reason == ("a convolution (weight [8, 1, 4], bias [8], 8 output channels, "
-                           "groups 8), which no astrai family serves")
+    assert conv.reason == ("a convolution (weight [8, 8, 1], bias [8], 8 output channels), "
+                           "which no astrai family serves")
     restore_model(model)
 
 
@@ -98,8 +114,8 @@ def test_models_routing_once_broke_run_and_agree(name: str, extra: dict[str, Any
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     reasons = [n.reason for n in report.not_routed]
     if name == "bamba":
-        assert any("a gated norm, called as norm(x, gate)" in r for r in reasons)
-        assert any(r.startswith("a convolution (weight [") for r in reasons)
+        assert report.paths("gated_rms_norm")  # its mixers' norm(x, gate)
+        assert any(r.startswith("its parent (BambaMixer) never calls it") for r in reasons)
         assert not any("MoE experts" in r for r in reasons)
     else:
         assert any("computes attention with its own eager function alone" in r

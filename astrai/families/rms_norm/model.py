@@ -92,8 +92,8 @@ def rms_norm_form(module: nn.Module) -> NormForm | str:
                 "(astrai has no family for other norms)")
     more = further_inputs(module)
     if more:
-        return (f"its forward takes {', '.join(more)} besides its input (a gated norm, "
-                f"called as norm(x, {more[0]})): astrai's rms_norm serves norm(x) alone")
+        return (f"its forward takes {', '.join(more)} besides its input (called as "
+                f"norm(x, {more[0]})): astrai's rms_norm serves norm(x) alone")
     weight = module._parameters.get("weight")
     held = [n for n, _ in module.named_parameters(recurse=True)]
     buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None]
@@ -207,7 +207,13 @@ def _probes(module: nn.Module, eps_attr: str, eps_from_dtype: bool,
     with), a random weight in its copy (none for a weightless norm)."""
     weight = None if weightless else module._parameters["weight"]
     device = torch.device("cpu")
-    hidden = 64 if weight is None else weight.shape[0]  # a meta weight is probed too
+    shape = getattr(module, "normalized_shape", None)
+    if weight is not None:
+        hidden = weight.shape[0]  # a meta weight is probed too
+    elif isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int):
+        hidden = shape[0]  # a weightless torch.nn.RMSNorm takes only its own size
+    else:
+        hidden = 64
     g = torch.Generator().manual_seed(hidden + 1)
     random_weight = torch.randn(hidden, generator=g, device=device)
     probes: list[_Probe] = []

@@ -63,15 +63,17 @@ _ROTARY_NAME = re.compile(r"^apply_.*(rotary|rope)|rotary_pos_emb", re.IGNORECAS
 #: ``pairwise`` - ``x * cos + rotate_pairs(x) * sin``, where ``rotate_pairs`` turns each
 #: adjacent pair ``(a, b)`` into ``(-b, a)`` (Cohere, whose ``cos`` holds each angle twice),
 #: over the first ``cos.shape[-1]`` features, served as the half layout on features
-#: regrouped into halves. A function seen to compute in float32 whatever its inputs'
+#: regrouped into halves; ``reversed`` - the half layout turned the other way,
+#: ``x * cos + cat(x2, -x1) * sin`` (NanoChat's ``rotate_half``), served as the half layout
+#: with ``sin`` negated. A function seen to compute in float32 whatever its inputs'
 #: precision (``RotarySite.upcast``) is served the same way.
 #: Two more are called otherwise: ``complex`` - ``(q, k, freqs_cis)``, adjacent pairs
 #: multiplied by complex ``freqs_cis [batch, seq, head_dim/2]`` (Llama 4), q and k
 #: ``[batch, seq, heads, head_dim]``; ``pairs`` - one tensor ``(x, sin, cos)``, adjacent
 #: pairs turned by ``sin``/``cos [batch, seq, head_dim/2]`` (GPT-J); both through
 #: ``ops.apply_rotary``.
-ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "pairwise", "complex",
-                  "pairs")
+ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "pairwise", "reversed",
+                  "complex", "pairs")
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +98,8 @@ def rotary_in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, cos: torch.T
                      pairs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``layout`` computed through ``half(q, k, cos, sin, dim)`` (the half layout) or
     ``pairs(x, freqs_cis)`` (adjacent pairs, ``x`` ``[batch, seq, heads, head_dim]``)."""
+    if layout == "reversed":
+        return half(q, k, cos, -sin, dim)  # type: ignore[no-any-return]
     if layout == "deinterleaved":
         c, s = _first_half(cos), _first_half(sin)
         return half(deinterleave(q), deinterleave(k),  # type: ignore[no-any-return]
@@ -232,7 +236,7 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
     if isinstance(dim, bool) or not isinstance(dim, int):
         return f"its unsqueeze_dim default is {dim!r}"
     gaps: dict[str, float | str] = {}
-    for layout in ("half", "interleaved", "deinterleaved", "pairwise"):
+    for layout in ("half", "interleaved", "deinterleaved", "pairwise", "reversed"):
         gaps[layout] = gap = _rotary_gap(fn, layout, dim, 8)
         if isinstance(gap, str):
             return gap

@@ -62,6 +62,7 @@ from astrai.families import every_family
 from astrai.families.recognition import Installed, ModelRecognition, Note, Refused, Sites
 from astrai.integrations.transformers.coverage import shares, unaccounted
 from astrai.integrations.transformers.report import DispatchReport, NotRouted, Routed
+from astrai.recognition.callers import not_called
 from astrai.recognition.inspection import is_norm_kind, own_forward
 from astrai.recognition.rebind import rebind
 
@@ -232,6 +233,13 @@ class _Dispatch:
         (a router holds a weight the linear family claims and refuses, and the router
         family serves)."""
         refusal: tuple[str, Any] | None = None
+        serving = [f for f, _ in claimants if f in self.wanted and f not in self.left]
+        if path and serving:
+            parent_path, _, child = path.rpartition(".")
+            why = not_called(self.model.get_submodule(parent_path), child)
+            if why is not None:  # nothing of it would reach astrai: said, not routed
+                self.refuse(serving[0], path, module, why)
+                return
         for family, recognition in claimants:
             if family in self.left:
                 self.kept.setdefault(family, []).append(path or "(the model)")
