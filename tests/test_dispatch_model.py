@@ -523,6 +523,19 @@ class ToyReversedAttention(nn.Module):
         return reversed_rotary_pos_emb(q, k, cos, sin)
 
 
+def old_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers 4's: position_ids deprecated and unused."""
+    return half_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+class ToyOldAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return old_rotary_pos_emb(q, k, cos, sin, torch.arange(q.shape[2])[None])
+
+
 class ToyGuardedAttention(nn.Module):
     """Cohere 2's: rotary in sliding-window layers only, by its own attribute."""
 
@@ -704,6 +717,18 @@ class TestRotarySites:
             assert a.dtype == dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         assert sum(served()["rotary"].values()) == 2
+        assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_a_parameter_the_function_ignores_is_dropped(self) -> None:
+        toy = ToyOldAttention()
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
+        assert site.ignored == frozenset({"position_ids"})
+        args = self.toy_call()
+        want = type(toy).forward(toy, *args)
+        dispatch.reset_stats()
+        for a, b in zip(toy(*args), want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
         assert dispatch.stats().served("rotary", origin="model") == 0
 
     def test_the_reversed_half_layout_is_served(self) -> None:

@@ -143,6 +143,7 @@ class RotarySite:
     partial: bool = False  # seen to rotate part of a head when cos covers part of it
     alone: bool = False  # called without k, it returns q alone rotated (k defaults to None)
     single: bool = False  # it takes one tensor: (x, cos, sin[, unsqueeze_dim])
+    ignored: frozenset[str] = frozenset()  # parameters seen to change nothing (position_ids)
 
     @property
     def label(self) -> str:
@@ -251,9 +252,33 @@ def _rotary_site(name: str, owner: dict[str, Any], fn: Any) -> RotarySite | str:
                 part = isinstance(partial, float) and partial <= 1e-5
             return RotarySite(name, owner, fn, dim, signature, layout,
                               _upcasts(fn, layout, dim), part,
-                              _rotates_alone(fn, signature, layout, dim))
+                              _rotates_alone(fn, signature, layout, dim),
+                              ignored=_ignored(fn, rest, dim))
     return (f"it computes none of the rotary layouts astrai serves ({', '.join(ROTARY_LAYOUTS)}"
             f"; differs from the half split by {gaps['half']:.2g} on random inputs)")
+
+
+def _ignored(fn: Any, rest: list[inspect.Parameter], dim: int) -> frozenset[str]:
+    """The parameters after ``(q, k, cos, sin)`` defaulting to ``None`` whose value changes
+    nothing ``fn`` returns (transformers 4's deprecated ``position_ids``)."""
+    q, k, cos, sin = _rotary_probe(dim, 8)
+    out: set[str] = set()
+    with torch.no_grad():
+        try:
+            plain = fn(q, k, cos, sin)
+        except Exception:
+            return frozenset()
+        for p in rest:
+            if p.default is not None or p.name == "unsqueeze_dim" or p.kind not in (
+                    p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                continue
+            try:
+                given = fn(q, k, cos, sin, **{p.name: torch.arange(5).expand(2, 5)})
+            except Exception:
+                continue
+            if all(torch.equal(a, b) for a, b in zip(given, plain, strict=True)):
+                out.add(p.name)
+    return frozenset(out)
 
 
 def _single_tensor_site(name: str, owner: dict[str, Any], fn: Any,
@@ -382,6 +407,7 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     ``model``) for a call the layout cannot express."""
     original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
     layout, upcast, partial, alone = site.layout, site.upcast, site.partial, site.alone
+    ignored = site.ignored
     single = site.single
     names = list(signature.parameters)[:3 if single else 4]
 
@@ -402,7 +428,7 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
                 return own(args, kwargs, f"its arguments do not bind: {exc}")
             taken = [given.get(n, signature.parameters[n].default) for n in names]
             q, k, cos, sin = (taken[0], None, *taken[1:]) if single else taken
-            extra = {n: v for n, v in given.items() if n not in names}
+            extra = {n: v for n, v in given.items() if n not in names and n not in ignored}
             dim = extra.pop("unsqueeze_dim", default_dim)
             if any(v is not None and v is not signature.parameters[n].default
                    for n, v in extra.items()):
