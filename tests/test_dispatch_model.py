@@ -906,6 +906,21 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor,
     return turn(xq), turn(xk)
 
 
+def apply_rotary_emb_heads(xq: torch.Tensor, xk: torch.Tensor,
+                           freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's complex rotary: heads second, the angles unsqueezed at 1."""
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis.unsqueeze(1)).flatten(3).type_as(x)
+    return turn(xq), turn(xk)
+
+
+class ToyHeadsSecondAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        return apply_rotary_emb_heads(q, k, freqs)
+
+
 def apply_rotary_pos_emb_one(x: torch.Tensor, sin: torch.Tensor,
                              cos: torch.Tensor) -> torch.Tensor:
     """GPT-J's rotary of one tensor, sin and cos per pair."""
@@ -941,6 +956,20 @@ class TestThreeArgumentRotary:
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
         assert dispatch.stats().served("rotary") == 4  # q and k through each
+        assert dispatch.stats().served("rotary", origin="model") == 0
+
+    def test_complex_angles_with_heads_second_are_served(self) -> None:
+        toy = ToyHeadsSecondAttention()
+        q, k, freqs, _, _ = self.call()
+        args = (q.transpose(1, 2), k.transpose(1, 2), freqs)
+        want = type(toy).forward(toy, *args)
+        assert dispatch_model(toy, ["rotary"]).counts() == {"rotary": 1}
+        (site,) = toy.__dict__["_astrai_route"].parts["rotary"]
+        assert site.layout == "complex_heads"
+        dispatch.reset_stats()
+        for a, b in zip(toy(*args), want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert dispatch.stats().served("rotary") == 2
         assert dispatch.stats().served("rotary", origin="model") == 0
 
     def test_a_call_of_another_shape_runs_its_own(self) -> None:

@@ -69,11 +69,12 @@ _ROTARY_NAME = re.compile(r"^apply_.*(rotary|rope)|rotary_pos_emb", re.IGNORECAS
 #: precision (``RotarySite.upcast``) is served the same way.
 #: Two more are called otherwise: ``complex`` - ``(q, k, freqs_cis)``, adjacent pairs
 #: multiplied by complex ``freqs_cis [batch, seq, head_dim/2]`` (Llama 4), q and k
-#: ``[batch, seq, heads, head_dim]``; ``pairs`` - one tensor ``(x, sin, cos)``, adjacent
-#: pairs turned by ``sin``/``cos [batch, seq, head_dim/2]`` (GPT-J); both through
-#: ``ops.apply_rotary``.
+#: ``[batch, seq, heads, head_dim]``; ``complex_heads`` - the same with q and k
+#: ``[batch, heads, seq, head_dim]`` (DeepSeek-V2); ``pairs`` - one tensor ``(x, sin,
+#: cos)``, adjacent pairs turned by ``sin``/``cos [batch, seq, head_dim/2]`` (GPT-J); all
+#: through ``ops.apply_rotary``.
 ROTARY_LAYOUTS = ("half", "partial", "interleaved", "deinterleaved", "pairwise", "reversed",
-                  "complex", "pairs")
+                  "complex", "complex_heads", "pairs")
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -365,16 +366,23 @@ def _three_argument_probe(layout: str) -> tuple[tuple[torch.Tensor, ...],
         freqs = torch.complex(rand(2, 5, 4), rand(2, 5, 4))
         table = torch.view_as_real(freqs)
         return (q, k, freqs), (reference_rotary(q, table), reference_rotary(k, table))
+    if layout == "complex_heads":
+        q, k = rand(2, 3, 5, 8), rand(2, 1, 5, 8)
+        freqs = torch.complex(rand(2, 5, 4), rand(2, 5, 4))
+        table = torch.view_as_real(freqs)
+        return (q, k, freqs), tuple(reference_rotary(t.transpose(1, 2), table).transpose(1, 2)
+                                    for t in (q, k))
     x, sin, cos = rand(2, 5, 3, 8), rand(2, 5, 4), rand(2, 5, 4)
     return (x, sin, cos), (reference_rotary(x, torch.stack((cos, sin), -1)),)
 
 
 def _three_argument_site(name: str, owner: dict[str, Any], fn: Any,
                          signature: inspect.Signature) -> RotarySite | str:
-    """A rotary function of three arguments: ``complex`` ``(q, k, freqs_cis)`` or ``pairs``
-    ``(x, sin, cos)``, told apart by what it returns on random inputs."""
+    """A rotary function of three arguments: ``complex`` ``(q, k, freqs_cis)`` (heads third,
+    or second: ``complex_heads``) or ``pairs`` ``(x, sin, cos)``, told apart by what it
+    returns on random inputs."""
     failures: list[str] = []
-    for layout in ("complex", "pairs"):
+    for layout in ("complex", "complex_heads", "pairs"):
         args, want = _three_argument_probe(layout)
         try:
             with torch.no_grad():
@@ -457,7 +465,7 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
         return out[0] if alone_q else out
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
-    if layout == "complex":
+    if layout in ("complex", "complex_heads"):
         return _complex_router(site)
     if layout == "pairs":
         return _pairs_router(site)
@@ -474,7 +482,9 @@ def _own_rotary(site: RotarySite, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 def _complex_router(site: RotarySite) -> Callable[..., Any]:
     """``(q, k, freqs_cis)`` (Llama 4) through ``ops.apply_rotary``: ``freqs_cis`` is
-    ``[batch, seq, head_dim/2]`` complex, q and k ``[batch, seq, heads, head_dim]``."""
+    ``[batch, seq, head_dim/2]`` complex, q and k ``[batch, seq, heads, head_dim]``
+    (``[batch, heads, seq, head_dim]`` for ``complex_heads``, DeepSeek-V2's)."""
+    heads_second = site.layout == "complex_heads"
 
     def routed_rotary(*args: Any, **kwargs: Any) -> Any:
         if len(args) != 3 or kwargs:
@@ -488,6 +498,9 @@ def _complex_router(site: RotarySite) -> Callable[..., Any]:
                                "[batch, seq, heads, head_dim] and complex freqs_cis "
                                "[batch, seq, head_dim/2]")
         table = torch.view_as_real(freqs)
+        if heads_second:
+            return tuple(apply_rotary(t.transpose(1, 2), table).transpose(1, 2)
+                         for t in (q, k))
         return apply_rotary(q, table), apply_rotary(k, table)
 
     routed_rotary.__qualname__ = f"astrai routed {site.name}"
