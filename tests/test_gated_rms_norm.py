@@ -153,6 +153,19 @@ def test_dispatch_model_routes_gated_rms_norms_by_what_they_compute(dtype: torch
     assert torch.equal(model(x, z), plain(x, z))
 
 
+def test_a_norm_that_needs_its_gate_called_without_one_fails_as_it_does_unrouted() -> None:
+    plain = type("Qwen3NextRMSNormGated", (NormThenGate,), {})(16)
+    norm = copy.deepcopy(plain)
+    assert dispatch_model(nn.Sequential(norm)).paths("gated_rms_norm") == ["0"]
+    x = torch.randn(2, 16)
+    with pytest.raises(AttributeError):
+        plain(x, None)  # type: ignore[arg-type]
+    d.reset_stats()
+    with pytest.raises(AttributeError):  # its own forward, as unrouted
+        norm(x, None)  # type: ignore[arg-type]
+    assert d.stats().served("gated_rms_norm", origin="model") == 1
+
+
 def test_a_call_the_facade_cannot_take_runs_the_modules_own_forward(
         caplog: pytest.LogCaptureFixture) -> None:
     norm = GateThenNormRMSNormGated(16, 16)

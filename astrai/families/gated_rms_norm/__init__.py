@@ -89,9 +89,10 @@ def _group(module: nn.Module, features: int) -> int | str:
     return got
 
 
-def _form(module: nn.Module) -> tuple[str, int, bool] | str:
-    """``(epsilon attribute, group size, gate_first)``, or why the family cannot serve
-    ``module``."""
+def _form(module: nn.Module) -> tuple[str, int, bool, bool] | str:
+    """``(epsilon attribute, group size, gate_first, ungated)``, or why the family cannot
+    serve ``module``; ``ungated``: called without a gate it computes the norm alone (else
+    such a call runs its own forward)."""
     extra = further_inputs(module)
     if extra != ["gate"]:
         return f"its forward takes {', '.join(extra)} besides its input, not a gate alone"
@@ -110,7 +111,7 @@ def _form(module: nn.Module) -> tuple[str, int, bool] | str:
     for gate_first in (False, True):
         why = _compare(module, eps_attr, group, gate_first)
         if why is None:
-            return eps_attr, group, gate_first
+            return eps_attr, group, gate_first, _ungated(module, eps_attr, group)
         failures.append(why)
     return (f"its output matches neither gated RMS norm form (gate after the norm: "
             f"{failures[0]}; before it: {failures[1]})")
@@ -144,6 +145,24 @@ def _compare(module: nn.Module, eps_attr: str, group: int, gate_first: bool) -> 
     return None
 
 
+def _ungated(module: nn.Module, eps_attr: str, group: int) -> bool:
+    """Whether ``module`` called without a gate returns the norm alone (Mamba-2's does;
+    Qwen3-Next's needs its gate)."""
+    features = module._parameters["weight"].shape[0]  # type: ignore[union-attr]
+    g = torch.Generator().manual_seed(features + 1)
+    weight = torch.randn(features, generator=g)
+    x = torch.randn(3, features, generator=g)
+    probe = probe_copy(module, parameters={"weight": weight})
+    try:
+        with torch.no_grad():
+            got = type(module).forward(probe, x, None)
+    except Exception:
+        return False
+    want = _serve(reference_gated_rms_norm, x, None, weight,
+                  float(module.__dict__[eps_attr]), group, False)
+    return gap(got, want) <= 4 * _FP32_TOL
+
+
 def _serve(row: Callable[..., torch.Tensor], x: torch.Tensor, gate: torch.Tensor | None,
            weight: torch.Tensor, eps: float, group: int, gate_first: bool) -> torch.Tensor:
     """``row`` on ``x`` and ``gate`` viewed ``[..., groups, group]``, the result back in
@@ -154,7 +173,8 @@ def _serve(row: Callable[..., torch.Tensor], x: torch.Tensor, gate: torch.Tensor
     return out.reshape(x.shape)
 
 
-def _forward(eps_attr: str, group: int, gate_first: bool) -> Callable[..., Any]:
+def _forward(eps_attr: str, group: int, gate_first: bool, ungated: bool
+             ) -> Callable[..., Any]:
     def gated_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor,
                                gate: torch.Tensor | None = None) -> Any:
         weight: Any = self._parameters.get("weight")
@@ -163,11 +183,12 @@ def _forward(eps_attr: str, group: int, gate_first: bool) -> Callable[..., Any]:
         if not (isinstance(hidden_states, torch.Tensor) and isinstance(weight, torch.Tensor)
                 and weight.dtype == hidden_states.dtype and hidden_states.dim() >= 1
                 and hidden_states.shape[-1] % group == 0
-                and (gate is None or (isinstance(gate, torch.Tensor)
-                                      and gate.shape == hidden_states.shape
-                                      and gate.dtype == hidden_states.dtype))):
+                and ((gate is None and ungated)
+                     or (isinstance(gate, torch.Tensor) and gate.shape == hidden_states.shape
+                         and gate.dtype == hidden_states.dtype))):
             warn_once(f"astrai: a call of {type(self).__name__} runs its own forward: its "
-                      f"input, gate and weight are not of one dtype and shape")
+                      f"input, gate and weight are not of one dtype and shape (or it was "
+                      f"given no gate, which it was not seen to take)")
             count_model_own("gated_rms_norm")
             return type(self).forward(self, hidden_states, gate)
         return _serve(gated_rms_norm, hidden_states, gate, weight,
@@ -180,11 +201,11 @@ def _route(module: nn.Module) -> Installed | str:
     form = _form(module)
     if isinstance(form, str):
         return form
-    eps_attr, group, gate_first = form
+    eps_attr, group, gate_first, ungated = form
     features = module._parameters["weight"].shape[0]  # type: ignore[union-attr]
     detail = (f"gate {'before' if gate_first else 'after'} the norm, eps from .{eps_attr}"
               + (f", groups of {group}" if group != features else ""))
-    return Installed(_forward(eps_attr, group, gate_first), detail, form)
+    return Installed(_forward(eps_attr, group, gate_first, ungated), detail, form)
 
 
 #: Gated RMS norms: whole modules, whose weight reaches astrai.
