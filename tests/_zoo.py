@@ -142,9 +142,18 @@ def coverage_row(name: str, report: Any) -> str:
     return f"| {name} | {cells} | {flops} | {params} | {rest} |"
 
 
-#: The families the table has a column for, in order.
-COLUMNS = ("attention", "rotary", "rms_norm", "gated_rms_norm", "layer_norm", "linear",
-           "activation", "gated_activation", "depthwise_conv1d", "moe_experts", "moe_router",
-           "cross_entropy")
+_FIRST = ("attention", "rotary", "rms_norm", "gated_rms_norm", "layer_norm", "linear",
+          "activation", "gated_activation", "depthwise_conv1d", "moe_experts", "moe_router",
+          "cross_entropy")
+
+
+def _columns() -> tuple[str, ...]:
+    from astrai.integrations.transformers.routing import model_families
+    every = tuple(model_families())
+    return tuple(f for f in _FIRST if f in every) + tuple(f for f in every if f not in _FIRST)
+
+
+#: The families the table has a column for: every family dispatch_model routes, in order.
+COLUMNS = _columns()
 TABLE_HEAD = ("| model type | " + " | ".join(COLUMNS) + " | matmul FLOPs | parameters | "
               "not routed |\n|" + "---|" * (len(COLUMNS) + 4))
