@@ -95,8 +95,13 @@ def _is_config(d: Any) -> bool:
     return isinstance(d, dict) and ("model_type" in d or "hidden_size" in d)
 
 
+#: the keys that count layers: the first present is the depth the per-layer lists follow
+_DEPTHS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers",
+           "num_decoder_layers", "num_blocks")
+
+
 def _depth_key(d: dict[str, Any]) -> str | None:
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers"):
+    for key in _DEPTHS[:4]:
         if isinstance(d.get(key), int):
             return key
     return None
@@ -133,8 +138,7 @@ def _keep_layers(d: dict[str, Any], most: int = 6) -> None:
         d[k] = [keep.index(i) for i in d[k] if i in keep]
     for k in by_index:
         d[k] = {type(j)(keep.index(int(j))): v for j, v in d[k].items() if int(j) in keep}
-    for k in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers",
-              "num_decoder_layers", "num_blocks"):
+    for k in _DEPTHS:
         if isinstance(d.get(k), int):
             d[k] = len(keep)
 
@@ -149,8 +153,7 @@ def _shrink(d: dict[str, Any]) -> None:
         if _is_config(value):
             _shrink(value)
         elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool) and value:
-            if key in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers",
-                       "encoder_layers", "num_decoder_layers", "num_blocks"):
+            if key in _DEPTHS:
                 continue  # _keep_layers set it
             d[key] = min(value, _SIZES[key]) if key.endswith("_heads") else _SIZES[key]
         elif key == "intermediate_size" and isinstance(value, list):

@@ -75,6 +75,17 @@ def _config(name: str) -> Any:
     return AutoConfig.for_model(name, **overrides)
 
 
+@pytest.fixture
+def quiet(caplog: pytest.LogCaptureFixture) -> Any:
+    """transformers' warnings and logs kept out of a model test's output."""
+    import logging
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caplog.set_level(logging.ERROR, logger="transformers")
+        yield
+
+
 def available(name: str) -> bool:
     """Whether the installed transformers has the architecture ``name``."""
     try:

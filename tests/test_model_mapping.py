@@ -9,8 +9,6 @@ A type that cannot be built, or whose plain model fails, is skipped with the rea
 from __future__ import annotations
 
 import copy
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +20,7 @@ pytest.importorskip("transformers")
 
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 from tests import _mapping, _zoo
+from tests._zoo import quiet  # noqa: F401 - the fixture
 
 TYPES = _mapping.types()
 
@@ -38,20 +37,7 @@ class Outcome:
 _OUTCOMES: dict[str, Outcome] = {}
 
 
-@pytest.fixture(autouse=True)
-def _quiet(caplog: pytest.LogCaptureFixture) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caplog.set_level(logging.ERROR, logger="transformers")
-        yield
-
-
-def _feed(model: nn.Module) -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(1))
-    feed = {"input_ids": ids}
-    if getattr(model.config, "is_encoder_decoder", False):
-        feed["decoder_input_ids"] = ids[:, :4]
-    return feed
+pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def _greedy(model: nn.Module, feed: dict[str, torch.Tensor]) -> torch.Tensor | str:
@@ -66,7 +52,7 @@ def _route(name: str) -> Outcome:
     plain, why = _mapping.build(name)
     if plain is None:
         return Outcome(f"cannot be built tiny on CPU: {why}")
-    feed = _feed(plain)
+    feed = _zoo.inputs(plain, batch=1, seq=8)
     try:
         want = _zoo.logits(plain, feed)
     except Exception as e:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
-import warnings
 from typing import Any
 
 import pytest
@@ -22,17 +20,13 @@ from astrai.families.activation.model import is_activation_kind
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 from astrai.recognition.inspection import is_norm_kind
 from tests import _zoo
+from tests._zoo import quiet  # noqa: F401 - the fixture
 
 NAMES = [n for n in _zoo.ZOO if _zoo.available(n)]
 _REPORTS: dict[str, Any] = {}
 
 
-@pytest.fixture(autouse=True)
-def _quiet(caplog: pytest.LogCaptureFixture) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caplog.set_level(logging.ERROR, logger="transformers")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def test_the_zoo_is_large() -> None:

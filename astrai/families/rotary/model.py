@@ -413,17 +413,11 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
     """What a routed layer calls instead of ``site``'s function: ``ops.apply_rotary_half``
     in the site's layout, or the function itself (warning once, counted under the origin
     ``model``) for a call the layout cannot express."""
-    original, default_dim, signature = site.function, site.unsqueeze_dim, site.signature
+    default_dim, signature = site.unsqueeze_dim, site.signature
     layout, upcast, partial, alone = site.layout, site.upcast, site.partial, site.alone
     ignored = site.ignored
     single = site.single
     names = list(signature.parameters)[:3 if single else 4]
-
-    def own(args: tuple[Any, ...], kwargs: dict[str, Any], why: str) -> Any:
-        warn_once(f"astrai: a rotary call to {site.label} runs the model's own function: "
-                  f"{why}")
-        count_model_own("rotary")
-        return original(*args, **kwargs)
 
     def routed_rotary(*args: Any, **kwargs: Any) -> Any:
         dim = default_dim
@@ -433,25 +427,26 @@ def _rotary_router(site: RotarySite) -> Callable[..., Any]:
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError as exc:
-                return own(args, kwargs, f"its arguments do not bind: {exc}")
+                return _own_rotary(site, args, kwargs, f"its arguments do not bind: {exc}")
             taken = [given.get(n, signature.parameters[n].default) for n in names]
             q, k, cos, sin = (taken[0], None, *taken[1:]) if single else taken
             extra = {n: v for n, v in given.items() if n not in names and n not in ignored}
             dim = extra.pop("unsqueeze_dim", default_dim)
             if any(v is not None and v is not signature.parameters[n].default
                    for n, v in extra.items()):
-                return own(args, kwargs, f"it was called with {', '.join(extra)}, which "
-                                         f"its layout ({layout}) does not take")
+                return _own_rotary(site, args, kwargs,
+                                   f"it was called with {', '.join(extra)}, which its "
+                                   f"layout ({layout}) does not take")
         alone_q = k is None and (alone or single) and isinstance(q, torch.Tensor)
         if alone_q and isinstance(dim, int) and -q.dim() <= dim < q.dim():
             k = q.narrow(dim, 0, 0)  # no heads: the queries alone are turned
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
                 and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
-            return own(args, kwargs, "q, k, cos or sin is not a tensor")
+            return _own_rotary(site, args, kwargs, "q, k, cos or sin is not a tensor")
         if not partial and cos.shape[-1] != q.shape[-1]:
-            return own(args, kwargs,
-                       f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and the "
-                       f"function was not seen to rotate part of a head")
+            return _own_rotary(site, args, kwargs,
+                               f"cos covers {cos.shape[-1]} of head_dim {q.shape[-1]}, and "
+                               f"the function was not seen to rotate part of a head")
         if layout == "half" and not upcast:
             out = apply_rotary_half(q, k, cos, sin, dim)
         elif upcast and q.dtype not in _WIDE:
