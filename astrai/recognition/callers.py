@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __all__ = ["not_called"]
 
+import functools
 import inspect
 import re
 
@@ -23,7 +24,10 @@ from torch import nn
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList)
 
 
+@functools.cache
 def _source(cls: type) -> str | None:
+    """The source of ``cls`` and its bases above torch's (read once per class: every
+    layer of a model shares it)."""
     parts = []
     for klass in cls.__mro__:
         if klass in (nn.Module, object) or klass.__module__.startswith("torch.nn"):
@@ -40,7 +44,7 @@ def not_called(parent: nn.Module, name: str) -> str | None:
     hands the child to a function), or ``None`` when it may call it."""
     if isinstance(parent, _CONTAINERS) or not name.isidentifier():
         return None
-    source = _source(type(parent))
+    source = _source(type(parent))  # type: ignore[arg-type]  # classes hash by identity
     if source is None:
         return None
     me = re.escape(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = ["ruled_out"]
 
 import ast
+import functools
 import inspect
 import textwrap
 from typing import Any
@@ -28,7 +29,27 @@ def ruled_out(forward: Any, names: set[str], module: Any) -> str | None:
     """The guard (its source) that keeps every call of ``names`` in ``forward`` from
     running on ``module``, or ``None`` when some call may run (or the source cannot be
     read)."""
-    fn = getattr(forward, "__func__", forward)
+    parsed = _parsed(getattr(forward, "__func__", forward), frozenset(names))
+    if parsed is None:
+        return None
+    self_name, paths = parsed
+    if not paths:
+        return None
+    guards: list[str] = []
+    for path in paths:
+        why = _ruled_out_by(path, self_name, module)
+        if why is None:
+            return None
+        guards.append(why)
+    return " / ".join(dict.fromkeys(guards))
+
+
+@functools.cache
+def _parsed(fn: Any, names: frozenset[str]
+            ) -> tuple[str, list[list[tuple[ast.If, bool]]]] | None:
+    """The name of ``fn``'s first parameter and, for every call of ``names`` in its
+    source, the ``if`` statements around it (parsed once per function: every layer of a
+    model shares it); ``None`` where the source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -37,18 +58,7 @@ def ruled_out(forward: Any, names: set[str], module: Any) -> str | None:
     if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     args = function.args.posonlyargs + function.args.args
-    self_name = args[0].arg if args else "self"
-    guards: list[str] = []
-    found = False
-    for path in _calls(function, names, []):
-        found = True
-        why = _ruled_out_by(path, self_name, module)
-        if why is None:
-            return None
-        guards.append(why)
-    if not found:
-        return None
-    return " / ".join(dict.fromkeys(guards))
+    return (args[0].arg if args else "self"), _calls(function, set(names), [])
 
 
 def _calls(node: ast.AST, names: set[str], path: list[tuple[ast.If, bool]]
