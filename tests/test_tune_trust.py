@@ -25,8 +25,8 @@ from astrai.errors import FileFormatError
 from astrai.record.workload import Workload
 from astrai.tune import run as tune_run
 from astrai.tune.measure import CallTiming, Timing
-from astrai.tune.noise import NoiseMonitor, other_runnable
-from astrai.tune.profile import TuneError
+from astrai.tune.noise import Noise, NoiseMonitor, other_runnable
+from astrai.tune.profile import TuneError, buckets_of
 from astrai.tune.run import tune_workload
 from astrai.tune.statistics import MARGIN, Interval, compare, median_interval
 from tests._tune_impls import TWICE_TABLE
@@ -111,6 +111,31 @@ def test_the_winner_is_the_one_its_figures_support() -> None:
     won = CallTiming(call, {"shipped": Timing(100.0, 1.0, 99.0, 101.0, 9),
                             "other": Timing(60.0, 1.0, 59.0, 61.0, 9)}, shipped="shipped")
     assert won.winner == "other" and won.decision()[1] == "faster"
+
+
+def _timed(tokens: int, shipped: str, busy: bool, **medians: float) -> CallTiming:
+    from astrai.record.workload import RecordedCall
+
+    return CallTiming(RecordedCall("twice", {"tokens": tokens}),
+                      {r: Timing(m, 1.0, m - 1.0, m + 1.0, 9) for r, m in medians.items()},
+                      shipped=shipped, busy=busy)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_calls_timed_busy_keep_their_shipped_rows_in_the_buckets(busy: bool) -> None:
+    """A bucket may give a call a row that is not its own winner where that saves a
+    bucket (the row costs it little). A call timed while other processes competed for the
+    CPU never: its figures are not the kernels' costs, so the shipped row it keeps is
+    not traded against them, however large another call's figure."""
+    calls = [_timed(2, "small", busy, small=10.0, big=10.5),
+             _timed(4, "small", busy, small=12.0, big=12.5),
+             _timed(64, "big", busy, big=7000.0)]
+    got = [(b.condition, b.winner, [t.call.axes["tokens"] for t in b.calls])
+           for b in buckets_of(calls)]
+    if busy:
+        assert got == [("tokens <= 34", "small", [2, 4]), ("tokens >= 35", "big", [64])]
+    else:  # one bucket: "small" would save 1 us of 7 ms, under the price of a bucket
+        assert got == [("always", "big", [2, 4, 64])]
 
 
 # -- isolation --------------------------------------------------------------------
@@ -269,6 +294,17 @@ def test_a_busy_machine_is_said_to_be_busy() -> None:
     assert noise.as_dict()["quiet"] is False
 
 
+def test_a_run_with_a_call_timed_busy_is_not_quiet() -> None:
+    """A call timed while other processes competed keeps its shipped row, so a run with
+    one may plan otherwise than a run that timed the call clean: it is not quiet."""
+    assert Noise(1.0, 0.0, 0.1).quiet
+    noisy = Noise(1.0, 0.0, 0.1, busy_calls=2)
+    assert not noisy.quiet
+    assert noisy.reasons() == ["other processes competed for the cores while 2 calls were "
+                               "timed (these keep their shipped rows)"]
+    assert noisy.as_dict()["busy_calls"] == 2
+
+
 # -- the demo workload, tuned twice -------------------------------------------------
 
 
@@ -287,13 +323,16 @@ def _plan(path: Path) -> Any:
 def _tune_twice(workload: Workload, tmp_path: Path, name: str
                 ) -> tuple[tuple[Any, bool], tuple[Any, bool]]:
     """Two tunes of ``workload``: each one's plan, and whether it found the machine quiet
-    (what its profile's provenance states)."""
+    (what its profile's provenance states). In each, every call timed while other
+    processes competed for the CPU kept its shipped row."""
     runs = []
     for i in (1, 2):
         out = tmp_path / f"{name}{i}.yaml"
         tuned = tune_workload(workload, out, rounds=7, budget=5, progress=False)
         quiet = yaml.safe_load(out.read_text())["provenance"]["noise"]["quiet"]
         assert tuned.noise is not None and quiet is tuned.noise.quiet
+        kept = [(b.winner, t.shipped) for b in tuned.buckets for t in b.calls if t.busy]
+        assert all(winner == shipped for winner, shipped in kept), kept
         runs.append((_plan(out), quiet))
     return runs[0], runs[1]
 

@@ -6,7 +6,9 @@ Three signs are read while tune measures; any one makes the run *noisy*:
   kernel could run right now (``/proc/loadavg``'s running count) less this process's own
   running threads. On a quiet machine that is 0 nearly always; if the median over the
   rounds is ``BUSY_OTHERS`` or more, other processes competed for the cores the whole
-  time.
+  time. The same median over one call's rounds says whether they competed while that
+  call was timed: such a call keeps its shipped row, and a run with one is not quiet
+  (another run of the same workload may find that call's figures clean and move it).
 - **CPU share**: a short spin of the calling thread timed by wall clock and by the
   thread's CPU clock, before and after measuring. A share under ``QUIET_SHARE`` means the
   thread was descheduled for another tenant part of the time.
@@ -81,6 +83,7 @@ class Noise:
     share: float  # the lower CPU share of the spins before and after measuring
     others: float | None  # median other runnable tasks over the rounds (None: unknown)
     width: float | None  # median relative interval width over the rows timed
+    busy_calls: int = 0  # calls timed while other processes competed for the cores
 
     @property
     def quiet(self) -> bool:
@@ -93,6 +96,10 @@ class Noise:
         if self.others is not None and self.others >= BUSY_OTHERS:
             out.append(f"{self.others:g} other tasks were runnable at the median round "
                        f"(other processes competed for the cores)")
+        if self.busy_calls:
+            out.append(f"other processes competed for the cores while {self.busy_calls} "
+                       f"call{'s were' if self.busy_calls > 1 else ' was'} timed (these "
+                       f"keep their shipped rows)")
         if self.share < QUIET_SHARE:
             out.append(f"tune's thread got {self.share:.0%} of a core while spinning")
         if self.width is not None and self.width > WIDE:
@@ -104,7 +111,8 @@ class Noise:
         """The reading as the profile's provenance states it."""
         return {"quiet": self.quiet, "cpu_share": round(self.share, 3),
                 "other_runnable": self.others,
-                "interval_width": None if self.width is None else round(self.width, 3)}
+                "interval_width": None if self.width is None else round(self.width, 3),
+                "busy_calls": self.busy_calls}
 
 
 @dataclass
@@ -135,9 +143,10 @@ class NoiseMonitor:
         since = self.others[mark:]
         return bool(since) and statistics.median(since) >= BUSY_OTHERS
 
-    def finish(self, widths: list[float]) -> Noise:
-        """The reading of the whole run."""
+    def finish(self, widths: list[float], busy_calls: int = 0) -> Noise:
+        """The reading of the whole run: ``widths`` the rows' relative interval widths,
+        ``busy_calls`` how many calls ``busy_since`` found busy."""
         self.shares.append(cpu_share())
         return Noise(min(self.shares),
                      statistics.median(self.others) if self.others else None,
-                     statistics.median(widths) if widths else None)
+                     statistics.median(widths) if widths else None, busy_calls)

@@ -88,16 +88,31 @@ class Bucket:
 def _costs(timing: CallTiming) -> dict[str, float]:
     """Row -> the call's time (weighted by its count), the row the figures support
     evened to just under the fastest (a shipped row that no row beats beyond the noise
-    keeps the call)."""
+    keeps the call). A call timed while other processes competed for the CPU keeps its
+    shipped row outright: every other row costs it without bound, so no bucket that
+    would give it another row on such figures is ever cheaper."""
     t = {r: v.median_us for r, v in timing.timings.items()}
     winner = timing.winner
     if winner is not None:
         t[winner] = min(t.values()) * (1 - 1e-9)
+        if timing.busy:
+            t = {r: v if r == winner else math.inf for r, v in t.items()}
     return {r: v * timing.call.count for r, v in t.items()}
 
 
 def _is_size(values: set[Any]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _one_row(costs: list[dict[str, float]]) -> tuple[str, float]:
+    """The cheapest row timed on every one of ``costs``' calls, with its cost; the cost is
+    ``math.inf`` where no row serves them all (none timed on all, or a call keeps
+    another row), and the row then the first call's own."""
+    rows = sorted(set.intersection(*(set(c) for c in costs)))
+    if rows:
+        row = min(rows, key=lambda r: sum(c[r] for c in costs))
+        return row, sum(c[row] for c in costs)
+    return min(costs[0], key=costs[0].__getitem__), math.inf
 
 
 def _segment(groups: list[tuple[int, list[dict[str, float]]]]
@@ -112,16 +127,13 @@ def _segment(groups: list[tuple[int, list[dict[str, float]]]]
     for j in range(1, n + 1):
         for i in range(j):
             costs = [c for _, cs in groups[i:j] for c in cs]
-            rows = set.intersection(*(set(c) for c in costs))
-            if not rows:
+            row, cost = _one_row(costs)
+            if math.isinf(cost):  # no row timed on every call, or one keeps another row
                 continue
-            row = min(sorted(rows), key=lambda r: sum(c[r] for c in costs))
-            cost = sum(c[row] for c in costs)
             if best[i] + cost + price < best[j]:
                 best[j], how[j] = best[i] + cost + price, (i, row, cost)
-    if math.isinf(best[n]):  # no row was timed on every call: one run per value
-        return [(k, k, min(cs[0], key=cs[0].__getitem__), 0.0)
-                for k, (_, cs) in enumerate(groups)]
+    if math.isinf(best[n]):  # no row serves every call of some value: one run per value
+        return [(k, k, *_one_row(cs)) for k, (_, cs) in enumerate(groups)]
     runs, j = [], n
     while j > 0:
         i, row, cost = how[j]
@@ -138,13 +150,14 @@ def _class_buckets(family: str, prefix: list[str], timings: list[CallTiming],
     extra = sorted({k for t in timings for k in t.call.axes if k not in AXES})
     sizes += [a for a in extra if len({t.call.axes.get(a) for t in timings}) > 1
               and _is_size({t.call.axes.get(a) for t in timings})]
+    price = PRICE * sum(min(c.values()) for c in costs)  # what _segment charges a run
     plans: list[tuple[float, str, list[tuple[int, int, str, float]], list[int]]] = []
     for axis in sizes or [""]:
         values: list[int] = sorted({t.call.axes[axis] for t in timings}) if axis else [0]
         groups = [(v, [c for t, c in zip(timings, costs, strict=True)
                        if not axis or t.call.axes[axis] == v]) for v in values]
         runs = _segment(groups)
-        plans.append((sum(r[3] for r in runs) + PRICE * len(runs), axis, runs, values))
+        plans.append((sum(r[3] for r in runs) + price * len(runs), axis, runs, values))
     _, axis, runs, values = min(plans, key=lambda p: p[0])
     out = []
     for first, last, row, _ in runs:

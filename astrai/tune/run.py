@@ -189,7 +189,7 @@ def tune_workload(workload: Workload, output: str | os.PathLike[str], *, rounds:
         monitor.start()
         timings = measure_workload(workload, rounds=rounds, allow_nonfaithful=allow_nonfaithful,
                                    progress=progress, budget=budget, monitor=monitor)
-        noise = monitor.finish(_widths(timings))
+        noise = monitor.finish(_widths(timings), sum(t.busy for t in timings))
     buckets = buckets_of(timings, state)
     provenance = _provenance(source, rounds, 1, count, budget, noise)
     doc = profile_document(name, buckets, provenance, state)

@@ -274,6 +274,9 @@ class NoiseModel(FileModel):
         default=None, description="other runnable tasks at the median timing round")
     interval_width: float | None = Field(
         default=None, description="median relative width of the rows' 95% intervals")
+    busy_calls: StrictInt = Field(
+        default=0, ge=0, description="calls timed while other processes competed for the "
+                                     "cores (each keeps its shipped row)")
 
 
 class InModelModel(FileModel):
