@@ -1,6 +1,6 @@
 """Attention in a model: the layers whose ``forward`` finds its attention function
-through transformers' attention interface, and the layers that compute ALiBi attention
-themselves.
+through transformers' attention interface, and the layers that compute attention
+themselves in a form astrai knows.
 
 - **Attention call sites** (``attention_site``): a ``forward`` that looks its attention
   function up in transformers' ``ALL_ATTENTION_FUNCTIONS`` (or calls
@@ -11,6 +11,9 @@ themselves.
   ``attn_implementation`` builds them.
 - **ALiBi layers** (Bloom): a layer computing ALiBi attention itself, checked by running
   a copy of it, gets ``alibi_attention_forward`` (the bias as an additive float mask).
+- **Layers masking with a causal buffer of their own** (GPT-Neo, global and local), checked
+  the same way, get ``buffered_attention_forward`` (the buffer's slice as an additive
+  float mask).
 
 A module named after attention whose forward reaches neither is reported as computing
 attention itself.
@@ -29,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from astrai.families.attention.alibi import alibi_attention_forward, alibi_form
+from astrai.families.attention.buffered import buffered_form
 from astrai.families.attention.transformers import astrai_attention_forward, watch_collector
 from astrai.families.recognition import Installed, ModelRecognition, Sites
 from astrai.recognition.inspection import stand_in
@@ -124,11 +128,18 @@ def _implementation(module: nn.Module, model: nn.Module) -> Any:
 
 
 def _layer(module: nn.Module) -> Installed | str | None:
-    """A layer computing ALiBi attention itself: ``alibi_attention_forward``."""
+    """A layer computing attention itself in a form astrai knows: ALiBi
+    (``alibi_attention_forward``), or masked by its own causal buffer
+    (``buffered_attention_forward``)."""
     alibi = alibi_form(module)
     if alibi is True:
         return Installed(alibi_attention_forward, "ALiBi as an additive mask")
-    return alibi or None
+    if alibi is not None:
+        return alibi or None
+    buffered = buffered_form(module)
+    if callable(buffered):
+        return Installed(buffered, "its causal buffer as an additive mask")
+    return buffered
 
 
 #: The flags by which a transformers model says which attention kernels compute its

@@ -370,10 +370,12 @@ class _Dispatch:
                 if family in route.families:
                     routed.append(Routed(family, name, kind, route.details.get(family, "")))
         refused = list(self.refused)
-        for family, path, why in self.expected:  # a container of routed layers is fine
-            if not any(r.family == family and (not path or r.path == path
-                                               or r.path.startswith(f"{path}."))
-                       for r in routed):
+        # a container of routed layers is fine; one whose layer is already named, with
+        # its own reason, is that layer's container
+        named = [(r.family, r.path) for r in routed] + [(n.family, n.path) for n in refused]
+        for family, path, why in self.expected:
+            if not any(f == family and (not path or p == path or p.startswith(f"{path}."))
+                       for f, p in named):
                 module = self.model.get_submodule(path)
                 refused.append(NotRouted(family, path or "(the model)",
                                          type(module).__name__, why))

@@ -1,0 +1,88 @@
+"""Attention layers that compute attention themselves, masked by a causal buffer of their
+own (GPT-Neo's global and local layers): routed only where a copy computes what
+``ops.attention`` does, and then equal to the plain model - with a sliding window
+shorter than the input, padding, a cache, and the attention weights asked for."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import GPTNeoConfig, GPTNeoForCausalLM
+from transformers.models.gpt_neo import modeling_gpt_neo
+
+from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
+from tests._zoo import quiet  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.usefixtures("quiet")
+
+
+def _neo() -> GPTNeoForCausalLM:
+    torch.manual_seed(0)
+    config = GPTNeoConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                          attention_types=[[["global", "local"], 1]], window_size=3,
+                          max_position_embeddings=64, intermediate_size=64)
+    return GPTNeoForCausalLM(config).eval()
+
+
+def _feed() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_a_gpt_neo_layer_is_served_by_ops_attention() -> None:
+    plain = _neo()
+    routed = copy.deepcopy(plain)
+    report = dispatch_model(routed)
+    layers = [e for e in report.routed if e.family == "attention"]
+    assert [e.path for e in layers] == [f"transformer.h.{i}.attn.attention" for i in (0, 1)]
+    assert {e.detail for e in layers} == {"its causal buffer as an additive mask"}
+    assert not [n for n in report.not_routed if n.family == "attention"]
+
+    feed = _feed()
+    with torch.no_grad():
+        want = plain(**feed, output_attentions=True)
+        got = routed(**feed, output_attentions=True)
+    # the local layer's window (3) is shorter than the input (10): its mask is the buffer's
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    assert float(want.attentions[1][0, :, -1, :-3].abs().max()) == 0.0  # local: 3 back
+
+    # decoding with the cache (one query against many keys), padded
+    new = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(routed.generate(**feed, **new), plain.generate(**feed, **new))
+    served = verify_model(routed, **feed)
+    assert served["attention"] == 2
+    assert not [site for site in served.unreached if site.startswith("attention")]
+
+    restore_model(routed)
+    with torch.no_grad():
+        assert torch.equal(routed(**feed).logits, plain(**feed).logits)
+
+
+class _Halved(modeling_gpt_neo.GPTNeoSelfAttention):
+    """A layer of the same make that computes something else: its scores halved."""
+
+    def _attn(self, query, key, value, attention_mask=None):  # type: ignore[no-untyped-def]
+        return super()._attn(query * 0.5, key, value, attention_mask)
+
+
+def test_a_layer_of_that_make_computing_otherwise_is_left_with_the_reason() -> None:
+    model = _neo()
+    layer = model.transformer.h[0].attn
+    halved = _Halved(model.config, "global", 0)
+    halved.load_state_dict(layer.attention.state_dict())
+    layer.attention = halved
+    report = dispatch_model(model)
+    (left,) = [n for n in report.not_routed if n.family == "attention"]
+    assert left.path == "transformer.h.0.attn.attention"
+    assert "does not compute attention masked by its causal buffer" in left.reason
+    assert [e.path for e in report.routed if e.family == "attention"] == [
+        "transformer.h.1.attn.attention"]
