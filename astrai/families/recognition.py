@@ -82,6 +82,14 @@ class Sites:
     replacements: Mapping[str, Any]
     detail: str
     parts: tuple[Any, ...] = ()
+    #: The direct children whose work the sites serve (a convolution the forward hands
+    #: to a function it calls): not routed on their own, their weights reaching astrai.
+    covers: tuple[str, ...] = ()
+    #: Whether the sites serve all the layer computes with its own parameters (an
+    #: attention call passes the layer's sinks); ``False`` where the layer computes more
+    #: with them than the sites serve (a state-space mixer whose convolution alone is
+    #: routed): the report still names the layer for its own parameters.
+    accounts: bool = True
 
 
 Answer = Installed | Refused | str | None

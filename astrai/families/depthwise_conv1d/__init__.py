@@ -24,6 +24,7 @@ from torch import nn
 from astrai.backends.depthwise_conv1d import reference_depthwise_conv1d
 from astrai.dispatch.schema import Scalar, Schema, Tensor
 from astrai.families import Family, declare
+from astrai.families.depthwise_conv1d.causal import causal_sites
 from astrai.families.recognition import Installed, ModelRecognition
 from astrai.recognition.probe import gap, probe_copy
 
@@ -94,7 +95,9 @@ def _route(module: nn.Module) -> Installed | str:
     return Installed(_forward(form), f"{taps} taps, padding {form}", form)
 
 
-#: Depthwise 1-d convolutions: whole modules, whose parameters reach astrai.
-RECOGNITION = ModelRecognition(claims=_claims, module=_route, holds_weights=True,
-                               plain_row="torch")
+#: Depthwise 1-d convolutions: whole modules, whose parameters reach astrai, and those a
+#: layer hands to ``causal_conv1d_forward`` (``causal``).
+RECOGNITION = ModelRecognition(claims=_claims, module=_route,
+                               sites=causal_sites(depthwise_conv1d, _claims),
+                               holds_weights=True, plain_row="torch")
 FAMILY = declare(Family("depthwise_conv1d", (DEPTHWISE_CONV1D,), model=RECOGNITION))

@@ -71,8 +71,12 @@ class NormForm:
 
 def is_rms_kind(module: nn.Module) -> bool:
     """Whether ``module`` is an RMS norm by class (``torch.nn.RMSNorm``, or a class named
-    ``...RMSNorm...``)."""
-    return isinstance(module, nn.RMSNorm) or bool(_RMS_NAME.search(type(module).__name__))
+    ``...RMSNorm...``) - not a module composed of others holding weights (AXK2's gated
+    norm wraps its RMS norm and a gate MLP, which are served on their own)."""
+    if isinstance(module, nn.RMSNorm):
+        return True
+    return bool(_RMS_NAME.search(type(module).__name__)) and not any(
+        next(child.parameters(), None) is not None for child in module.children())
 
 
 

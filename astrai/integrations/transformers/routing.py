@@ -345,10 +345,12 @@ class _Dispatch:
                             "astrai's functions (it reads them from more than one module, "
                             "or it is not a plain Python function)")
             return
+        covers = tuple(dict.fromkeys(c for s in found.values() for c in s.covers))
         new = Route(families, details={f: s.detail for f, s in found.items()},
                     parts={f: s.parts for f, s in found.items()}, forward=rebuilt,
-                    sites=found)
+                    sites=found, covers=covers)
         _install(module, _layer_forward, new)
+        self.cover(module, covers)
         self.changed += 1
 
     @staticmethod
@@ -363,12 +365,21 @@ class _Dispatch:
 
     def report(self) -> DispatchReport:
         routed: list[Routed] = []
+        weights = {f for f, r in self.known.items() if r.holds_weights}
+        # children a weight family's route serves through their parent (never called)
+        through: set[str] = set()
+        # layers routed through call sites that compute more with their own parameters
+        partial: set[str] = set()
         for path, module, route in _live_routes(self.model):
+            if any(not s.accounts for s in route.sites.values()):
+                partial.add(path or "(the model)")
             name = path or "(the model)"
             kind = type(module).__name__
             for family in self.known:
                 if family in route.families:
                     routed.append(Routed(family, name, kind, route.details.get(family, "")))
+            if route.families & weights:
+                through.update(f"{path}.{c}" if path else c for c in route.covers)
         refused = list(self.refused)
         # a container of routed layers is fine; one whose layer is already named, with
         # its own reason, is that layer's container
@@ -379,11 +390,10 @@ class _Dispatch:
                 module = self.model.get_submodule(path)
                 refused.append(NotRouted(family, path or "(the model)",
                                          type(module).__name__, why))
-        seen = {r.path for r in routed} | {n.path for n in refused}
+        seen = ({r.path for r in routed} - partial) | {n.path for n in refused} | through
         kept = {p for paths in self.kept.values() for p in paths}
         seen.update(kept)
-        weights = {f for f, r in self.known.items() if r.holds_weights}
-        reaching = {r.path for r in routed if r.family in weights}
+        reaching = ({r.path for r in routed if r.family in weights} - partial) | through
         refused += unaccounted(self.model, seen, reaching | kept)
         params, flops = shares(self.model, reaching)
         notes = list(self.notes)
