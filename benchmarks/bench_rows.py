@@ -222,6 +222,15 @@ def token_buckets(family: str, quick: bool, tokens: tuple[int, ...] | None = Non
                     conv.weight.data, conv.bias.data = w, b  # type: ignore[union-attr]
                     out.append(Bucket(family, f"tokens{n:<5} channels{c:<5} 4 taps {dt}",
                                       (x, w, b, 3), own=partial(conv, x)))
+            elif family == "xielu":
+                for f in hidden or (4096, 21504):  # Apertus 8B: hidden, intermediate
+                    x = _rand(n, f, dtype=dtype, seed=n)
+                    act = _own_xielu(dtype)
+                    a_p = torch.tensor([0.8], dtype=dtype).expm1().log()  # its initial ones
+                    a_n = torch.tensor([0.3], dtype=dtype).expm1().log()
+                    out.append(Bucket(family, f"tokens{n:<5} features{f:<5} {dt}",
+                                      (x, a_p, a_n, 0.5, -1e-6),
+                                      own=None if act is None else partial(act, x)))
             elif family == "moe_experts":
                 out += _experts_buckets(n, dt, dtype, hidden)
             elif family == "moe_router":
@@ -259,6 +268,16 @@ _OWN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": _own_gelu_new, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": torch.nn.functional.relu,
     "relu2": lambda x: torch.square(torch.nn.functional.relu(x))}
+
+
+def _own_xielu(dtype: torch.dtype) -> Any:
+    """transformers' XIELUActivation at its initial coefficients (its Python forward, the
+    one CPU runs); ``None`` where transformers is not installed."""
+    try:
+        from transformers.activations import XIELUActivation
+    except ImportError:
+        return None
+    return XIELUActivation(dtype=dtype).requires_grad_(False)
 
 
 def _own_gated_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, gate_first: bool
@@ -527,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     families = args.family or ["attention", "rms_norm", "rotary", "linear", "layer_norm",
                                "activation", "gated_activation", "gated_rms_norm",
-                               "depthwise_conv1d",
+                               "depthwise_conv1d", "xielu",
                                "moe_experts", "moe_router", "cross_entropy",
                                "linear_cross_entropy"]
     reg = dispatch.current()
