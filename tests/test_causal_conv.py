@@ -7,6 +7,7 @@ same names, the same arguments), so the form is checked without any model librar
 from __future__ import annotations
 
 import copy
+import logging
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import astrai.dispatch as d
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 
 ACT2FN = {"silu": nn.functional.silu}
@@ -63,7 +65,8 @@ class State:
 
 
 def causal_conv1d_forward(conv1d: nn.Conv1d, hidden_states: torch.Tensor, cache: State | None,
-                          layer_idx: int, activation: str | None = None) -> torch.Tensor:
+                          layer_idx: int, activation: str | None = None,
+                          **kwargs: Any) -> torch.Tensor:
     seq = hidden_states.shape[-1]
     weight = conv1d.weight.squeeze(1)
     if cache is not None and seq == 1 and layer_idx in cache.states:
@@ -71,7 +74,7 @@ def causal_conv1d_forward(conv1d: nn.Conv1d, hidden_states: torch.Tensor, cache:
                                     conv1d.bias, activation=activation)
     if cache is not None:
         hidden_states = cache.update(hidden_states, layer_idx, conv1d.kernel_size[0])
-    out = causal_conv1d_fn(hidden_states, weight, conv1d.bias, activation=activation)
+    out = causal_conv1d_fn(hidden_states, weight, conv1d.bias, activation=activation, **kwargs)
     return out[:, :, -seq:]
 
 
@@ -88,6 +91,15 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, cache: State | None = None) -> torch.Tensor:
         h = self.in_proj(x).transpose(1, 2)
         h = causal_conv1d_forward(self.conv, h, cache, self.layer_idx, activation="silu")
+        return self.out_proj(h.transpose(1, 2))
+
+
+class Packed(ShortConv):
+    """Passes the sequence index of packed rows on (a kernel keeps the sequences apart)."""
+
+    def forward(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.in_proj(x).transpose(1, 2)
+        h = causal_conv1d_forward(self.conv, h, None, self.layer_idx, seq_idx=seq_idx)
         return self.out_proj(h.transpose(1, 2))
 
 
@@ -163,3 +175,21 @@ def test_a_function_computing_something_else_is_left_with_the_reason() -> None:
     assert any("causal_conv1d_fn (activation None): it computes something else than a "
                "causal depthwise convolution" in r for r in reasons), reasons
     assert torch.equal(model(x), want)
+
+
+def test_a_call_given_packed_sequences_runs_the_models_own_function(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = Packed()
+    plain = copy.deepcopy(model)
+    assert dispatch_model(model, ["depthwise_conv1d"]).paths("depthwise_conv1d") == [
+        "(the model)"]
+    x = torch.randn(1, 6, 8)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1]], dtype=torch.int32)
+    d.reset_stats()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="astrai"):
+        assert torch.equal(model(x), plain(x))  # no index: the family serves it
+        assert d.stats().served("depthwise_conv1d", origin="model") == 0
+        assert torch.equal(model(x, seq_idx), plain(x, seq_idx))
+    assert d.stats().served("depthwise_conv1d", origin="model") == 1
+    assert any("given seq_idx runs the model's own causal_conv1d_fn" in r.getMessage()
+               for r in caplog.records)

@@ -8,7 +8,10 @@ module, ``causal_conv1d_fn(x, weight, bias, activation)`` over a whole sequence 
 ``causal_conv1d_update(x, conv_state, weight, bias, activation)`` for one cached step.
 In the parent's rebuilt forward ``causal_conv1d_forward`` stands for a copy of that
 function (its cache handling unchanged) in which those two are astrai's: the
-convolution through ``ops.depthwise_conv1d``, with the same casts and activation. Each
+convolution through ``ops.depthwise_conv1d``, with the same casts and activation. A
+call given more than the family computes (``seq_idx``: packed sequences, which a kernel
+keeps apart) runs the model's own function, warned once and counted under the origin
+``model``. Each
 is checked against the function it replaces on random inputs (and a step's state
 update with it) before anything is routed; the handed module is then served through
 its parent (it is not routed on its own, and the report counts its weight as reaching
@@ -28,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.stats import count_model_own
 from astrai.families.recognition import Sites
 from astrai.recognition.inspection import stand_in
 from astrai.recognition.probe import gap
@@ -62,10 +67,17 @@ def _activate(table: Any, out: torch.Tensor, activation: str | None) -> torch.Te
     return out if activation is None else table[activation](out)
 
 
-def _whole(conv: Conv, table: Any) -> Callable[..., torch.Tensor]:
+def _whole(conv: Conv, table: Any, theirs: Any) -> Callable[..., torch.Tensor]:
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, activation: str | None = None,
                          **kwargs: Any) -> torch.Tensor:
+        given = sorted(k for k, v in kwargs.items() if v is not None)
+        if given:  # e.g. seq_idx: packed sequences, which a kernel keeps apart
+            warn_once(f"astrai: a causal convolution given {', '.join(given)} runs the "
+                      f"model's own {_WHOLE}: the family convolves one sequence per row")
+            count_model_own("depthwise_conv1d")
+            return theirs(hidden_states, weight, bias, activation=activation,  # type: ignore[no-any-return]
+                          **kwargs)
         time = hidden_states.shape[-1]
         x = hidden_states.to(weight.dtype)
         out = conv(x, weight.unsqueeze(1), bias, weight.shape[-1] - 1)[..., :time]
@@ -120,7 +132,7 @@ def _routed(forward: types.FunctionType, conv: Conv) -> types.FunctionType | str
         return f"{CAUSAL_FORWARD} does not compute with {_WHOLE} and {_STEP}"
     home = forward.__globals__
     table = home.get(_ACTIVATIONS)
-    whole, step = _whole(conv, table), _step(conv, table)
+    whole, step = _whole(conv, table, home.get(_WHOLE)), _step(conv, table)
     for mine, name, is_step in ((whole, _WHOLE, False), (step, _STEP, True)):
         for activation in (None, "silu") if table is not None else (None,):
             why = _differs(mine, home.get(name), is_step, activation)
