@@ -36,7 +36,7 @@ from astrai.dispatch.stats import count_model_own
 from astrai.families.recognition import Sites
 from astrai.recognition.inspection import stand_in
 from astrai.recognition.probe import gap
-from astrai.recognition.rebind import global_names
+from astrai.recognition.rebind import global_names, rebind
 
 #: The function a parent hands its convolution to, and the two it computes with.
 CAUSAL_FORWARD = "causal_conv1d_forward"
@@ -138,11 +138,8 @@ def _routed(forward: types.FunctionType, conv: Conv) -> types.FunctionType | str
             why = _differs(mine, home.get(name), is_step, activation)
             if why is not None:
                 return f"{name} (activation {activation}): {why}"
-    copy = types.FunctionType(forward.__code__, {**home, _WHOLE: whole, _STEP: step},
-                              forward.__name__, forward.__defaults__, forward.__closure__)
-    copy.__kwdefaults__ = forward.__kwdefaults__
-    copy.__qualname__ = forward.__qualname__
-    return copy
+    copy = rebind(forward, home, {_WHOLE: whole, _STEP: step})
+    return copy if copy is not None else f"{CAUSAL_FORWARD} could not be copied"
 
 
 #: The handed module's name in a parent's call: ``causal_conv1d_forward(self.conv, ...``.
