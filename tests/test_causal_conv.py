@@ -97,9 +97,10 @@ class ShortConv(nn.Module):
 class Packed(ShortConv):
     """Passes the sequence index of packed rows on (a kernel keeps the sequences apart)."""
 
-    def forward(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
         h = self.in_proj(x).transpose(1, 2)
-        h = causal_conv1d_forward(self.conv, h, None, self.layer_idx, seq_idx=seq_idx)
+        h = causal_conv1d_forward(self.conv, h, None, self.layer_idx, seq_idx=seq_idx, **kwargs)
         return self.out_proj(h.transpose(1, 2))
 
 
@@ -188,6 +189,9 @@ def test_a_call_given_packed_sequences_runs_the_models_own_function(
     d.reset_stats()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="astrai"):
         assert torch.equal(model(x), plain(x))  # no index: the family serves it
+        # keywords a layer passes on, which the function ignores: served too
+        positions = torch.arange(6)[None]
+        assert torch.equal(model(x, position_ids=positions), plain(x, position_ids=positions))
         assert d.stats().served("depthwise_conv1d", origin="model") == 0
         assert torch.equal(model(x, seq_idx), plain(x, seq_idx))
     assert d.stats().served("depthwise_conv1d", origin="model") == 1

@@ -10,8 +10,9 @@ In the parent's rebuilt forward ``causal_conv1d_forward`` stands for a copy of t
 function (its cache handling unchanged) in which those two are astrai's: the
 convolution through ``ops.depthwise_conv1d``, with the same casts and activation. A
 call given more than the family computes (``seq_idx``: packed sequences, which a kernel
-keeps apart) runs the model's own function, warned once and counted under the origin
-``model``. Each
+keeps apart; states to start from or return) runs the model's own function, warned once
+and counted under the origin ``model``; the other keywords a layer passes on are ignored,
+as the function it replaces ignores them. Each
 is checked against the function it replaces on random inputs (and a step's state
 update with it) before anything is routed; the handed module is then served through
 its parent (it is not routed on its own, and the report counts its weight as reaching
@@ -46,6 +47,12 @@ _ACTIVATIONS = "ACT2FN"
 
 Conv = Callable[..., torch.Tensor]
 
+#: What the causal-conv1d kernels take beyond one sequence per row (packed sequences'
+#: index, states to start from or to return); the torch function ignores every keyword,
+#: as a layer passes its own on (position_ids, ...).
+_BEYOND = ("seq_idx", "cu_seqlens", "initial_states", "return_final_states",
+           "final_states_out")
+
 
 def _python_function(fn: Any, name: str) -> types.FunctionType | None:
     """The Python function behind ``fn``: itself, or the one a module standing for it
@@ -71,8 +78,8 @@ def _whole(conv: Conv, table: Any, theirs: Any) -> Callable[..., torch.Tensor]:
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, activation: str | None = None,
                          **kwargs: Any) -> torch.Tensor:
-        given = sorted(k for k, v in kwargs.items() if v is not None)
-        if given:  # e.g. seq_idx: packed sequences, which a kernel keeps apart
+        given = [k for k in _BEYOND if kwargs.get(k) is not None and kwargs[k] is not False]
+        if given:  # packed sequences, which a kernel keeps apart, or states it returns
             warn_once(f"astrai: a causal convolution given {', '.join(given)} runs the "
                       f"model's own {_WHOLE}: the family convolves one sequence per row")
             count_model_own("depthwise_conv1d")
