@@ -6,6 +6,7 @@ shorter than the input, padding, a cache, and the attention weights asked for.""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -18,7 +19,14 @@ from transformers.models.gpt_neo import modeling_gpt_neo
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
 from tests._zoo import quiet  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.usefixtures("quiet")
+#: Releases whose GPT-Neo layer takes a head mask (4.x): astrai leaves that layer to its
+#: own code, with the reason (``test_a_layer_taking_a_head_mask_is_left_with_the_reason``).
+_HEAD_MASKED = "head_mask" in inspect.signature(
+    modeling_gpt_neo.GPTNeoSelfAttention.forward).parameters
+
+pytestmark = [pytest.mark.usefixtures("quiet"),
+              pytest.mark.skipif(_HEAD_MASKED, reason="this transformers' GPT-Neo layer "
+                                                      "takes a head mask")]
 
 
 def _neo() -> GPTNeoForCausalLM:
@@ -86,3 +94,25 @@ def test_a_layer_of_that_make_computing_otherwise_is_left_with_the_reason() -> N
     assert "does not compute attention masked by its causal buffer" in left.reason
     assert [e.path for e in report.routed if e.family == "attention"] == [
         "transformer.h.1.attn.attention"]
+
+
+class _HeadMasked(modeling_gpt_neo.GPTNeoSelfAttention):
+    """A layer of that make whose forward takes a head mask (as older releases' did)."""
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None,  # type: ignore[no-untyped-def,override]
+                head_mask=None, use_cache=False, output_attentions=False, **kwargs):
+        out, weights = super().forward(hidden_states, attention_mask, layer_past, use_cache,
+                                       output_attentions)
+        return out, weights
+
+
+def test_a_layer_taking_a_head_mask_is_left_with_the_reason() -> None:
+    model = _neo()
+    layer = model.transformer.h[1].attn
+    masked = _HeadMasked(model.config, "local", 1)
+    masked.load_state_dict(layer.attention.state_dict())
+    layer.attention = masked
+    report = dispatch_model(model)
+    (left,) = [n for n in report.not_routed if n.family == "attention"]
+    assert left.path == "transformer.h.1.attn.attention"
+    assert left.reason.startswith("its forward takes head_mask")

@@ -95,6 +95,8 @@ def buffered_form(module: nn.Module) -> Callable[..., Any] | str | None:
         return None
     if "layer_past" not in params or any(not hasattr(module, n) for n in _NEEDS):
         return None
+    if "head_mask" in params:
+        return "its forward takes head_mask, which astrai's forward for it would not apply"
     bias = module.bias
     if not (isinstance(bias, torch.Tensor) and bias.dtype == torch.bool and bias.dim() == 4):
         return None
