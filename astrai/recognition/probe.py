@@ -1,6 +1,7 @@
 """What recognising a module by what it computes takes: a copy of the module to run its
-class's ``forward`` on, with tensors of the caller's choosing (``probe_copy``), and how far
-what it computed is from a reference (``gap``).
+class's ``forward`` on, with tensors of the caller's choosing (``probe_copy``) or holding
+random weights (``random_copy``), and how far what it computed is from a reference
+(``gap``).
 
 A family tells a module by running the module's own code on small random CPU inputs and
 comparing with what the family computes; the copy keeps the module itself untouched
@@ -10,7 +11,7 @@ dtype they live on), and has no hooks of its own.
 
 from __future__ import annotations
 
-__all__ = ["gap", "probe_copy"]
+__all__ = ["gap", "probe_copy", "random_copy"]
 
 import copy
 import math
@@ -53,3 +54,22 @@ def gap(got: Any, want: torch.Tensor) -> float:
     a, b = got.detach().float(), want.detach().float()
     value = float((a - b).abs().max()) / (1.0 + float(b.abs().max())) if b.numel() else 0.0
     return math.inf if math.isnan(value) else value
+
+
+def random_copy(module: nn.Module, generator: torch.Generator, scale: float = 0.3
+                ) -> nn.Module:
+    """A float32 copy of ``module`` (children too) on the CPU in eval mode, whatever
+    device or dtype the module lives on: its parameters random (normal, times ``scale``,
+    drawn from ``generator``), its buffers the module's own values (a buffer on the meta
+    device, which holds none, stays unset)."""
+    probe = copy.deepcopy(module)
+    probe.to_empty(device="cpu")
+    probe.float().eval()
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * scale)
+        for mine, theirs in zip(probe.buffers(), module.buffers(), strict=True):
+            if not theirs.is_meta:
+                mine.copy_(theirs.detach())
+    return probe
+

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 __all__ = ["alibi_attention_forward", "alibi_form"]
 
-import copy
 import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
-from astrai.families.attention import attention
-from astrai.families.attention.transformers import watch_collector, weights_collected
+from astrai.families.attention.transformers import layer_attention, watch_collector
+from astrai.recognition.probe import random_copy
 
 #: What an ALiBi layer must hold for ``alibi_attention_forward`` to read it.
 _NEEDS = ("query_key_value", "dense", "_reshape", "num_heads", "head_dim", "inv_norm_factor",
@@ -45,19 +44,11 @@ def alibi_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
     beta = float(self.beta)  # type: ignore[arg-type]
     if beta != 1.0:
         mask = mask * beta
-    if attention_mask is not None:
-        mask = (mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
-                if attention_mask.dtype == torch.bool else mask + attention_mask)
-    keywords: dict[str, Any] = {"attn_mask": mask, "is_causal": False,
-                                "scale": float(self.inv_norm_factor)}  # type: ignore[arg-type]
-    dropout = getattr(getattr(self, "attention_dropout", None), "p", 0.0)
-    if self.training and dropout:
-        keywords["dropout_p"] = dropout
-    wanted = output_attentions or weights_collected(self)
-    if wanted:
-        keywords["return_weights"] = True
-    got = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **keywords)
-    out, weights = got if wanted else (got, None)
+    out, weights = layer_attention(
+        self, q, k, v, mask, attention_mask,
+        scale=float(self.inv_norm_factor),  # type: ignore[arg-type]
+        dropout=getattr(getattr(self, "attention_dropout", None), "p", 0.0),
+        asked=output_attentions)
     out = self.dense(out.reshape(batch, q.shape[2], -1))  # type: ignore[operator]
     out = torch.nn.functional.dropout(out, p=float(getattr(self, "hidden_dropout", 0.0)),
                                       training=self.training)
@@ -93,13 +84,9 @@ def alibi_form(module: nn.Module) -> bool | str | None:
 def _alibi_gap(module: nn.Module) -> float | str:
     """How far the layer's own forward is from ``alibi_attention_forward`` on a random
     call (a CPU copy with random weights), or why they could not be compared."""
-    probe = copy.deepcopy(module)
-    probe.to_empty(device="cpu")
-    probe.float().eval()
     g = torch.Generator().manual_seed(13)
+    probe = random_copy(module, g)
     with torch.no_grad():
-        for p in probe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         heads = int(probe.num_heads)  # type: ignore[arg-type]
         hidden = int(heads * probe.head_dim)  # type: ignore[operator]
         x = torch.randn(2, 5, hidden, generator=g)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 __all__ = ["buffered_attention_forward", "buffered_form"]
 
-import copy
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.families.attention import attention
-from astrai.families.attention.transformers import watch_collector, weights_collected
+from astrai.families.attention.transformers import layer_attention, watch_collector
+from astrai.recognition.probe import random_copy
 
 #: What a layer must hold for ``buffered_attention_forward`` to read it.
 _NEEDS = ("q_proj", "k_proj", "v_proj", "out_proj", "_split_heads", "_attn", "num_heads",
@@ -63,20 +62,11 @@ def _attend(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.
     # the layer computes its scores in float32: so does the routed call
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(
         ~allowed, torch.finfo(torch.float32).min)
-    if attention_mask is not None:
-        mask = (mask.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
-                if attention_mask.dtype == torch.bool else mask + attention_mask)
-    keywords: dict[str, Any] = {"attn_mask": mask, "is_causal": False, "scale": scale}
-    dropout = getattr(getattr(self, "attn_dropout", None), "p", 0.0)
-    if self.training and dropout:
-        keywords["dropout_p"] = dropout
-    wanted = output_attentions or weights_collected(self)
-    if wanted:
-        keywords["return_weights"] = True
     dtype = v.dtype
-    got = attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
-                    v.transpose(1, 2).float(), **keywords)
-    out, weights = got if wanted else (got, None)
+    out, weights = layer_attention(
+        self, q.float(), k.float(), v.float(), mask, attention_mask, scale=scale,
+        dropout=getattr(getattr(self, "attn_dropout", None), "p", 0.0),
+        asked=output_attentions)
     out = out.reshape(q.shape[0], q_len, heads * size).to(dtype)
     out = self.out_proj(out)  # type: ignore[operator]
     resid = getattr(self, "resid_dropout", None)
@@ -112,16 +102,9 @@ def buffered_form(module: nn.Module) -> Callable[..., Any] | str | None:
 def _scale(module: nn.Module) -> float | str:
     """The scale at which ``buffered_attention_forward`` computes what the layer's own
     forward does on a random call (a CPU copy with random weights), or why none does."""
-    probe = copy.deepcopy(module)
-    probe.to_empty(device="cpu")
-    probe.float().eval()
-    bias = module.bias
-    assert isinstance(bias, torch.Tensor)
-    probe.bias = bias.detach().to("cpu")
     g = torch.Generator().manual_seed(17)
+    probe = random_copy(module, g)  # its causal buffer kept
     with torch.no_grad():
-        for p in probe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         hidden = int(probe.num_heads) * int(probe.head_dim)  # type: ignore[arg-type]
         x = torch.randn(2, 5, hidden, generator=g)
         mask = torch.zeros(2, 1, 5, 5)

@@ -74,6 +74,7 @@ __all__ = [
     "call_context",
     "explain_call",
     "is_registered",
+    "layer_attention",
     "register",
 ]
 
@@ -231,6 +232,28 @@ def weights_collected(module: torch.nn.Module | None) -> bool:
         return False
     config = getattr(module, "config", None)
     return getattr(config, "_attn_implementation", None) == "eager"
+
+
+def layer_attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, mask: torch.Tensor, attention_mask: torch.Tensor | None,
+                    *, scale: float, dropout: float, asked: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``ops.attention`` for a layer that computes attention itself (``q``, ``k``, ``v``
+    heads first): ``mask`` the layer's own additive mask, the model's ``attention_mask``
+    applied on it (boolean, ``True`` where allowed, or additive), ``dropout`` while the
+    layer trains, and the weights returned when ``asked`` or transformers collects them
+    (else ``None``)."""
+    if attention_mask is not None:
+        mask = (mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
+                if attention_mask.dtype == torch.bool else mask + attention_mask)
+    keywords: dict[str, Any] = {"attn_mask": mask, "is_causal": False, "scale": scale}
+    if module.training and dropout:
+        keywords["dropout_p"] = dropout
+    wanted = asked or weights_collected(module)
+    if wanted:
+        keywords["return_weights"] = True
+    got = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **keywords)
+    return got if wanted else (got, None)
 
 
 def _with_position_bias(
