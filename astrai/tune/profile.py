@@ -115,13 +115,11 @@ def _one_row(costs: list[dict[str, float]]) -> tuple[str, float]:
     return min(costs[0], key=costs[0].__getitem__), math.inf
 
 
-def _segment(groups: list[tuple[int, list[dict[str, float]]]]
+def _segment(groups: list[tuple[int, list[dict[str, float]]]], price: float
              ) -> list[tuple[int, int, str, float]]:
-    """Cut the value-sorted groups into runs minimising time + ``PRICE`` per run:
+    """Cut the value-sorted groups into runs minimising time + ``price`` per run:
     ``[(first, last, row, cost)]``."""
     n = len(groups)
-    total = sum(min(c.values()) for _, cs in groups for c in cs)
-    price = PRICE * total
     best: list[float] = [0.0] + [math.inf] * n
     how: list[tuple[int, str, float]] = [(0, "", 0.0)] * (n + 1)
     for j in range(1, n + 1):
@@ -150,13 +148,13 @@ def _class_buckets(family: str, prefix: list[str], timings: list[CallTiming],
     extra = sorted({k for t in timings for k in t.call.axes if k not in AXES})
     sizes += [a for a in extra if len({t.call.axes.get(a) for t in timings}) > 1
               and _is_size({t.call.axes.get(a) for t in timings})]
-    price = PRICE * sum(min(c.values()) for c in costs)  # what _segment charges a run
+    price = PRICE * sum(min(c.values()) for c in costs)  # a run's price, on every axis
     plans: list[tuple[float, str, list[tuple[int, int, str, float]], list[int]]] = []
     for axis in sizes or [""]:
         values: list[int] = sorted({t.call.axes[axis] for t in timings}) if axis else [0]
         groups = [(v, [c for t, c in zip(timings, costs, strict=True)
                        if not axis or t.call.axes[axis] == v]) for v in values]
-        runs = _segment(groups)
+        runs = _segment(groups, price)
         plans.append((sum(r[3] for r in runs) + price * len(runs), axis, runs, values))
     _, axis, runs, values = min(plans, key=lambda p: p[0])
     out = []

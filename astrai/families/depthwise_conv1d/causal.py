@@ -23,6 +23,7 @@ from __future__ import annotations
 
 __all__ = ["CAUSAL_FORWARD", "causal_sites"]
 
+import functools
 import inspect
 import re
 import types
@@ -153,6 +154,17 @@ def _routed(forward: types.FunctionType, conv: Conv) -> types.FunctionType | str
 _HANDED = re.compile(rf"\b{CAUSAL_FORWARD}\(\s*self\.(\w+)\s*,")
 
 
+@functools.cache
+def _handed(forward: Any) -> tuple[str, ...] | None:
+    """The children ``forward`` hands to ``causal_conv1d_forward``, read from its source
+    once (every layer of a model shares it); ``None`` where the source is unreadable."""
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return None
+    return tuple(sorted({m.group(1) for m in _HANDED.finditer(source)}))
+
+
 def causal_sites(conv: Conv, claims: Callable[[nn.Module], bool]
                  ) -> Callable[[nn.Module, Any, nn.Module], tuple[Sites | None, list[str]]]:
     """The family's ``sites``: a layer whose ``forward`` hands a depthwise convolution
@@ -165,12 +177,10 @@ def causal_sites(conv: Conv, claims: Callable[[nn.Module], bool]
         if not found:
             return None, []
         owner = found[0]
-        try:
-            source = inspect.getsource(forward)
-        except (OSError, TypeError):
+        handed = _handed(forward)
+        if handed is None:
             return None, [f"its forward calls {CAUSAL_FORWARD}, whose arguments its source "
                           f"(unreadable) would say"]
-        handed = sorted({m.group(1) for m in _HANDED.finditer(source)})
         children = [getattr(module, n, None) for n in handed]
         if not handed or not all(isinstance(c, nn.Module) and claims(c) for c in children):
             return None, [f"its forward calls {CAUSAL_FORWARD} with something other than a "
