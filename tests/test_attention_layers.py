@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -82,14 +84,21 @@ class _Halved(modeling_gpt_neo.GPTNeoSelfAttention):
         return super()._attn(query * 0.5, key, value, attention_mask)
 
 
-def test_a_layer_of_that_make_computing_otherwise_is_left_with_the_reason() -> None:
+def _left_with(cls: type[nn.Module], index: int, kind: str) -> Any:
+    """The report of a GPT-Neo whose layer ``index`` (of ``kind``) is a ``cls`` holding
+    its weights: the one attention layer left, and the report."""
     model = _neo()
-    layer = model.transformer.h[0].attn
-    halved = _Halved(model.config, "global", 0)
-    halved.load_state_dict(layer.attention.state_dict())
-    layer.attention = halved
+    layer = model.transformer.h[index].attn
+    swapped = cls(model.config, kind, index)
+    swapped.load_state_dict(layer.attention.state_dict())
+    layer.attention = swapped
     report = dispatch_model(model)
     (left,) = [n for n in report.not_routed if n.family == "attention"]
+    return left, report
+
+
+def test_a_layer_of_that_make_computing_otherwise_is_left_with_the_reason() -> None:
+    left, report = _left_with(_Halved, 0, "global")
     assert left.path == "transformer.h.0.attn.attention"
     assert "does not compute attention masked by its causal buffer" in left.reason
     assert [e.path for e in report.routed if e.family == "attention"] == [
@@ -107,12 +116,6 @@ class _HeadMasked(modeling_gpt_neo.GPTNeoSelfAttention):
 
 
 def test_a_layer_taking_a_head_mask_is_left_with_the_reason() -> None:
-    model = _neo()
-    layer = model.transformer.h[1].attn
-    masked = _HeadMasked(model.config, "local", 1)
-    masked.load_state_dict(layer.attention.state_dict())
-    layer.attention = masked
-    report = dispatch_model(model)
-    (left,) = [n for n in report.not_routed if n.family == "attention"]
+    left, _ = _left_with(_HeadMasked, 1, "local")
     assert left.path == "transformer.h.1.attn.attention"
     assert left.reason.startswith("its forward takes head_mask")
