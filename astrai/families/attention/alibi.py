@@ -20,7 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.families.attention.transformers import layer_attention, watch_collector
+from astrai.families.attention.transformers import (
+    layer_attention,
+    unattended_row,
+    watch_collector,
+)
 from astrai.recognition.probe import random_copy
 
 #: What an ALiBi layer must hold for ``alibi_attention_forward`` to read it.
@@ -35,6 +39,10 @@ def alibi_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
                             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An ALiBi layer's forward through ``ops.attention``: returns ``(out, weights)``,
     the weights when asked for (``output_attentions``, or transformers collecting them)."""
+    if unattended_row(self, hidden_states, attention_mask):
+        return type(self).forward(  # type: ignore[no-any-return]
+            self, hidden_states, residual, alibi, attention_mask, layer_past=layer_past,
+            use_cache=use_cache, output_attentions=output_attentions, **kwargs)
     batch, _q_len, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # type: ignore[operator]
     if layer_past is not None:

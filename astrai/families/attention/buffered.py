@@ -23,9 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from astrai.dispatch.log import warn_once
-from astrai.dispatch.stats import count_model_own
-from astrai.families.attention.transformers import layer_attention, watch_collector
+from astrai.families.attention.transformers import (
+    layer_attention,
+    unattended_row,
+    watch_collector,
+)
 from astrai.recognition.probe import random_copy
 
 #: What a layer must hold for ``buffered_attention_forward`` to read it.
@@ -41,10 +43,9 @@ def buffered_attention_forward(scale: float) -> Callable[..., Any]:
                                    layer_past: Any = None, use_cache: bool = False,
                                    output_attentions: bool = False, **kwargs: Any
                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if _own_rows(self, hidden_states, attention_mask):
-            warn_once(f"astrai: {type(self).__name__} runs its own attention on a call "
-                      f"{_OWN_ROWS}")
-            count_model_own("attention")
+        if attention_mask is not None and unattended_row(
+                self, hidden_states, attention_mask, _allowed(self, hidden_states.shape[-2],
+                                                               attention_mask.shape[-1])):
             return type(self).forward(  # type: ignore[no-any-return]
                 self, hidden_states, attention_mask=attention_mask, layer_past=layer_past,
                 use_cache=use_cache, output_attentions=output_attentions, **kwargs)
@@ -54,37 +55,10 @@ def buffered_attention_forward(scale: float) -> Callable[..., Any]:
     return buffered_attention_forward
 
 
-#: The calls such a layer computes itself (``_own_rows``), in the warning's words.
-_OWN_ROWS = ("that trains or runs under autocast with a query row whose every key its "
-             "causal buffer allows is masked by the model (left padding): the layer "
-             "replaces masked scores where astrai adds a mask, which differs there in "
-             "gradients and under autocast")
-
-
-def _own_rows(self: nn.Module, hidden_states: torch.Tensor,
-              attention_mask: torch.Tensor | None) -> bool:
-    """Whether the layer's own forward must serve this call. The layer replaces the scores
-    its buffer masks with the lowest float (``torch.where``) and then adds the model's
-    mask; astrai adds both. Both give the same output, except on a query row with no key
-    both allow, whose softmax then spreads over masked keys: there the gradients differ
-    (astrai's reach the masked keys) and so do autocast's roundings. So a call that needs
-    gradients or runs under autocast with such a row is the layer's own; under
-    ``torch.compile``, where the rows cannot be read without a graph break, every such
-    call with a mask is."""
-    if attention_mask is None or attention_mask.dim() != 4:
-        return False
-    weight = getattr(self.q_proj, "weight", None)
-    grads = torch.is_grad_enabled() and (hidden_states.requires_grad or (
-        isinstance(weight, torch.Tensor) and weight.requires_grad))
-    if not (grads or torch.is_autocast_enabled(hidden_states.device.type)):
-        return False
-    if torch.compiler.is_compiling():
-        return True
-    q_len, kv_len = hidden_states.shape[-2], attention_mask.shape[-1]
-    allowed = self.bias[:, :, kv_len - q_len:kv_len, :kv_len]  # type: ignore[index]
-    kept = attention_mask if attention_mask.dtype == torch.bool else (
-        attention_mask > torch.finfo(attention_mask.dtype).min / 2)
-    return not bool((allowed & kept).any(-1).all())
+def _allowed(self: nn.Module, q_len: int, kv_len: int) -> torch.Tensor:
+    """The keys the layer's causal buffer allows each of the last ``q_len`` of ``kv_len``
+    positions."""
+    return self.bias[:, :, kv_len - q_len:kv_len, :kv_len]  # type: ignore[index,no-any-return]
 
 
 def _attend(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -100,7 +74,7 @@ def _attend(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.
     if layer_past is not None:
         k, v = layer_past.update(k, v, getattr(self, "layer_id", getattr(self, "layer_idx", 0)))
     q_len, kv_len = q.shape[-2], k.shape[-2]
-    allowed = self.bias[:, :, kv_len - q_len:kv_len, :kv_len]  # type: ignore[index]
+    allowed = _allowed(self, q_len, kv_len)
     # the layer computes its scores in float32: so does the routed call
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill(
         ~allowed, torch.finfo(torch.float32).min)

@@ -14,6 +14,9 @@ themselves in a form astrai knows.
 - **Layers masking with a causal buffer of their own** (GPT-Neo, global and local), checked
   the same way, get ``buffered_attention_forward`` (the buffer's slice as an additive
   float mask).
+- **Multi-head attention layers of their own** (XGLM, TrOCR, MVP): four projections,
+  keys from an encoder's output when given, kept in the call's cache, MVP's prompt keys;
+  checked the same way, they get ``multihead_attention_forward``.
 
 A module named after attention whose forward reaches neither is reported as computing
 attention itself.
@@ -33,6 +36,11 @@ from torch import nn
 
 from astrai.families.attention.alibi import alibi_attention_forward, alibi_form
 from astrai.families.attention.buffered import buffered_form
+from astrai.families.attention.multihead import (
+    MultiheadForm,
+    multihead_attention_forward,
+    multihead_form,
+)
 from astrai.families.attention.transformers import astrai_attention_forward, watch_collector
 from astrai.families.recognition import Installed, ModelRecognition, Sites
 from astrai.recognition.inspection import stand_in
@@ -129,8 +137,9 @@ def _implementation(module: nn.Module, model: nn.Module) -> Any:
 
 def _layer(module: nn.Module) -> Installed | str | None:
     """A layer computing attention itself in a form astrai knows: ALiBi
-    (``alibi_attention_forward``), or masked by its own causal buffer
-    (``buffered_attention_forward``)."""
+    (``alibi_attention_forward``), masked by its own causal buffer
+    (``buffered_attention_forward``), or multi-head attention taking keys from an
+    encoder's output when given (``multihead_attention_forward``)."""
     alibi = alibi_form(module)
     if alibi is True:
         return Installed(alibi_attention_forward, "ALiBi as an additive mask")
@@ -139,7 +148,13 @@ def _layer(module: nn.Module) -> Installed | str | None:
     buffered = buffered_form(module)
     if callable(buffered):
         return Installed(buffered, "its causal buffer as an additive mask")
-    return buffered
+    if buffered is not None:
+        return buffered
+    multihead = multihead_form(module)
+    if isinstance(multihead, MultiheadForm):
+        return Installed(multihead_attention_forward(multihead),
+                         "multi-head attention of its own (batched products)")
+    return multihead
 
 
 #: The flags by which a transformers model says which attention kernels compute its

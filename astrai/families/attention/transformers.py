@@ -85,6 +85,8 @@ from typing import Any
 import torch
 
 from astrai.dispatch import CallContext, explain
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.stats import count_model_own
 from astrai.dispatch.torch_compile import compiling
 from astrai.errors import UnsupportedFeatureError
 from astrai.families.attention import ATTENTION, attention, attention_heads_first
@@ -217,9 +219,10 @@ def watch_collector() -> None:
         _COLLECTOR = _collector()
 
 
-def weights_collected(module: torch.nn.Module | None) -> bool:
+def weights_collected(module: torch.nn.Module | None, *, eager: bool = False) -> bool:
     """Whether transformers is collecting this eager-attention layer's weights now: the
-    layer would return them unrouted, so the adapter must too."""
+    layer would return them unrouted, so the adapter must too. ``eager``: the layer
+    computes attention itself, whatever its config (if any) names."""
     if _COLLECTOR is None:
         return False
     # Traced, transformers' collector answers as a global once a traced forward set it
@@ -231,29 +234,69 @@ def weights_collected(module: torch.nn.Module | None) -> bool:
             "attentions" in collected or "cross_attentions" in collected):
         return False
     config = getattr(module, "config", None)
-    return getattr(config, "_attn_implementation", None) == "eager"
+    return eager or getattr(config, "_attn_implementation", None) == "eager"
 
 
 def layer_attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, mask: torch.Tensor, attention_mask: torch.Tensor | None,
-                    *, scale: float, dropout: float, asked: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    v: torch.Tensor, mask: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None, *, scale: float, dropout: float,
+                    asked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``ops.attention`` for a layer that computes attention itself (``q``, ``k``, ``v``
-    heads first): ``mask`` the layer's own additive mask, the model's ``attention_mask``
-    applied on it (boolean, ``True`` where allowed, or additive), ``dropout`` while the
-    layer trains, and the weights returned when ``asked`` or transformers collects them
-    (else ``None``)."""
+    heads first): ``mask`` the layer's own additive mask (if any), the model's
+    ``attention_mask`` applied on it (boolean, ``True`` where allowed, or additive),
+    ``dropout`` while the layer trains, and the weights returned when ``asked`` or
+    transformers collects them (else ``None``)."""
     if attention_mask is not None:
-        mask = (mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
-                if attention_mask.dtype == torch.bool else mask + attention_mask)
+        if mask is None:
+            mask = attention_mask
+        else:
+            mask = (mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
+                    if attention_mask.dtype == torch.bool else mask + attention_mask)
     keywords: dict[str, Any] = {"attn_mask": mask, "is_causal": False, "scale": scale}
     if module.training and dropout:
         keywords["dropout_p"] = dropout
-    wanted = asked or weights_collected(module)
+    wanted = asked or weights_collected(module, eager=True)
     if wanted:
         keywords["return_weights"] = True
     got = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **keywords)
     return got if wanted else (got, None)
+
+
+def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
+                   attention_mask: torch.Tensor | None,
+                   allowed: torch.Tensor | None = None) -> bool:
+    """Whether a layer computing attention itself must compute this call with its own
+    code because a query row has no key left to attend to: no key that both the layer's
+    own ``allowed`` (boolean, if any) and the model's 4-d ``attention_mask`` allow (a
+    left-padded position). Such a row's softmax spreads over masked keys, and a layer
+    that clamps or replaces masked scores, where astrai adds the mask, then differs from
+    it in gradients and under autocast; so only a call that needs gradients or runs
+    under autocast is asked about. Under ``torch.compile`` and ``torch.export``, where
+    the rows cannot be read without a graph break, every such call with a mask is the
+    layer's own. A call
+    found to be the layer's own is warned about once and counted under origin
+    ``model``."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return False
+    first = next(module.parameters(), None)
+    grads = torch.is_grad_enabled() and (hidden_states.requires_grad or (
+        first is not None and first.requires_grad))
+    if not (grads or torch.is_autocast_enabled(hidden_states.device.type)):
+        return False
+    if compiling() or torch.compiler.is_exporting():  # (such calls are not counted)
+        return True
+    kept = attention_mask if attention_mask.dtype == torch.bool else (
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2)
+    if allowed is not None:
+        kept = kept & allowed
+    if bool(kept.any(-1).all()):
+        return False
+    warn_once(f"astrai: {type(module).__name__} runs its own attention on a call that "
+              f"trains or runs under autocast with a query row whose every key is masked "
+              f"(left padding): on such a row the layer's own softmax spreads over masked "
+              f"keys and sends them gradients, which astrai's kernels do not")
+    count_model_own("attention")
+    return True
 
 
 def _with_position_bias(
