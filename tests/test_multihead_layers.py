@@ -1,9 +1,10 @@
 """Multi-head attention layers that compute attention themselves with batched products
-(XGLM, TrOCR, MVP): routed only where a copy computes what ``ops.attention`` does, and
-then equal to the plain model - padded, with a cache, attending across to an encoder's
-output (its keys computed once and read back), with MVP's prompt keys, and with the
-attention weights asked for. A training call with a row that has no key left to attend
-to stays the layer's own (Bloom's ALiBi layers' too), compiled as well."""
+(XGLM, TrOCR, MVP; BERT-era layers without an output projection: Megatron-BERT): routed
+only where a copy computes what ``ops.attention`` does, and then equal to the plain
+model - padded, with a cache, attending across to an encoder's output (its keys computed
+once and read back), with MVP's prompt keys, and with the attention weights asked for.
+A training call with a row that has no key left to attend to stays the layer's own
+(Bloom's ALiBi layers' too), compiled as well."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ pytest.importorskip("transformers")
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    MegatronBertConfig,
+    MegatronBertForCausalLM,
     MvpConfig,
     MvpForCausalLM,
     TrOCRConfig,
@@ -68,6 +71,14 @@ def _mvp() -> MvpForCausalLM:
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)).eval()
 
 
+def _megatron() -> MegatronBertForCausalLM:
+    torch.manual_seed(0)
+    return MegatronBertForCausalLM(MegatronBertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, is_decoder=True,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+
+
 def _feed() -> dict[str, torch.Tensor]:
     ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
@@ -85,7 +96,8 @@ def _routed(plain: nn.Module) -> nn.Module:
     return routed
 
 
-@pytest.mark.parametrize("make", [_xglm, _mvp], ids=["xglm", "mvp-prompts"])
+@pytest.mark.parametrize("make", [_xglm, _mvp, _megatron],
+                         ids=["xglm", "mvp-prompts", "megatron-bert"])
 def test_a_layer_is_served_by_ops_attention(make: Any) -> None:
     plain = make()
     routed = _routed(plain)
@@ -104,7 +116,8 @@ def test_a_layer_is_served_by_ops_attention(make: Any) -> None:
     assert torch.equal(routed.generate(**feed, **new), plain.generate(**feed, **new))
     served = verify_model(routed, **feed)
     assert served["attention"] == 2
-    assert not [site for site in served.unreached if "self_attn" in site]
+    assert not [site for site in served.unreached if site.startswith("attention")
+                and "encoder_attn" not in site]
 
     restore_model(routed)
     with torch.no_grad():

@@ -14,9 +14,10 @@ themselves in a form astrai knows.
 - **Layers masking with a causal buffer of their own** (GPT-Neo, global and local), checked
   the same way, get ``buffered_attention_forward`` (the buffer's slice as an additive
   float mask).
-- **Multi-head attention layers of their own** (XGLM, TrOCR, MVP): four projections,
-  keys from an encoder's output when given, kept in the call's cache, MVP's prompt keys;
-  checked the same way, they get ``multihead_attention_forward``.
+- **Multi-head attention layers of their own** (XGLM, TrOCR, MVP, Megatron-BERT,
+  RemBERT): three input projections (and an output one), keys from an encoder's output
+  when given, kept in the call's cache, MVP's prompt keys; checked the same way, they get
+  ``multihead_attention_forward``.
 
 A module named after attention whose forward reaches neither is reported as computing
 attention itself.

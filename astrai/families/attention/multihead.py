@@ -1,23 +1,26 @@
 """Multi-head attention layers that compute attention themselves with batched matrix
-products (XGLM, TrOCR, MVP), served by ``ops.attention``.
+products (XGLM, TrOCR, MVP; Megatron-BERT, RemBERT), served by ``ops.attention``.
 
-Such a layer projects q (times its ``scaling``), k and v with four linears
-(``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``), keys and values from
-``key_value_states`` when it attends across (to an encoder's output) and from its own
-input otherwise. It keeps them in the call's ``cache``: an encoder-decoder cache holds
-a self-attention and a cross-attention part, and a cross-attention layer computes its
-keys once and reads them back on later steps. MVP's layers take prompt keys and values
-(``attn_prompt``) put before their own, which every query may attend to. The scores
-(``q @ k.T`` per head) get the model's additive mask, the softmax, dropout while
-training, and multiply v; the heads are merged and projected out. The layer returns
-``(output, weights)``, the weights always (XGLM) or when asked (``output_attentions``).
+Such a layer projects q, k and v with three linears (``q_proj``, ``k_proj``,
+``v_proj``, or BERT's ``query``, ``key``, ``value``), keys and values from what it
+attends across to (``key_value_states``, or BERT's ``encoder_hidden_states``: an
+encoder's output) when given and from its own input otherwise. It keeps them in the
+call's ``cache``: an encoder-decoder cache holds a self-attention and a cross-attention
+part, and a cross-attention layer computes its keys once and reads them back on later
+steps. MVP's layers take prompt keys and values (``attn_prompt``) put before their own,
+which every query may attend to. The scores (``q @ k.T`` per head, at the layer's
+``scaling`` or ``head_size ** -0.5``) get the model's additive mask, the softmax,
+dropout while training, and multiply v; the heads are merged and projected out by
+``out_proj`` where the layer holds one (BERT's leave that to the next module). The layer
+returns ``(output, weights)``, the weights always (XGLM) or when asked
+(``output_attentions``).
 
 ``multihead_form(module)`` recognises such a layer by what it computes: a copy holding
 random weights on the CPU is run through its class's ``forward`` and through
 ``multihead_attention_forward``, attending to itself and across, with prompts where it
-takes them. The layer is routed when both agree. A call that needs gradients or runs under
-autocast with a query row that has no key left to attend to (left padding) stays the
-layer's own: its softmax spreads such a row over the masked keys and sends them
+takes them. The layer is routed when both agree. A call that needs gradients or runs
+under autocast with a query row that has no key left to attend to (left padding) stays
+the layer's own: its softmax spreads such a row over the masked keys and sends them
 gradients, which astrai's kernels do not (``unattended_row``).
 """
 
@@ -40,45 +43,53 @@ from astrai.families.attention.transformers import (
 )
 from astrai.recognition.probe import random_copy
 
-#: What a layer must hold for ``multihead_attention_forward`` to read it.
-_NEEDS = ("q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", "scaling")
+#: The names a layer's three input projections go by (each a ``nn.Linear``).
+_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 
-#: The arguments a layer's forward may take beyond these: anything else (a head mask,
-#: a position bias) is computed by its own code.
-_TAKES = frozenset({"self", "hidden_states", "key_value_states", "cache", "past_key_values",
+#: The argument by which a layer is given what it attends across to.
+_ACROSS = ("key_value_states", "encoder_hidden_states")
+
+#: The arguments a layer's forward may take: anything else (a head mask, a position
+#: bias) is computed by its own code.
+_TAKES = frozenset({"self", "hidden_states", *_ACROSS, "cache", "past_key_values",
                     "attention_mask", "attn_prompt", "output_attentions", "kwargs"})
+
 
 @dataclass(frozen=True)
 class MultiheadForm:
-    """How such a layer is served: whether it returns its weights on every call."""
+    """How such a layer is served: the names of its projections (``out`` ``None``: it
+    returns the heads merged, unprojected), of its head count and size, its scale, the
+    argument naming what it attends across to, the order of its positional arguments
+    after ``hidden_states``, and whether it returns its weights on every call."""
 
+    q: str
+    k: str
+    v: str
+    out: str | None
+    heads: str
+    size: str
+    scale: float
+    across: str
+    order: tuple[str, ...]
     always_weights: bool
 
 
 def multihead_attention_forward(form: MultiheadForm) -> Callable[..., Any]:
     """Such a layer's forward through ``ops.attention``."""
 
-    def multihead_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
-                                    key_value_states: torch.Tensor | None = None,
-                                    cache: Any = None,
-                                    attention_mask: torch.Tensor | None = None,
-                                    attn_prompt: Any = None, output_attentions: bool = False,
+    def multihead_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args: Any,
                                     **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)
-        if unattended_row(self, hidden_states, attention_mask):
-            own: dict[str, Any] = {"attention_mask": attention_mask, **kwargs}
-            if key_value_states is not None:
-                own["key_value_states"] = key_value_states
-            if cache is not None:
-                own["cache"] = cache
-            if attn_prompt is not None:
-                own["attn_prompt"] = attn_prompt
-            if output_attentions:
-                own["output_attentions"] = output_attentions
-            return type(self).forward(self, hidden_states, **own)  # type: ignore[no-any-return]
-        return _attend(self, hidden_states, key_value_states, cache, attention_mask,
-                       attn_prompt, output_attentions or form.always_weights, kwargs)
+        given = dict(zip(form.order, args, strict=False))
+        given.update(kwargs)
+        mask = given.pop("attention_mask", None)
+        if unattended_row(self, hidden_states, mask):
+            return type(self).forward(self, hidden_states, *args, **kwargs)  # type: ignore[no-any-return]
+        cache = given.pop("cache", None)
+        old = given.pop("past_key_values", None)
+        return _attend(self, form, hidden_states, given.pop(form.across, None),
+                       old if cache is None else cache, mask, given.pop("attn_prompt", None),
+                       bool(given.pop("output_attentions", False)) or form.always_weights,
+                       given)
 
     return multihead_attention_forward
 
@@ -88,11 +99,12 @@ def _heads(x: torch.Tensor, heads: int, size: int) -> torch.Tensor:
     return x.view(x.shape[0], x.shape[1], heads, size).transpose(1, 2)
 
 
-def _keys(self: nn.Module, source: torch.Tensor, cross: bool, cache: Any,
-          kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys(self: nn.Module, form: MultiheadForm, source: torch.Tensor, cross: bool,
+          cache: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The call's keys and values, heads first, from ``source`` and the cache as the
     layer keeps them (module docstring)."""
-    heads, size, index = int(self.num_heads), int(self.head_dim), self.layer_idx  # type: ignore[arg-type]
+    heads, size = int(getattr(self, form.heads)), int(getattr(self, form.size))
+    index = self.layer_idx
     store, stored = cache, False
     split = hasattr(cache, "self_attention_cache") and hasattr(cache, "is_updated")
     if split:
@@ -101,8 +113,8 @@ def _keys(self: nn.Module, source: torch.Tensor, cross: bool, cache: Any,
     if cross and cache is not None and stored:
         layer = store.layers[index]
         return layer.keys, layer.values
-    k = _heads(self.k_proj(source), heads, size)  # type: ignore[operator]
-    v = _heads(self.v_proj(source), heads, size)  # type: ignore[operator]
+    k = _heads(getattr(self, form.k)(source), heads, size)
+    v = _heads(getattr(self, form.v)(source), heads, size)
     if cache is not None:
         k, v = store.update(k, v, index, kwargs=kwargs)
         if cross and split:
@@ -110,15 +122,15 @@ def _keys(self: nn.Module, source: torch.Tensor, cross: bool, cache: Any,
     return k, v
 
 
-def _attend(self: nn.Module, hidden_states: torch.Tensor,
-            key_value_states: torch.Tensor | None, cache: Any,
-            attention_mask: torch.Tensor | None, attn_prompt: Any, weights: bool,
-            kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    heads, size = int(self.num_heads), int(self.head_dim)  # type: ignore[arg-type]
+def _attend(self: nn.Module, form: MultiheadForm, hidden_states: torch.Tensor,
+            across: torch.Tensor | None, cache: Any, attention_mask: torch.Tensor | None,
+            attn_prompt: Any, weights: bool, kwargs: dict[str, Any]
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    heads, size = int(getattr(self, form.heads)), int(getattr(self, form.size))
     batch, q_len = hidden_states.shape[:2]
-    source = hidden_states if key_value_states is None else key_value_states
-    q = _heads(self.q_proj(hidden_states), heads, size)  # type: ignore[operator]
-    k, v = _keys(self, source, key_value_states is not None, cache, kwargs)
+    source = hidden_states if across is None else across
+    q = _heads(getattr(self, form.q)(hidden_states), heads, size)
+    k, v = _keys(self, form, source, across is not None, cache, kwargs)
     if attn_prompt is not None:  # prompt keys first, open to every query
         k = torch.cat([attn_prompt[0].expand(batch, -1, -1, -1), k], dim=2)
         v = torch.cat([attn_prompt[1].expand(batch, -1, -1, -1), v], dim=2)
@@ -126,68 +138,83 @@ def _attend(self: nn.Module, hidden_states: torch.Tensor,
             open_ = attention_mask.new_zeros(batch, 1, q_len, attn_prompt[0].shape[-2])
             attention_mask = torch.cat([open_, attention_mask], dim=-1)
     dropout = getattr(self, "dropout", 0.0)
+    if isinstance(dropout, nn.Dropout):
+        dropout = dropout.p
     out, got = layer_attention(
-        self, q, k, v, None, attention_mask, scale=float(self.scaling),  # type: ignore[arg-type]
-        dropout=dropout if isinstance(dropout, float) else 0.0, asked=weights)
-    out = self.out_proj(out.reshape(batch, q_len, heads * size))  # type: ignore[operator]
+        self, q, k, v, None, attention_mask, scale=form.scale,
+        dropout=float(dropout) if isinstance(dropout, (int, float)) else 0.0, asked=weights)
+    out = out.reshape(batch, q_len, heads * size)
+    if form.out is not None:
+        out = getattr(self, form.out)(out)
     return out, got
 
 
 def multihead_form(module: nn.Module) -> MultiheadForm | str | None:
     """How ``module`` is served when it is such a layer (module docstring), the reason
-    when it is one (it holds what that forward reads and its forward takes
-    ``key_value_states``) but computes something else, ``None`` otherwise."""
+    when it is one (it holds three input projections, a head count and size, and its
+    forward takes what it may attend across to) but computes something else, ``None``
+    otherwise."""
     try:
         params = inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
         return None
-    if "key_value_states" not in params or any(not hasattr(module, n) for n in _NEEDS):
-        return None
-    if not all(isinstance(getattr(module, n), nn.Linear)
-               for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
+    across = next((name for name in _ACROSS if name in params), None)
+    names = next((p for p in _PROJECTIONS if all(
+        isinstance(getattr(module, n, None), nn.Linear) for n in p)), None)
+    heads = next((n for n in ("num_heads", "num_attention_heads")
+                  if isinstance(getattr(module, n, None), int)), None)
+    size = next((n for n in ("head_dim", "attention_head_size")
+                 if isinstance(getattr(module, n, None), int)), None)
+    if across is None or names is None or heads is None or size is None or (
+            not hasattr(module, "layer_idx")):
         return None
     beyond = sorted(set(params) - _TAKES)
     if beyond:
         return (f"its forward takes {', '.join(beyond)}, which astrai's forward for it "
                 f"would not apply")
-    if module.q_proj.weight.is_meta:  # type: ignore[union-attr]
+    if getattr(module, names[0]).weight.is_meta:
         return "its weights hold no values yet (the meta device): nothing to check"
-    found = _probe(module, params)
+    out = "out_proj" if isinstance(getattr(module, "out_proj", None), nn.Linear) else None
+    scaling = getattr(module, "scaling", None)
+    order = tuple(n for n in params if n not in ("self", "hidden_states")
+                  and params[n].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = _probe(module, params, MultiheadForm(
+        *names, out, heads, size,
+        float(scaling) if isinstance(scaling, float) else int(getattr(module, size)) ** -0.5,
+        across, order, "output_attentions" not in params))
     if isinstance(found, str):
         return found
     watch_collector()
     return found
 
 
-def _probe(module: nn.Module, params: Any) -> MultiheadForm | str:
-    """How the layer is served, from its own forward and ``_attend`` on random calls (a
-    CPU copy with random weights), or why it is not."""
+def _probe(module: nn.Module, params: Any, form: MultiheadForm) -> MultiheadForm | str:
+    """``form`` when the layer's own forward and ``_attend`` agree on random calls (a
+    CPU copy with random weights), attending to itself and across, or why they do not."""
     g = torch.Generator().manual_seed(23)
     probe = random_copy(module, g)
-    heads, size = int(probe.num_heads), int(probe.head_dim)  # type: ignore[arg-type]
-    width = int(probe.q_proj.in_features)  # type: ignore[union-attr,arg-type]
+    heads, size = int(getattr(probe, form.heads)), int(getattr(probe, form.size))
+    width = int(getattr(probe, form.q).in_features)
     x = torch.randn(2, 5, width, generator=g)
     low = torch.finfo(torch.float32).min
     causal = torch.full((5, 5), low).triu(1).expand(2, 1, 5, 5).clone()
     causal[1, :, :, 0] = low  # a padded first token: row 0 of the second has no key
-    across = torch.randn(2, 4, int(probe.k_proj.in_features), generator=g)  # type: ignore[union-attr,arg-type]
-    padded = torch.zeros(2, 1, 5, 4)
+    across = torch.randn(2, 5, int(getattr(probe, form.k).in_features), generator=g)
+    padded = torch.zeros(2, 1, 5, 5)
     padded[1, :, :, -1] = low
     prompt = None
     if "attn_prompt" in params:
         prompt = torch.randn(2, heads, 3, size, generator=g)
-    asks = "output_attentions" in params
-    always = not asks
     cases: list[tuple[torch.Tensor, torch.Tensor | None]] = [(padded, across)]
-    if probe.k_proj.in_features == width:  # type: ignore[union-attr]
+    if getattr(probe, form.k).in_features == width:
         cases.insert(0, (causal, None))  # (else it only attends across)
     for mask, kv in cases:
         keywords: dict[str, Any] = {"attention_mask": mask}
         if kv is not None:
-            keywords["key_value_states"] = kv
+            keywords[form.across] = kv
         if prompt is not None:
             keywords["attn_prompt"] = prompt
-        if asks:
+        if not form.always_weights:
             keywords["output_attentions"] = True
         with torch.no_grad():
             try:
@@ -197,7 +224,7 @@ def _probe(module: nn.Module, params: Any) -> MultiheadForm | str:
             if not (isinstance(want, tuple) and len(want) == 2
                     and all(isinstance(t, torch.Tensor) for t in want)):
                 return "it does not return (output, attention weights)"
-            got = _attend(probe, x, kv, None, mask, prompt, True, {})
+            got = _attend(probe, form, x, kv, None, mask, prompt, True, {})
         if got[1] is None or got[0].shape != want[0].shape or got[1].shape != want[1].shape:
             return "it does not return (output, attention weights) as such a layer does"
         apart = max(float((want[0] - got[0]).abs().max()),
@@ -206,4 +233,4 @@ def _probe(module: nn.Module, params: Any) -> MultiheadForm | str:
             where = "across" if kv is not None else "to itself"
             return (f"it does not compute multi-head attention as astrai serves it "
                     f"(attending {where}, it differs by {apart:.2g} on random inputs)")
-    return MultiheadForm(always)
+    return form
