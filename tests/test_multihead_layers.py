@@ -186,6 +186,22 @@ def test_a_training_call_with_a_row_with_no_key_left_is_the_layers_own(make: Any
         assert (stats().served("attention", origin=MODEL_OWN) == 2) is own
         assert (stats().computed("attention") == 2) is not own
 
+    # only a parameter that is not the layer's first needs gradients (as an adapter's):
+    # the first layer's input needs none either
+    for model in (plain, routed):
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.endswith(".bias") and ".0." in name and (
+                "v_proj" in name or "query_key_value" in name))
+    reset_stats()
+    want_loss, want = _trained(plain, _feed())
+    got_loss, got = _trained(routed, _feed())
+    assert len(want) == 1 and got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert stats().served("attention", origin=MODEL_OWN) == 2
+    for model in (plain, routed):
+        model.requires_grad_(True)
+
     # compiled (one graph): such a call is the layer's own there too
     feed = _feed()
     want_loss, want = _trained(plain, feed)

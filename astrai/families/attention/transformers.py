@@ -268,19 +268,17 @@ def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
     """Whether a layer computing attention itself must compute this call with its own
     code because a query row has no key left to attend to: no key that both the layer's
     own ``allowed`` (boolean, if any) and the model's 4-d ``attention_mask`` allow (a
-    left-padded position). Such a row's softmax spreads over masked keys, and a layer
-    that clamps or replaces masked scores, where astrai adds the mask, then differs from
-    it in gradients and under autocast; so only a call that needs gradients or runs
-    under autocast is asked about. Under ``torch.compile`` and ``torch.export``, where
-    the rows cannot be read without a graph break, every such call with a mask is the
-    layer's own. A call
-    found to be the layer's own is warned about once and counted under origin
-    ``model``."""
+    left-padded position). Such a row's softmax spreads over masked keys: the layer's
+    own code sends those keys gradients, which astrai's kernels do not, and rounds the
+    row otherwise under autocast. So only a call that needs gradients (its input's, or
+    any parameter of the layer's, an adapter's too) or runs under autocast is asked
+    about. Under ``torch.compile`` and ``torch.export``, where the rows cannot be read
+    without a graph break, every such call with a mask is the layer's own. A call found
+    to be the layer's own is warned about once and counted under origin ``model``."""
     if attention_mask is None or attention_mask.dim() != 4:
         return False
-    first = next(module.parameters(), None)
-    grads = torch.is_grad_enabled() and (hidden_states.requires_grad or (
-        first is not None and first.requires_grad))
+    grads = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+        p.requires_grad for p in module.parameters()))
     if not (grads or torch.is_autocast_enabled(hidden_states.device.type)):
         return False
     if compiling() or torch.compiler.is_exporting():  # (such calls are not counted)
