@@ -19,6 +19,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from transformers import (
+    BartConfig,
+    BartForCausalLM,
     BloomConfig,
     BloomForCausalLM,
     MegatronBertConfig,
@@ -253,3 +255,17 @@ def test_a_layer_computing_otherwise_is_left_with_the_reason(cls: type, reason: 
     with torch.no_grad():
         torch.testing.assert_close(model(**feed).logits, plain(**feed).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_going_through_the_attention_interface_keeps_the_adapter() -> None:
+    # BART's layers hold the same projections and take key_value_states, but find their
+    # attention function through transformers' interface: the adapter serves them there
+    torch.manual_seed(0)
+    model = BartForCausalLM(BartConfig(
+        vocab_size=97, d_model=32, decoder_attention_heads=4, encoder_attention_heads=4,
+        decoder_ffn_dim=64, encoder_ffn_dim=64, decoder_layers=2, encoder_layers=2,
+        max_position_embeddings=64)).eval()
+    report = dispatch_model(model)
+    assert not [n for n in report.not_routed if n.family == "attention"]
+    assert {e.detail for e in report.routed if e.family == "attention"} == {
+        "astrai's attention adapter"}

@@ -151,6 +151,9 @@ def _layer(module: nn.Module) -> Installed | str | None:
         return Installed(buffered, "its causal buffer as an additive mask")
     if buffered is not None:
         return buffered
+    if any(n in (ATTENTION_INTERFACE, EAGER_ATTENTION)
+           for n, _ in global_names(type(module).forward)):
+        return None  # a call site of transformers' attention interface (``_sites``)
     multihead = multihead_form(module)
     if isinstance(multihead, MultiheadForm):
         return Installed(multihead_attention_forward(multihead),
