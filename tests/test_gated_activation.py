@@ -190,3 +190,82 @@ def test_an_activation_routed_before_is_covered_when_its_mlp_is_routed() -> None
     assert verify_model(model, x)["gated_activation"] == 1
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), atol=1e-6, rtol=1e-6)
+
+
+class SubNormedMLP(LlamaMLP):
+    """BitNet's form: an RMS norm on the gated product before ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ffn_sub_norm = nn.RMSNorm(24, eps=1e-6)
+        with torch.no_grad():
+            self.ffn_sub_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ffn_sub_norm(self.act_fn(self.gate_proj(x))
+                                                * self.up_proj(x)))
+
+
+class PostNormedMLP(LlamaMLP):
+    """A child applied elsewhere (after ``down``): not the sub-norm form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(x))
+
+
+class DroppingMLP(LlamaMLP):
+    """A dropout, whose place no call out of training can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(super().forward(x))
+
+
+def test_a_child_applied_to_the_gated_product_is_served_on_its_own() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(SubNormedMLP(), PostNormedMLP(), DroppingMLP()).eval()
+    model = copy.deepcopy(plain)
+    report = dispatch_model(model)
+    details = {r.path: r.detail for r in report.routed if r.family == "gated_activation"}
+    assert details == {"0": "down_proj(ffn_sub_norm(silu(gate_proj(x)) * up_proj(x)))"}
+    assert "0.ffn_sub_norm" in report.paths("rms_norm")
+    refused = {n.path: n.reason for n in report.not_routed if n.family == "gated_activation"}
+    assert "computes none of its forms" in refused["1"]
+    assert refused["2"].startswith("it holds a dropout (dropout)")
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)
+    served = verify_model(model, x)
+    assert served["gated_activation"] == 1 and served["rms_norm"] == 1
+
+
+class ShapedLikeFusedHead(nn.Module):
+    """Layers shaped as a fused gated MLP would be (``dense`` 16 -> 16, ``decoder``
+    8 -> 16) by coincidence; its forward takes 8 features: no gated MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.decoder, self.act = nn.Linear(16, 16), nn.Linear(8, 16), nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.act(self.decoder(x)))
+
+
+def test_layers_shaped_like_a_gated_mlp_by_coincidence_are_served_on_their_own() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(ShapedLikeFusedHead())
+    model = copy.deepcopy(plain)
+    report = dispatch_model(model)
+    assert not [n for n in report.not_routed if n.family == "gated_activation"]
+    assert report.paths("gated_activation") == []
+    assert report.paths("activation") == ["0.act"]
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)

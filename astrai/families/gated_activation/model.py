@@ -1,7 +1,9 @@
 """Gated MLPs in a model: a module whose forward computes ``down(act(gate(x)) * up(x))``
 (Llama, Mistral, Qwen, Gemma, ...) or, with one fused projection,
 ``down(act(g) * u)`` where ``g, u = gate_up(x).chunk(2, -1)`` (Phi-3), told by what it
-computes, and the forward that sends the gated product to ``ops.gated_activation``.
+computes, and the forward that sends the gated product to ``ops.gated_activation``. A
+module with one more child may apply it to the gated product before ``down`` (BitNet's
+``ffn_sub_norm``): ``down(sub(act(gate(x)) * up(x)))``, that child served on its own.
 
 A module is claimed when its direct children are one activation module and linear layers
 (modules holding a 2-d weight) whose shapes fit one of the two forms. It is run - its
@@ -27,7 +29,7 @@ from torch import nn
 from astrai.families.activation.model import activation_child, child_activation
 from astrai.families.gated_activation import gated_activation
 from astrai.families.recognition import Installed, ModelRecognition
-from astrai.recognition.probe import gap, probe_copy
+from astrai.recognition.probe import gap, probe_copy, random_copy
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,20 @@ class GatedForm:
     gate: str | None = None
     up: str | None = None
     gate_up: str | None = None
+    #: The child applied to the gated product before ``down``, if any.
+    sub: str | None = None
 
     def describe(self) -> str:
         """The form in words, for the report."""
         if self.gate_up is not None:
-            return f"{self.down}({self.act}(gate) * up), gate, up = {self.gate_up}(x).chunk(2)"
-        return f"{self.down}({self.act}({self.gate}(x)) * {self.up}(x))"
+            product = f"{self.act}(gate) * up"
+        else:
+            product = f"{self.act}({self.gate}(x)) * {self.up}(x)"
+        if self.sub is not None:
+            product = f"{self.sub}({product})"
+        if self.gate_up is not None:
+            return f"{self.down}({product}), gate, up = {self.gate_up}(x).chunk(2)"
+        return f"{self.down}({product})"
 
 
 def _layers(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -84,8 +94,16 @@ def _claims(module: nn.Module) -> bool:
     return activation_child(module) is not None and bool(_candidates(_layers(module)))
 
 
-def _probe(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose layers hold random float32 weights on the CPU."""
+def _others(module: nn.Module, act_name: str) -> list[str]:
+    """The children that are neither its linear layers nor its activation."""
+    layers = _layers(module)
+    return [name for name, child in module._modules.items()
+            if child is not None and name not in layers and name != act_name]
+
+
+def _probe(module: nn.Module, others: list[str]) -> nn.Module:
+    """A copy of ``module`` whose layers hold random float32 weights on the CPU, and
+    its ``others`` (a sub-norm) are random CPU copies of theirs."""
     g = torch.Generator().manual_seed(23)
     layers: dict[str, nn.Module | None] = {}
     for name in _layers(module):
@@ -101,6 +119,10 @@ def _probe(module: nn.Module) -> nn.Module:
                                                    requires_grad=False)
         layer.register_parameter("bias", bias)
         layers[name] = layer
+    for name in others:
+        child = module._modules[name]
+        assert child is not None
+        layers[name] = random_copy(child, g)
     return probe_copy(module, modules=layers)
 
 
@@ -112,19 +134,36 @@ def _compute(probe: nn.Module, form: GatedForm, x: torch.Tensor) -> torch.Tensor
         gate, up = m[form.gate_up](x).chunk(2, dim=-1)  # type: ignore[misc]
     else:
         gate, up = m[form.gate](x), m[form.up](x)  # type: ignore[index, misc]
-    return m[form.down](act(gate) * up)  # type: ignore[misc, no-any-return]
+    product = act(gate) * up
+    if form.sub is not None:
+        product = m[form.sub](product)  # type: ignore[misc]
+    return m[form.down](product)  # type: ignore[misc, no-any-return]
 
 
-def gated_form(module: nn.Module) -> GatedForm | str:
-    """``module``'s ``GatedForm``, or why it is not served as a gated MLP."""
+def gated_form(module: nn.Module) -> GatedForm | str | None:
+    """``module``'s ``GatedForm``, why it is not served as a gated MLP, or ``None`` when
+    its forward cannot even take an input shaped for any assignment of its layers (its
+    layers only happen to have such shapes: it is no gated MLP, and they are served on
+    their own)."""
     act_name, act = child_activation(module)
     if act.startswith("refused: "):
         return f"its activation {act_name}: {act.removeprefix('refused: ')}"
-    probe = _probe(module)
+    others = _others(module, act_name)
+    dropping = [name for name in others if any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+        for m in module._modules[name].modules())]  # type: ignore[union-attr]
+    if dropping:
+        return (f"it holds a dropout ({', '.join(dropping)}), whose place in its forward a "
+                f"random call cannot tell (it passes everything on while not training)")
+    subs = [None, *others] if len(others) == 1 else [None]  # one child: a sub-norm?
+    try:
+        probe = _probe(module, others if len(others) == 1 else [])
+    except Exception as exc:  # a child that cannot be copied to the CPU with values
+        return f"its children could not be copied to probe it ({type(exc).__name__}: {exc})"
     layers = _layers(module)
     failures: list[str] = []
-    for roles in _candidates(layers):
-        form = GatedForm(act_name, act, **roles)
+    for roles, sub in itertools.product(_candidates(layers), subs):
+        form = GatedForm(act_name, act, **roles, sub=sub)
         first = layers[roles.get("gate_up") or roles["gate"]][0]
         x = torch.randn(2, 3, first, generator=torch.Generator().manual_seed(29))
         try:
@@ -141,34 +180,38 @@ def gated_form(module: nn.Module) -> GatedForm | str:
         if far <= 1e-5:
             return form
         failures.append(f"differs by {far:.2g}")
+    if failures and all(" raised " in f for f in failures):
+        return None
     return (f"its layers fit a gated MLP but its forward computes none of its forms "
             f"({'; '.join(dict.fromkeys(failures))})")
 
 
 def _gated_forward(form: GatedForm) -> Callable[..., Any]:
     """The MLP's forward: its own layers, the gated product through the facade."""
-    act, down = form.act, form.down
+    act, down, sub = form.act, form.down, form.sub
     if form.gate_up is not None:
         gate_up = form.gate_up
 
         def fused_forward(self: nn.Module, x: torch.Tensor) -> Any:
             m = self._modules
             gate, up = m[gate_up](x).chunk(2, dim=-1)  # type: ignore[misc]
-            return m[down](gated_activation(gate, up, act))  # type: ignore[misc]
+            product = gated_activation(gate, up, act)
+            return m[down](product if sub is None else m[sub](product))  # type: ignore[misc]
 
         return fused_forward
     gate_name, up_name = form.gate, form.up
 
     def gated_forward(self: nn.Module, x: torch.Tensor) -> Any:
         m = self._modules
-        return m[down](gated_activation(m[gate_name](x), m[up_name](x), act))  # type: ignore[index, misc]
+        product = gated_activation(m[gate_name](x), m[up_name](x), act)  # type: ignore[index,misc]
+        return m[down](product if sub is None else m[sub](product))  # type: ignore[misc]
 
     return gated_forward
 
 
-def _route(module: nn.Module) -> Installed | str:
+def _route(module: nn.Module) -> Installed | str | None:
     form = gated_form(module)
-    if isinstance(form, str):
+    if form is None or isinstance(form, str):
         return form
     return Installed(_gated_forward(form), form.describe(), form, covers=(form.act_name,))
 
