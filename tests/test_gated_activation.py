@@ -228,22 +228,45 @@ class DroppingMLP(LlamaMLP):
         return self.dropout(super().forward(x))
 
 
+class SubDroppedMLP(LlamaMLP):
+    """A dropout on the gated product before ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
 def test_a_child_applied_to_the_gated_product_is_served_on_its_own() -> None:
     torch.manual_seed(0)
-    plain = nn.Sequential(SubNormedMLP(), PostNormedMLP(), DroppingMLP()).eval()
+    plain = nn.Sequential(SubNormedMLP(), PostNormedMLP(), DroppingMLP(),
+                          SubDroppedMLP()).eval()
     model = copy.deepcopy(plain)
     report = dispatch_model(model)
     details = {r.path: r.detail for r in report.routed if r.family == "gated_activation"}
-    assert details == {"0": "down_proj(ffn_sub_norm(silu(gate_proj(x)) * up_proj(x)))"}
+    assert details == {"0": "down_proj(ffn_sub_norm(silu(gate_proj(x)) * up_proj(x)))",
+                       "3": "down_proj(dropout(silu(gate_proj(x)) * up_proj(x)))"}
     assert "0.ffn_sub_norm" in report.paths("rms_norm")
     refused = {n.path: n.reason for n in report.not_routed if n.family == "gated_activation"}
     assert "computes none of its forms" in refused["1"]
-    assert refused["2"].startswith("it holds a dropout (dropout)")
+    assert refused["2"] == ("it holds a dropout (dropout) it does not apply to the gated "
+                            "product alone")
     x = torch.randn(2, 3, 16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-5)
     served = verify_model(model, x)
-    assert served["gated_activation"] == 1 and served["rms_norm"] == 1
+    assert served["gated_activation"] == 2 and served["rms_norm"] == 1
+    # training: both drop the same entries where the seed is the same
+    plain.train()
+    model.train()
+    outs = []
+    for m in (plain, model):
+        torch.manual_seed(3)
+        with torch.no_grad():
+            outs.append(m(x))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
 class ShapedLikeFusedHead(nn.Module):

@@ -12,16 +12,19 @@ which every query may attend to. The scores (``q @ k.T`` per head, at the layer'
 ``scaling`` or ``head_size ** -0.5``) get the model's additive mask, the softmax,
 dropout while training, and multiply v; the heads are merged and projected out by
 ``out_proj`` where the layer holds one (BERT's leave that to the next module). The layer
-returns ``(output, weights)``, the weights always (XGLM) or when asked
-(``output_attentions``).
+returns ``(output, weights)``, the weights always (XGLM, BERT's) or when asked
+(``output_attentions``); routed, it returns them when asked or when transformers collects
+them (``None`` else: the models read them only then). A training call with dropout that
+returns weights stays the layer's own: some return them before their dropout, some after.
 
 ``multihead_form(module)`` recognises such a layer by what it computes: a copy holding
 random weights on the CPU is run through its class's ``forward`` and through
 ``multihead_attention_forward``, attending to itself and across, with prompts where it
-takes them. The layer is routed when both agree. A call that needs gradients or runs
-under autocast with a query row that has no key left to attend to (left padding) stays
-the layer's own: its softmax spreads such a row over the masked keys and sends them
-gradients, which astrai's kernels do not (``unattended_row``).
+takes them. The layer is routed when both agree. A call that needs gradients, runs
+under autocast or computes in float16, with a query row that has no key left to attend
+to (left padding), stays the layer's own: its softmax spreads such a row over the masked
+keys and sends them gradients, which astrai's kernels round otherwise and do not
+(``unattended_row``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from astrai.dispatch.log import warn_once
+from astrai.dispatch.stats import count_model_own
+from astrai.dispatch.torch_compile import compiling
 from astrai.families.attention.transformers import (
     layer_attention,
     unattended_row,
     watch_collector,
+    weights_collected,
 )
 from astrai.recognition.probe import random_copy
 
@@ -60,7 +67,7 @@ class MultiheadForm:
     """How such a layer is served: the names of its projections (``out`` ``None``: it
     returns the heads merged, unprojected), of its head count and size, its scale, the
     argument naming what it attends across to, the order of its positional arguments
-    after ``hidden_states``, and whether it returns its weights on every call."""
+    after ``hidden_states``, and whether its forward takes ``output_attentions``."""
 
     q: str
     k: str
@@ -71,7 +78,7 @@ class MultiheadForm:
     scale: float
     across: str
     order: tuple[str, ...]
-    always_weights: bool
+    asks: bool
 
 
 def multihead_attention_forward(form: MultiheadForm) -> Callable[..., Any]:
@@ -82,16 +89,41 @@ def multihead_attention_forward(form: MultiheadForm) -> Callable[..., Any]:
         given = dict(zip(form.order, args, strict=False))
         given.update(kwargs)
         mask = given.pop("attention_mask", None)
-        if unattended_row(self, hidden_states, mask):
+        asked = bool(given.pop("output_attentions", False))
+        if unattended_row(self, hidden_states, mask) or _dropped_weights(self, asked):
             return type(self).forward(self, hidden_states, *args, **kwargs)  # type: ignore[no-any-return]
         cache = given.pop("cache", None)
         old = given.pop("past_key_values", None)
         return _attend(self, form, hidden_states, given.pop(form.across, None),
                        old if cache is None else cache, mask, given.pop("attn_prompt", None),
-                       bool(given.pop("output_attentions", False)) or form.always_weights,
-                       given)
+                       asked, given)
 
     return multihead_attention_forward
+
+
+def _dropout(self: nn.Module) -> float:
+    """The probability with which the layer drops attention weights while training."""
+    dropout = getattr(self, "dropout", 0.0)
+    if isinstance(dropout, nn.Dropout):
+        dropout = dropout.p
+    return float(dropout) if isinstance(dropout, (int, float)) else 0.0
+
+
+def _dropped_weights(self: nn.Module, asked: bool) -> bool:
+    """Whether a call returning weights drops attention while training: some such layers
+    return the weights before their dropout (XGLM, TrOCR, MVP), others after it (BERT's),
+    and astrai's rows return them after; so the layer's own code computes the call,
+    warned once and counted under origin ``model``."""
+    if not (self.training and _dropout(self) > 0.0):
+        return False
+    if not (asked or weights_collected(self, eager=True)):
+        return False
+    if not compiling():
+        warn_once(f"astrai: {type(self).__name__} runs its own attention on a training call "
+                  f"that returns attention weights with dropout: such layers return them "
+                  f"before or after their dropout, and a random call cannot tell which")
+        count_model_own("attention")
+    return True
 
 
 def _heads(x: torch.Tensor, heads: int, size: int) -> torch.Tensor:
@@ -137,12 +169,8 @@ def _attend(self: nn.Module, form: MultiheadForm, hidden_states: torch.Tensor,
         if attention_mask is not None:
             open_ = attention_mask.new_zeros(batch, 1, q_len, attn_prompt[0].shape[-2])
             attention_mask = torch.cat([open_, attention_mask], dim=-1)
-    dropout = getattr(self, "dropout", 0.0)
-    if isinstance(dropout, nn.Dropout):
-        dropout = dropout.p
-    out, got = layer_attention(
-        self, q, k, v, None, attention_mask, scale=form.scale,
-        dropout=float(dropout) if isinstance(dropout, (int, float)) else 0.0, asked=weights)
+    out, got = layer_attention(self, q, k, v, None, attention_mask, scale=form.scale,
+                               dropout=_dropout(self), asked=weights)
     out = out.reshape(batch, q_len, heads * size)
     if form.out is not None:
         out = getattr(self, form.out)(out)
@@ -181,7 +209,7 @@ def multihead_form(module: nn.Module) -> MultiheadForm | str | None:
     found = _probe(module, params, MultiheadForm(
         *names, out, heads, size,
         float(scaling) if isinstance(scaling, float) else int(getattr(module, size)) ** -0.5,
-        across, order, "output_attentions" not in params))
+        across, order, "output_attentions" in params))
     if isinstance(found, str):
         return found
     watch_collector()
@@ -214,7 +242,7 @@ def _probe(module: nn.Module, params: Any, form: MultiheadForm) -> MultiheadForm
             keywords[form.across] = kv
         if prompt is not None:
             keywords["attn_prompt"] = prompt
-        if not form.always_weights:
+        if form.asks:
             keywords["output_attentions"] = True
         with torch.no_grad():
             try:

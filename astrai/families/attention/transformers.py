@@ -270,19 +270,24 @@ def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
     own ``allowed`` (boolean, if any) and the model's 4-d ``attention_mask`` allow (a
     left-padded position). Such a row's softmax spreads over masked keys: the layer's
     own code sends those keys gradients, which astrai's kernels do not, and rounds the
-    row otherwise under autocast. So only a call that needs gradients (its input's, or
-    any parameter of the layer's, an adapter's too) or runs under autocast is asked
-    about. Under ``torch.compile`` and ``torch.export``, where the rows cannot be read
-    without a graph break, every such call with a mask is the layer's own. A call found
-    to be the layer's own is warned about once and counted under origin ``model``."""
+    row otherwise under autocast and in float16 (where the lowest value the mask adds
+    swallows the scores). So only a call that needs gradients (its input's, or any
+    parameter of the layer's, an adapter's too), runs under autocast or computes in
+    float16 is asked about. Under ``torch.compile`` and ``torch.export``, where the rows
+    cannot be read without a graph break, every such call with a mask that needs
+    gradients or runs under autocast is the layer's own, and a float16 inference call is
+    astrai's (those rows' outputs, which no real position reads, may differ). A call
+    found to be the layer's own is warned about once and counted under origin
+    ``model``."""
     if attention_mask is None or attention_mask.dim() != 4:
         return False
     grads = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
         p.requires_grad for p in module.parameters()))
-    if not (grads or torch.is_autocast_enabled(hidden_states.device.type)):
+    rounded = grads or torch.is_autocast_enabled(hidden_states.device.type)
+    if not (rounded or hidden_states.dtype == torch.float16):
         return False
     if compiling() or torch.compiler.is_exporting():  # (such calls are not counted)
-        return True
+        return rounded
     kept = attention_mask if attention_mask.dtype == torch.bool else (
         attention_mask > torch.finfo(attention_mask.dtype).min / 2)
     if allowed is not None:
@@ -290,9 +295,10 @@ def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
     if bool(kept.any(-1).all()):
         return False
     warn_once(f"astrai: {type(module).__name__} runs its own attention on a call that "
-              f"trains or runs under autocast with a query row whose every key is masked "
-              f"(left padding): on such a row the layer's own softmax spreads over masked "
-              f"keys and sends them gradients, which astrai's kernels do not")
+              f"trains, runs under autocast or computes in float16 with a query row whose "
+              f"every key is masked (left padding): on such a row the layer's own softmax "
+              f"spreads over masked keys, which astrai's kernels round otherwise and send "
+              f"no gradient")
     count_model_own("attention")
     return True
 

@@ -3,7 +3,8 @@
 ``down(act(g) * u)`` where ``g, u = gate_up(x).chunk(2, -1)`` (Phi-3), told by what it
 computes, and the forward that sends the gated product to ``ops.gated_activation``. A
 module with one more child may apply it to the gated product before ``down`` (BitNet's
-``ffn_sub_norm``): ``down(sub(act(gate(x)) * up(x)))``, that child served on its own.
+``ffn_sub_norm``, or a dropout): ``down(sub(act(gate(x)) * up(x)))``, that child served on
+its own (a dropout is checked on a training call, both sides drawing the same mask).
 
 A module is claimed when its direct children are one activation module and linear layers
 (modules holding a 2-d weight) whose shapes fit one of the two forms. It is run - its
@@ -152,14 +153,22 @@ def gated_form(module: nn.Module) -> GatedForm | str | None:
     dropping = [name for name in others if any(
         isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
         for m in module._modules[name].modules())]  # type: ignore[union-attr]
-    if dropping:
-        return (f"it holds a dropout ({', '.join(dropping)}), whose place in its forward a "
-                f"random call cannot tell (it passes everything on while not training)")
-    subs = [None, *others] if len(others) == 1 else [None]  # one child: a sub-norm?
+    dropout_reason = (f"it holds a dropout ({', '.join(dropping)}) it does not apply to the "
+                      f"gated product alone")
+    if dropping and (len(others) > 1 or not isinstance(
+            module._modules[dropping[0]], nn.modules.dropout._DropoutNd)):
+        return dropout_reason
+    # one more child: a sub-norm, or a dropout, on the gated product? A dropout is tried
+    # only there (a call out of training cannot tell it from nothing) and probed training,
+    # both sides drawing the same mask
+    subs: list[str | None] = [*dropping] if dropping else (
+        [None, *others] if len(others) == 1 else [None])
     try:
         probe = _probe(module, others if len(others) == 1 else [])
     except Exception as exc:  # a child that cannot be copied to the CPU with values
         return f"its children could not be copied to probe it ({type(exc).__name__}: {exc})"
+    for name in dropping:
+        probe._modules[name].train()  # type: ignore[union-attr]
     layers = _layers(module)
     failures: list[str] = []
     for roles, sub in itertools.product(_candidates(layers), subs):
@@ -167,8 +176,10 @@ def gated_form(module: nn.Module) -> GatedForm | str | None:
         first = layers[roles.get("gate_up") or roles["gate"]][0]
         x = torch.randn(2, 3, first, generator=torch.Generator().manual_seed(29))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(31)
                 got = type(module).forward(probe, x)
+                torch.manual_seed(31)
                 want = _compute(probe, form, x)
         except Exception as exc:
             failures.append(f"its forward raised {type(exc).__name__} on [2, 3, {first}]")
@@ -180,6 +191,8 @@ def gated_form(module: nn.Module) -> GatedForm | str | None:
         if far <= 1e-5:
             return form
         failures.append(f"differs by {far:.2g}")
+    if dropping:
+        return dropout_reason
     if failures and all(" raised " in f for f in failures):
         return None
     return (f"its layers fit a gated MLP but its forward computes none of its forms "
