@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = ["buffered_attention_forward", "buffered_form"]
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -43,9 +44,8 @@ def buffered_attention_forward(scale: float) -> Callable[..., Any]:
                                    layer_past: Any = None, use_cache: bool = False,
                                    output_attentions: bool = False, **kwargs: Any
                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if attention_mask is not None and unattended_row(
-                self, hidden_states, attention_mask, _allowed(self, hidden_states.shape[-2],
-                                                               attention_mask.shape[-1])):
+        if unattended_row(self, hidden_states, attention_mask,
+                          functools.partial(_allowed, self)):
             return type(self).forward(  # type: ignore[no-any-return]
                 self, hidden_states, attention_mask=attention_mask, layer_past=layer_past,
                 use_cache=use_cache, output_attentions=output_attentions, **kwargs)

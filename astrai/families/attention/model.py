@@ -42,15 +42,16 @@ from astrai.families.attention.multihead import (
     multihead_attention_forward,
     multihead_form,
 )
-from astrai.families.attention.transformers import astrai_attention_forward, watch_collector
+from astrai.families.attention.transformers import (
+    ATTENTION_INTERFACE,
+    EAGER_ATTENTION,
+    astrai_attention_forward,
+    interface_reads,
+    watch_collector,
+)
 from astrai.families.recognition import Installed, ModelRecognition, Sites
 from astrai.recognition.inspection import stand_in
-from astrai.recognition.rebind import global_names
 
-#: The global through which transformers' attention layers find their attention function.
-ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
-#: The eager attention function older layers call directly for ``"eager"``.
-EAGER_ATTENTION = "eager_attention_forward"
 #: The ``attn_implementation`` values whose masks the adapter reads (sdpa's boolean or
 #: none, eager's additive, astrai's own: sdpa's).
 READABLE_MASKS = ("sdpa", "eager", "astrai")
@@ -69,8 +70,7 @@ def attention_site(forward: Any, implementation: Any,
     """The site, the reason it cannot be routed, or ``None`` when ``forward`` does not use
     transformers' attention interface at all. ``config`` is the layer's (or the model's)
     configuration, read for what the layer asks of its attention function."""
-    found = [(n, g) for n, g in global_names(forward) if n in (ATTENTION_INTERFACE,
-                                                                  EAGER_ATTENTION)]
+    found = interface_reads(forward)
     if not found:
         return None
     if implementation not in READABLE_MASKS:
@@ -151,9 +151,6 @@ def _layer(module: nn.Module) -> Installed | str | None:
         return Installed(buffered, "its causal buffer as an additive mask")
     if buffered is not None:
         return buffered
-    if any(n in (ATTENTION_INTERFACE, EAGER_ATTENTION)
-           for n, _ in global_names(type(module).forward)):
-        return None  # a call site of transformers' attention interface (``_sites``)
     multihead = multihead_form(module)
     if isinstance(multihead, MultiheadForm):
         return Installed(multihead_attention_forward(multihead),

@@ -43,6 +43,7 @@ from astrai.dispatch.log import warn_once
 from astrai.dispatch.stats import count_model_own
 from astrai.dispatch.torch_compile import compiling
 from astrai.families.attention.transformers import (
+    interface_reads,
     layer_attention,
     unattended_row,
     watch_collector,
@@ -196,6 +197,8 @@ def multihead_form(module: nn.Module) -> MultiheadForm | str | None:
     if across is None or names is None or heads is None or size is None or (
             not hasattr(module, "layer_idx")):
         return None
+    if interface_reads(type(module).forward):
+        return None  # BART's: it finds its attention function in transformers' interface
     beyond = sorted(set(params) - _TAKES)
     if beyond:
         return (f"its forward takes {', '.join(beyond)}, which astrai's forward for it "

@@ -90,6 +90,7 @@ from astrai.dispatch.stats import count_model_own
 from astrai.dispatch.torch_compile import compiling
 from astrai.errors import UnsupportedFeatureError
 from astrai.families.attention import ATTENTION, attention, attention_heads_first
+from astrai.recognition.rebind import global_names
 
 #: The ``attn_implementation`` name that ``register()`` installs.
 ATTN_IMPLEMENTATION = "astrai"
@@ -101,6 +102,20 @@ _INSTALL_HINT = (
 
 # Keyword arguments some architectures pass that the facade cannot honour, with why.
 _REFUSED_KWARGS: dict[str, str] = {}
+
+
+#: The global through which transformers' attention layers find their attention function.
+ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+#: The eager attention function older layers call directly for ``"eager"``.
+EAGER_ATTENTION = "eager_attention_forward"
+
+
+def interface_reads(forward: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, globals)`` for each of ``ATTENTION_INTERFACE`` and ``EAGER_ATTENTION``
+    that ``forward`` reads: a layer finding its attention function through transformers'
+    interface (none: it computes attention itself, or none at all)."""
+    return [(n, g) for n, g in global_names(forward) if n in (ATTENTION_INTERFACE,
+                                                              EAGER_ATTENTION)]
 
 
 def _plain(kwargs: dict[str, Any]) -> bool:
@@ -264,21 +279,22 @@ def layer_attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
 
 def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
                    attention_mask: torch.Tensor | None,
-                   allowed: torch.Tensor | None = None) -> bool:
-    """Whether a layer computing attention itself must compute this call with its own
-    code because a query row has no key left to attend to: no key that both the layer's
-    own ``allowed`` (boolean, if any) and the model's 4-d ``attention_mask`` allow (a
-    left-padded position). Such a row's softmax spreads over masked keys: the layer's
-    own code sends those keys gradients, which astrai's kernels do not, and rounds the
-    row otherwise under autocast and in float16 (where the lowest value the mask adds
-    swallows the scores). So only a call that needs gradients (its input's, or any
-    parameter of the layer's, an adapter's too), runs under autocast or computes in
-    float16 is asked about. Under ``torch.compile`` and ``torch.export``, where the rows
-    cannot be read without a graph break, every such call with a mask that needs
-    gradients or runs under autocast is the layer's own, and a float16 inference call is
-    astrai's (those rows' outputs, which no real position reads, may differ). A call
-    found to be the layer's own is warned about once and counted under origin
-    ``model``."""
+                   allowed: Callable[[int, int], torch.Tensor] | None = None) -> bool:
+    """Whether a layer computing attention itself must compute this call with its own code
+    because a query row has no key left to attend to: no key that both the layer's own
+    mask (if any: ``allowed(q_len, kv_len)``, boolean, the keys it allows each of the
+    last ``q_len`` of ``kv_len`` positions, read only when the rows are) and the model's
+    4-d ``attention_mask`` allow (a left-padded position). Such a row's softmax spreads
+    over masked keys: the layer's own code sends those keys gradients, which astrai's
+    kernels do not, and rounds the row otherwise under autocast and in float16 (where
+    the lowest value the mask adds swallows the scores). So only a call that needs
+    gradients (its input's, or any parameter of the layer's, an adapter's too), runs
+    under autocast or computes in float16 is asked about. Under ``torch.compile`` and
+    ``torch.export``, where the rows cannot be read without a graph break, every such
+    call with a mask that needs gradients or runs under autocast is the layer's own, and
+    a float16 inference call is astrai's (those rows' outputs, which no real position
+    reads, may differ). A call found to be the layer's own is warned about once and
+    counted under origin ``model``."""
     if attention_mask is None or attention_mask.dim() != 4:
         return False
     grads = torch.is_grad_enabled() and (hidden_states.requires_grad or any(
@@ -291,7 +307,7 @@ def unattended_row(module: torch.nn.Module, hidden_states: torch.Tensor,
     kept = attention_mask if attention_mask.dtype == torch.bool else (
         attention_mask > torch.finfo(attention_mask.dtype).min / 2)
     if allowed is not None:
-        kept = kept & allowed
+        kept = kept & allowed(hidden_states.shape[-2], attention_mask.shape[-1])
     if bool(kept.any(-1).all()):
         return False
     warn_once(f"astrai: {type(module).__name__} runs its own attention on a call that "
