@@ -168,3 +168,30 @@ def _columns() -> tuple[str, ...]:
 COLUMNS = _columns()
 TABLE_HEAD = ("| model type | " + " | ".join(COLUMNS) + " | matmul FLOPs | parameters | "
               "not routed |\n|" + "---|" * (len(COLUMNS) + 4))
+
+
+def padded_step(model: nn.Module, feed: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one training step on ``feed`` (the usual shifted labels, padding
+    ignored: the last padded position predicts the first real token) and the gradients it
+    gives, by parameter name (a compiled model's names as its original's)."""
+    model.zero_grad()
+    labels = feed["input_ids"].masked_fill(feed["attention_mask"] == 0, -100)
+    loss = model(**feed, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                           for n, p in model.named_parameters() if p.grad is not None}
+
+
+def same_step(plain: nn.Module, routed: nn.Module, feed: dict[str, torch.Tensor], *,
+              atol: float, rtol: float) -> dict[str, torch.Tensor]:
+    """Assert that one ``padded_step`` of ``routed`` gives ``plain``'s loss (within
+    ``atol``, absolute and relative) and gradients (within ``atol`` and ``rtol``), to the
+    same parameters; the plain model's gradients."""
+    want_loss, want = padded_step(plain, feed)
+    got_loss, got = padded_step(routed, feed)
+    torch.testing.assert_close(got_loss, want_loss, atol=atol, rtol=atol)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=atol, rtol=rtol, msg=name)
+    return want

@@ -20,7 +20,10 @@ from transformers.models.gpt_neo import modeling_gpt_neo
 
 from astrai.dispatch.stats import MODEL_OWN, reset_stats, stats
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
-from tests._zoo import quiet  # noqa: F401 - the fixture
+from tests._zoo import (
+    quiet,  # noqa: F401 - the fixture
+    same_step,
+)
 
 #: Releases whose GPT-Neo layer takes a head mask (4.x): astrai leaves that layer to its
 #: own code, with the reason (``test_a_layer_taking_a_head_mask_is_left_with_the_reason``).
@@ -78,18 +81,6 @@ def test_a_gpt_neo_layer_is_served_by_ops_attention() -> None:
         assert torch.equal(routed(**feed).logits, plain(**feed).logits)
 
 
-def _trained(model: GPTNeoForCausalLM, feed: dict[str, torch.Tensor]
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one step on ``feed`` (the usual shifted labels, padding ignored: the
-    last padded position predicts the first real token) and the gradients it gives."""
-    model.zero_grad()
-    labels = feed["input_ids"].masked_fill(feed["attention_mask"] == 0, -100)
-    loss = model(**feed, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
-
-
 def test_rows_with_no_key_left_train_and_autocast_as_the_plain_layer() -> None:
     # a left-padded row's padded queries have no key that both the causal buffer and the
     # padding allow: the layer replaces masked scores, astrai would add the mask, and the
@@ -103,12 +94,7 @@ def test_rows_with_no_key_left_train_and_autocast_as_the_plain_layer() -> None:
     dispatch_model(routed)
     feed = _feed()
     reset_stats()
-    want_loss, want = _trained(plain, feed)
-    got_loss, got = _trained(routed, feed)
-    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
-    assert got.keys() == want.keys()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    same_step(plain, routed, feed, atol=1e-6, rtol=1e-5)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         # bfloat16 roundings of the other routed ops, well under the 0.2 the padded rows
         # differed by when astrai served them
@@ -121,11 +107,7 @@ def test_rows_with_no_key_left_train_and_autocast_as_the_plain_layer() -> None:
     reset_stats()
     whole = {"input_ids": feed["input_ids"], "attention_mask": torch.ones_like(
         feed["attention_mask"])}
-    want_loss, want = _trained(plain, whole)
-    got_loss, got = _trained(routed, whole)
-    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    same_step(plain, routed, whole, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
         routed(**feed)
     assert stats().served("attention", origin=MODEL_OWN) == 0

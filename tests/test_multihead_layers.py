@@ -36,7 +36,10 @@ from transformers.models.xglm import modeling_xglm
 
 from astrai.dispatch.stats import MODEL_OWN, reset_stats, stats
 from astrai.integrations.transformers import dispatch_model, restore_model, verify_model
-from tests._zoo import quiet  # noqa: F401 - the fixture
+from tests._zoo import (
+    quiet,  # noqa: F401 - the fixture
+    same_step,
+)
 
 #: Releases whose layers take a head mask (4.x): astrai leaves them to their own code,
 #: with the reason (``test_a_layer_taking_more_is_left_with_the_reason``).
@@ -157,16 +160,6 @@ def test_attention_across_reads_its_keys_back_from_the_cache() -> None:
     torch.testing.assert_close(got_step.logits, want_step.logits, atol=1e-5, rtol=1e-5)
 
 
-def _trained(model: nn.Module, feed: dict[str, torch.Tensor]
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad()
-    labels = feed["input_ids"].masked_fill(feed["attention_mask"] == 0, -100)
-    loss = model(**feed, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
-                           for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _bloom() -> BloomForCausalLM:
     torch.manual_seed(0)
     return BloomForCausalLM(BloomConfig(vocab_size=97, hidden_size=32, n_layer=2, n_head=4,
@@ -184,12 +177,7 @@ def test_a_training_call_with_a_row_with_no_key_left_is_the_layers_own(make: Any
     for feed, own in ((_feed(), True), ({"input_ids": _feed()["input_ids"],
                                          "attention_mask": torch.ones(2, 10)}, False)):
         reset_stats()
-        want_loss, want = _trained(plain, feed)
-        got_loss, got = _trained(routed, feed)
-        torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
-        assert got.keys() == want.keys()
-        for name, grad in want.items():
-            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        same_step(plain, routed, feed, atol=1e-5, rtol=1e-4)
         assert (stats().served("attention", origin=MODEL_OWN) == 2) is own
         assert (stats().computed("attention") == 2) is not own
 
@@ -200,22 +188,13 @@ def test_a_training_call_with_a_row_with_no_key_left_is_the_layers_own(make: Any
             param.requires_grad_(name.endswith(".bias") and ".0." in name and (
                 "v_proj" in name or "query_key_value" in name))
     reset_stats()
-    want_loss, want = _trained(plain, _feed())
-    got_loss, got = _trained(routed, _feed())
-    assert len(want) == 1 and got.keys() == want.keys()
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert len(same_step(plain, routed, _feed(), atol=1e-5, rtol=1e-4)) == 1
     assert stats().served("attention", origin=MODEL_OWN) == 2
     for model in (plain, routed):
         model.requires_grad_(True)
 
     # compiled (one graph): such a call is the layer's own there too
-    feed = _feed()
-    want_loss, want = _trained(plain, feed)
-    got_loss, got = _trained(torch.compile(routed, fullgraph=True), feed)
-    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
-    for name, grad in want.items():
-        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    same_step(plain, torch.compile(routed, fullgraph=True), _feed(), atol=1e-5, rtol=1e-4)
 
 
 class _Doubled(modeling_xglm.XGLMAttention):
